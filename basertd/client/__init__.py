@@ -1,0 +1,1 @@
+"""The Python client library for the basertd Unix socket (sync and asyncio)."""

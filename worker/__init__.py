@@ -1,0 +1,1 @@
+"""The engine-worker process: Link W server side and engine adapters (DESIGN.md "Engines")."""

@@ -1,0 +1,1 @@
+"""Engine adapters behind one protocol mirroring the tick ABI (DESIGN.md "Engines")."""
