@@ -246,6 +246,13 @@ class Engine(Protocol):
         """The bytes of ``tokens`` (may end inside a UTF-8 character)."""
         ...
 
+    def stats(self) -> dict[str, int]:
+        """Monotonic counters and gauges for health and metrics: at least ``ticks``,
+        ``prefill_tokens_total`` (tokens actually prefilled, not served by a seed),
+        ``decode_tokens_total``, ``live_lanes``, ``live_seed_leases``, ``cache_entries``,
+        ``pool_bytes_used``, ``pool_bytes_total``, ``evictions_total`` where the engine knows them."""
+        ...
+
     def close(self) -> None:
         """Free the model and everything it holds; idempotent."""
         ...
