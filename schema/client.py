@@ -1,0 +1,231 @@
+"""The client API of the Unix socket (DESIGN.md "Client API").
+
+Requests: Generate, Cancel, Tokenize, Models, Health. Replies: Accepted, Tokens (zero or more),
+then Done or Error for a Generate; TokenizeResult, ModelsResult, HealthResult; Error for any
+request. Frames are msgpack maps tagged by ``"type"`` (``{"type": "generate", ...}``), framed and
+decoded by ``basertd.schema.codec.ClientCodec``; control verbs share the socket
+(``basertd.schema.control``).
+
+Every message carries ``request_id``: the client's id for a Generate (required) and for any other
+request optionally, echoed in its replies so one connection can multiplex. Decoding enforces the
+types; value ranges (``max_tokens`` > 0, ``logprobs`` <= 20, ...) are the coordinator's to check,
+so it can answer an ``Error`` with ``ErrorCode.INVALID_REQUEST`` naming the request. Fields are
+appended with defaults; unknown fields are ignored so older and newer peers interoperate.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+import msgspec
+
+Qos = Literal["interactive", "batch", "background"]
+"""QoS classes, highest first (DESIGN.md "Scheduling")."""
+
+
+class ErrorCode(StrEnum):
+    """Typed error of a client or control request (the ``code`` of ``Error``)."""
+
+    INVALID_REQUEST = "invalid_request"
+    EMPTY_PROMPT = "empty_prompt"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    QUEUE_FULL = "queue_full"
+    CANCELLED = "cancelled"
+    WORKER_FAILED = "worker_failed"
+    SHUTTING_DOWN = "shutting_down"
+    DRAINING = "draining"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_FOUND = "not_found"
+    INTERNAL = "internal"
+    TIMEOUT = "timeout"
+    PROTOCOL_ERROR = "protocol_error"
+    """The connection sent a frame that does not decode (a ``FrameError``); it is closed."""
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Base of every client-socket message: a map tagged by ``"type"``."""
+
+
+class _Rec(msgspec.Struct, kw_only=True):
+    """Base of untagged records nested inside messages."""
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class Generate(_Msg, tag="generate"):
+    """Generate tokens for ``prompt`` (text) or ``prompt_tokens`` (ids); exactly one is given.
+
+    ``max_tokens`` caps generated tokens; prompt + max_tokens must fit the context (else
+    CONTEXT_LENGTH_EXCEEDED, never a silent truncation). Sampling: ``temperature`` 0 is greedy,
+    ``top_k`` 0 / ``top_p`` 1 / ``min_p`` 0 / ``repeat_penalty`` 1 / ``frequency_penalty`` 0 /
+    ``presence_penalty`` 0 disable their knob; ``seed`` (None: the coordinator picks one) seeds
+    the counter-based RNG. ``stop`` strings end the text; ``ignore_eos`` decodes to max_tokens.
+    ``logprobs`` 0..20 top alternatives per token (0: none). ``stream`` False sends one Tokens
+    reply before Done instead of one per tick. ``model`` "" is the default model."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_tokens: list[int] | None = None
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    qos: Qos = "interactive"
+    logprobs: int = 0
+    ignore_eos: bool = False
+    stream: bool = True
+    model: str = ""
+
+
+class Cancel(_Msg, tag="cancel"):
+    """Cancel generation ``request_id`` of this connection; its lane retires in the next plan and
+    the Generate ends with Error(CANCELLED). Unknown ids are ignored (the race with Done is
+    benign)."""
+
+    request_id: str
+
+
+class Tokenize(_Msg, tag="tokenize"):
+    """Token ids of ``text`` with ``model``'s vocabulary (BOS/special tokens when
+    ``add_special``); answered with TokenizeResult."""
+
+    text: str
+    request_id: str = ""
+    add_special: bool = True
+    model: str = ""
+
+
+class Models(_Msg, tag="models"):
+    """List the served models; answered with ModelsResult."""
+
+    request_id: str = ""
+
+
+class Health(_Msg, tag="health"):
+    """Liveness and readiness; answered with HealthResult (open to every client)."""
+
+    request_id: str = ""
+
+
+# --- replies ----------------------------------------------------------------------------------
+
+
+class Accepted(_Msg, tag="accepted"):
+    """Generate ``request_id`` passed admission; ``prompt_tokens`` is its prompt length (tokens)."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class TopLogprob(_Rec):
+    """One alternative: token ``id`` and its natural-log probability."""
+
+    id: int
+    logprob: float
+
+
+class TokenLogprob(_Rec):
+    """Natural-log probability of a generated token and its ``top`` alternatives (<= 20)."""
+
+    id: int
+    logprob: float
+    top: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class Tokens(_Msg, tag="tokens"):
+    """Newly generated token ``ids`` of ``request_id`` and the ``text`` they complete (a UTF-8
+    delta: bytes of an unfinished character wait for the next Tokens). ``logprobs`` has one entry
+    per id when the Generate asked for logprobs, else None."""
+
+    request_id: str
+    ids: list[int] = msgspec.field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Usage(_Rec):
+    """Token counts of one generation: prompt, the prompt tokens served from the prefix cache,
+    and generated (completion) tokens."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(_Rec):
+    """Seconds queued before admission, time to first token (TTFT, from receipt), decode rate in
+    tokens per second after the first token, and total seconds from receipt to Done."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_s: float = 0.0
+
+
+class Done(_Msg, tag="done"):
+    """Generate ``request_id`` finished: ``finish_reason`` is "stop" (EOS or a stop string),
+    "length" (max_tokens or context), "grammar" or "cancelled"; usage and timings."""
+
+    request_id: str
+    finish_reason: str
+    usage: Usage = msgspec.field(default_factory=Usage)
+    timings: Timings = msgspec.field(default_factory=Timings)
+
+
+class Error(_Msg, tag="error"):
+    """Request ``request_id`` failed with ``code`` and a human ``message`` (never a traceback).
+    ``request_id`` is "" when the failing frame could not be read."""
+
+    code: ErrorCode
+    request_id: str = ""
+    message: str = ""
+
+
+class TokenizeResult(_Msg, tag="tokenize_result"):
+    """Token ids of a Tokenize."""
+
+    request_id: str = ""
+    tokens: list[int] = msgspec.field(default_factory=list)
+
+
+class ModelInfo(_Rec):
+    """A served model: ``id`` (its name in requests), engine, context length and vocabulary size
+    (tokens), and how many workers serve it."""
+
+    id: str
+    engine: str = ""
+    context_length: int = 0
+    vocab_size: int = 0
+    workers: int = 0
+
+
+class ModelsResult(_Msg, tag="models_result"):
+    """Answer to Models."""
+
+    request_id: str = ""
+    models: list[ModelInfo] = msgspec.field(default_factory=list)
+
+
+class HealthResult(_Msg, tag="health_result"):
+    """Answer to Health: ``status`` "ok", "starting", "degraded" (some worker down), "draining" or
+    "stopping"; workers handshaken / configured; the daemon's version."""
+
+    request_id: str = ""
+    status: str = "ok"
+    workers_ready: int = 0
+    workers_total: int = 0
+    version: str = ""
+
+
+REQUESTS: tuple[type, ...] = (Generate, Cancel, Tokenize, Models, Health)
+"""Client API requests (client -> daemon)."""
+REPLIES: tuple[type, ...] = (Accepted, Tokens, Done, Error, TokenizeResult, ModelsResult, HealthResult)
+"""Client API replies (daemon -> client); Error also answers control requests."""

@@ -1,0 +1,357 @@
+"""The control API used by ``basertctl`` on the client socket (DESIGN.md "Operators").
+
+Verbs: Status, Workers, Lanes, Queue, CacheStats, CacheList, CachePin, CacheUnpin, CacheEvict,
+Drain, Resume, RestartWorker, Metrics, Shutdown, ConfigCheck; each answered with its result (or
+``ControlOk``), or with ``basertd.schema.client.Error`` (PERMISSION_DENIED when the peer is not
+root, the daemon's user or the operator group). Same framing as the client API (msgpack maps
+tagged by ``"type"``, ``basertd.schema.codec.ClientCodec``); every message carries an optional
+``request_id`` echoed in its reply. Rows are meant to grow: append fields with defaults.
+
+``Status`` here is the verb; the ABI status enum is ``basertd.schema.abi.Status``. Import the
+module (``from basertd.schema import control``) to keep the names apart.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from basertd.schema.client import Qos
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Base of every control message: a map tagged by ``"type"``."""
+
+
+class _Rec(msgspec.Struct, kw_only=True):
+    """Base of untagged rows nested inside results."""
+
+
+# --- requests ---------------------------------------------------------------------------------
+
+
+class Status(_Msg, tag="status"):
+    """Daemon summary; answered with StatusResult."""
+
+    request_id: str = ""
+
+
+class Workers(_Msg, tag="workers"):
+    """One row per configured worker; WorkersResult."""
+
+    request_id: str = ""
+
+
+class Lanes(_Msg, tag="lanes"):
+    """One row per live lane, of ``worker_id`` or of every worker (None); LanesResult."""
+
+    request_id: str = ""
+    worker_id: int | None = None
+
+
+class Queue(_Msg, tag="queue"):
+    """Queued requests per QoS class; QueueResult."""
+
+    request_id: str = ""
+
+
+class CacheStats(_Msg, tag="cache_stats"):
+    """Prefix-cache counters per worker; CacheStatsResult."""
+
+    request_id: str = ""
+
+
+class CacheList(_Msg, tag="cache_list"):
+    """Cached prefixes, most recently used first, at most ``limit``; CacheListResult."""
+
+    request_id: str = ""
+    worker_id: int | None = None
+    limit: int = 100
+
+
+class CachePin(_Msg, tag="cache_pin"):
+    """Pin a prefix (protected cache class) given as ``tokens`` or as ``text`` (tokenized with
+    the model's vocabulary, BOS included); exactly one is given. ``worker_id`` None pins on every
+    worker. Answered with CachePinResult."""
+
+    request_id: str = ""
+    tokens: list[int] | None = None
+    text: str | None = None
+    worker_id: int | None = None
+
+
+class CacheUnpin(_Msg, tag="cache_unpin"):
+    """Drop pin ``pin_id``; the prefix becomes evictable. ControlOk, or Error(NOT_FOUND)."""
+
+    pin_id: int
+    request_id: str = ""
+
+
+class CacheEvict(_Msg, tag="cache_evict"):
+    """Evict unpinned prefixes: up to ``bytes_target`` bytes (0: all unpinned) on ``worker_id``
+    (None: every worker). CacheEvictResult."""
+
+    request_id: str = ""
+    worker_id: int | None = None
+    bytes_target: int = 0
+
+
+class Drain(_Msg, tag="drain"):
+    """Stop admitting; wait up to ``timeout_s`` seconds for live lanes to finish. DrainResult."""
+
+    request_id: str = ""
+    timeout_s: float = 30.0
+
+
+class Resume(_Msg, tag="resume"):
+    """Admit again after a Drain. ControlOk."""
+
+    request_id: str = ""
+
+
+class RestartWorker(_Msg, tag="restart_worker"):
+    """Restart worker ``worker_id`` (its lanes get a clean continuation or a typed error).
+    RestartWorkerResult, or Error(NOT_FOUND)."""
+
+    worker_id: int
+    request_id: str = ""
+
+
+class Metrics(_Msg, tag="metrics"):
+    """The Prometheus exposition text; MetricsResult."""
+
+    request_id: str = ""
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    """Stop the daemon: drain first for up to ``timeout_s`` seconds when ``drain``. ControlOk
+    (sent before the daemon stops)."""
+
+    request_id: str = ""
+    drain: bool = True
+    timeout_s: float = 30.0
+
+
+class ConfigCheck(_Msg, tag="config_check"):
+    """Validate a configuration file at ``path`` or given as ``text`` (exactly one) without
+    applying it; ConfigCheckResult."""
+
+    request_id: str = ""
+    path: str | None = None
+    text: str | None = None
+
+
+# --- rows and results -------------------------------------------------------------------------
+
+
+class StatusResult(_Msg, tag="status_result"):
+    """``state`` "starting", "ready", "draining" or "stopping"; uptime in seconds; workers
+    handshaken / configured; lanes busy / total; queued requests; requests served since start."""
+
+    request_id: str = ""
+    version: str = ""
+    state: str = "ready"
+    uptime_s: float = 0.0
+    workers_ready: int = 0
+    workers_total: int = 0
+    lanes_busy: int = 0
+    lanes_max: int = 0
+    queued: int = 0
+    requests_total: int = 0
+
+
+class WorkerRow(_Rec):
+    """One worker: ``state`` "starting", "ready", "draining", "restarting" or "dead"; pid (0 when
+    none); lanes busy / max; requests queued for it; respawn count; KV pool bytes used / total;
+    ticks run."""
+
+    worker_id: int
+    engine: str = ""
+    model: str = ""
+    state: str = ""
+    pid: int = 0
+    lanes_busy: int = 0
+    lanes_max: int = 0
+    queue_depth: int = 0
+    respawns: int = 0
+    pool_used_bytes: int = 0
+    pool_total_bytes: int = 0
+    ticks_run: int = 0
+
+
+class WorkersResult(_Msg, tag="workers_result"):
+    """Answer to Workers."""
+
+    request_id: str = ""
+    workers: list[WorkerRow] = msgspec.field(default_factory=list)
+
+
+class LaneRow(_Rec):
+    """One live lane: its worker and lane tag, the request it serves, QoS class, ``state``
+    "prefill", "decode" or "retiring", prompt / generated / cached tokens, seconds since admit."""
+
+    worker_id: int
+    lane_tag: int
+    request_id: str = ""
+    qos: Qos = "interactive"
+    state: str = ""
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cached_tokens: int = 0
+    age_s: float = 0.0
+
+
+class LanesResult(_Msg, tag="lanes_result"):
+    """Answer to Lanes."""
+
+    request_id: str = ""
+    lanes: list[LaneRow] = msgspec.field(default_factory=list)
+
+
+class QueueRow(_Rec):
+    """One QoS class: requests waiting and the oldest one's wait in seconds."""
+
+    qos: Qos
+    depth: int = 0
+    oldest_wait_s: float = 0.0
+
+
+class QueueResult(_Msg, tag="queue_result"):
+    """Answer to Queue: one row per class, highest first."""
+
+    request_id: str = ""
+    classes: list[QueueRow] = msgspec.field(default_factory=list)
+
+
+class CacheStatsRow(_Rec):
+    """Prefix-cache counters of one worker: entries and bytes (pinned among them), lookups that
+    hit / missed, prompt tokens served from cache, evictions and evicted bytes."""
+
+    worker_id: int
+    entries: int = 0
+    bytes: int = 0
+    pinned_entries: int = 0
+    pinned_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+
+
+class CacheStatsResult(_Msg, tag="cache_stats_result"):
+    """Answer to CacheStats."""
+
+    request_id: str = ""
+    workers: list[CacheStatsRow] = msgspec.field(default_factory=list)
+
+
+class CacheEntryRow(_Rec):
+    """One cached prefix: its worker, length in tokens, bytes, pin id (0: not pinned), hit count,
+    seconds since last use, and the first tokens (a short preview of ids, never text)."""
+
+    worker_id: int
+    prefix_tokens: int = 0
+    bytes: int = 0
+    pin_id: int = 0
+    hits: int = 0
+    idle_s: float = 0.0
+    head: list[int] = msgspec.field(default_factory=list)
+
+
+class CacheListResult(_Msg, tag="cache_list_result"):
+    """Answer to CacheList."""
+
+    request_id: str = ""
+    entries: list[CacheEntryRow] = msgspec.field(default_factory=list)
+
+
+class CachePinResult(_Msg, tag="cache_pin_result"):
+    """A pin was recorded: its id (for CacheUnpin) and the pinned prefix length in tokens."""
+
+    pin_id: int
+    request_id: str = ""
+    tokens: int = 0
+
+
+class CacheEvictResult(_Msg, tag="cache_evict_result"):
+    """Bytes freed and entries dropped by a CacheEvict."""
+
+    request_id: str = ""
+    bytes_freed: int = 0
+    entries: int = 0
+
+
+class DrainResult(_Msg, tag="drain_result"):
+    """``drained`` True when no lane was left within the timeout; live lanes left; seconds waited."""
+
+    request_id: str = ""
+    drained: bool = True
+    lanes_active: int = 0
+    waited_s: float = 0.0
+
+
+class RestartWorkerResult(_Msg, tag="restart_worker_result"):
+    """The worker was restarted: its id and new pid."""
+
+    worker_id: int
+    request_id: str = ""
+    pid: int = 0
+
+
+class MetricsResult(_Msg, tag="metrics_result"):
+    """Prometheus text exposition format (version 0.0.4)."""
+
+    request_id: str = ""
+    text: str = ""
+
+
+class ConfigCheckResult(_Msg, tag="config_check_result"):
+    """``ok`` when the configuration is valid; one line per error and per warning."""
+
+    request_id: str = ""
+    ok: bool = True
+    errors: list[str] = msgspec.field(default_factory=list)
+    warnings: list[str] = msgspec.field(default_factory=list)
+
+
+class ControlOk(_Msg, tag="control_ok"):
+    """A control verb with nothing to return succeeded (Resume, Shutdown, CacheUnpin)."""
+
+    request_id: str = ""
+    message: str = ""
+
+
+REQUESTS: tuple[type, ...] = (
+    Status,
+    Workers,
+    Lanes,
+    Queue,
+    CacheStats,
+    CacheList,
+    CachePin,
+    CacheUnpin,
+    CacheEvict,
+    Drain,
+    Resume,
+    RestartWorker,
+    Metrics,
+    Shutdown,
+    ConfigCheck,
+)
+"""Control verbs (basertctl -> daemon)."""
+REPLIES: tuple[type, ...] = (
+    StatusResult,
+    WorkersResult,
+    LanesResult,
+    QueueResult,
+    CacheStatsResult,
+    CacheListResult,
+    CachePinResult,
+    CacheEvictResult,
+    DrainResult,
+    RestartWorkerResult,
+    MetricsResult,
+    ConfigCheckResult,
+    ControlOk,
+)
+"""Control results (daemon -> basertctl); failures are ``basertd.schema.client.Error``."""
