@@ -1,0 +1,81 @@
+"""Fixtures of the shared-memory tests: /dev/shm and memfd leak checks, and the helper processes
+(``shm_ring_peer.py``, a Python peer; ``shm_ring_peer.c``, a C peer linked with native/brt_ring.c)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PY_PEER = HERE / "shm_ring_peer.py"
+C_PEER_SRC = HERE / "shm_ring_peer.c"
+
+
+def devshm_listing() -> set[str]:
+    """Names in /dev/shm (empty set where it does not exist)."""
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def memfds_of(pid: int | str = "self") -> list[str]:
+    """The memfd descriptors a process holds, as /proc/<pid>/fd link targets."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:"):
+            out.append(target)
+    return out
+
+
+@pytest.fixture
+def no_shm_leak():
+    """Asserts that the test adds nothing to /dev/shm and leaves this process no extra memfd."""
+    before_shm = devshm_listing()
+    before_fds = len(memfds_of())
+    yield
+    assert devshm_listing() - before_shm == set(), "something named appeared in /dev/shm"
+    assert len(memfds_of()) == before_fds, f"memfd descriptors leaked: {memfds_of()}"
+
+
+@pytest.fixture
+def py_peer():
+    """argv prefix that runs the Python peer process."""
+    return [sys.executable, str(PY_PEER)]
+
+
+@pytest.fixture(scope="session")
+def c_peer(tmp_path_factory) -> Path:
+    """The C peer, compiled once per session from shm_ring_peer.c and native/brt_ring.c with the
+    package's warning flags (-Werror: the ring code must stay -Wall -Wextra clean)."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    if shutil.which(cc[0]) is None:
+        cc = ["cc"]
+    exe = tmp_path_factory.mktemp("cpeer") / "shm_ring_peer"
+    cmd = [
+        *cc,
+        "-std=c11",
+        "-O2",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-I",
+        str(ROOT / "native"),
+        "-o",
+        str(exe),
+        str(C_PEER_SRC),
+        str(ROOT / "native" / "brt_ring.c"),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return exe
