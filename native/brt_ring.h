@@ -144,7 +144,9 @@ void brt_ring_invalidate(brt_ring *r);
  * out of range, the span needs more than `slots` slots, a slot's generation is not the expected one
  * before or after its copy, or a slot's payload_len differs from the span's. After a stale return
  * dst holds unspecified bytes and must not be used. (index 0, count 0, generation 0) is the empty
- * span: returns 0 and copies nothing. */
+ * span: returns 0 and copies nothing. The layout has no end-of-span mark, so a count that is a
+ * multiple of the slot capacity and shorter than the published span reads that exact prefix of it
+ * (whole slots, never torn); every other count that differs from the published one is stale. */
 int brt_ring_read(const brt_ring *r, uint32_t index, uint64_t generation, uint32_t count,
                   uint32_t elem_size, void *dst);
 

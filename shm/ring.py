@@ -13,7 +13,8 @@ under a reference's generation, or raises ``StaleRef`` - never torn data (ABI ru
 
 Spans. ``RingWriter.write`` publishes n elements over ceil(n / capacity_elems) consecutive slots
 (wrapping), slot j getting generation G + j, and returns one ``TokenRef(ring_id, index, count=n,
-generation=G)``. The empty span: writing zero elements consumes no slot and returns
+generation=G)``. Every slot but the last is full, so a reader checks each slot's payload_len against
+the reference's count. The empty span: writing zero elements consumes no slot and returns
 ``TokenRef(ring_id, index=0, count=0, generation=0)``; a reference with count 0 reads as an empty
 array exactly when its index and generation are 0 (the all-zero ``TokenRef()`` an emit without
 tokens carries), and any other count-0 reference is ``StaleRef``. A non-empty reference with
@@ -335,7 +336,11 @@ class RingReader(_Ring):
         Raises StaleRef (REJECT_BAD_REF_GENERATION) when the reference is for another ring, has
         generation 0, an index outside ``[0, slots)`` or a count beyond ``max_span_elems``, or when any
         slot of the span is recycled, being rewritten or holds a different payload length than the
-        span implies (ABI rules 127-129). ``out`` is unspecified after StaleRef. One foreign call."""
+        span implies (ABI rules 127-129). ``out`` is unspecified after StaleRef. One foreign call.
+
+        Slots carry no end-of-span mark: a count that is a multiple of ``capacity_elems`` and shorter
+        than the published span reads exactly that prefix (whole slots of the same publication); any
+        other count that differs from the published one is StaleRef."""
         ring = self._live()
         count, index, generation = ref.count, ref.index, ref.generation
         if count == 0:
