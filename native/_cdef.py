@@ -95,3 +95,28 @@ def header_to_cdef(text: str, predefined: frozenset[str] = SKIPPED_MACROS) -> st
 def tick_cdef() -> str:
     """The cffi cdef source of ``basert_tick.h`` (every type, constant and function of the ABI)."""
     return header_to_cdef(HEADER.read_text())
+
+
+def declared_functions(cdef: str) -> list[str]:
+    """Names of the functions ``cdef`` (output of ``header_to_cdef``) declares, in order.
+
+    A top-level statement (struct and enum bodies removed) that has a parameter list and is not
+    a typedef declares a function; its name is the identifier before the first ``(``."""
+    flat = re.sub(r"^\s*#.*$", "", cdef, flags=re.M)
+    depth, top = 0, []
+    for ch in flat:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif depth == 0:
+            top.append(ch)
+    names = []
+    for stmt in "".join(top).split(";"):
+        stmt = " ".join(stmt.split())
+        if "(" not in stmt or stmt.startswith("typedef"):
+            continue
+        m = re.search(r"([A-Za-z_]\w*)\s*\($", stmt[: stmt.index("(") + 1])
+        if m:
+            names.append(m.group(1))
+    return names
