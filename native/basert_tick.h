@@ -314,7 +314,9 @@ enum { /* BaseRTRingDesc.role, seen from the engine */
 #define BASERT_ALL_SPACES 0xFFFFFFFFu
 /* First 8 bytes of every exported state payload: "BRTSTATE" in LE memory. */
 #define BASERT_STATE_ENVELOPE_MAGIC 0x4554415453545242ull
-/* First 8 bytes of every ring: "BRTRING1" in LE memory. */
+/* First 8 bytes of every ring. Unlike the envelope magic, this value spells
+ * "BRTRING1" only when written most significant byte first: in LE memory its
+ * bytes are 31 47 4E 49 52 54 52 42 ("1GNIRTRB"), ABI rule 123. */
 #define BASERT_RING_MAGIC 0x42525452494E4731ull
 
 /* ======================================================================== */
