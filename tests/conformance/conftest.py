@@ -1,0 +1,110 @@
+"""Shared fixtures of the tick-ABI conformance suite (RULES.md sections A-J, issue 4).
+
+Every test names its rule (``# ABI rule N``). Tests that need a library run against:
+
+- ``ref``: the C reference engine, always (``basertd.native.ref_engine_path()``; a missing
+  build fails with "run make native", it is never skipped);
+- ``libbasert``: the library named by ``$BASERT_LIB`` (a real libbaseRT), skipped with a message
+  when the variable is unset. Creating a bundle of a real libbaseRT needs its baseRT.h model
+  loader, which basertd does not declare, so bundle-level tests against it additionally need
+  ``$BASERT_BUNDLE_FACTORY="package.module:function"``: ``function(lib: BasertLib) -> Bundle``.
+
+Fixtures here: ``tick_ffi`` (cffi view of our header), ``abi_lib`` (a ``BasertLib`` per engine),
+``make_bundle`` (a factory of fresh bundles per engine, closed after the test). The reference
+engine's own bundle factory is ``ref_bundle_factory``, provided by ``basertd.native.ref``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from basertd.native import ref_engine_path
+from basertd.native._layout import tick_ffi as _tick_ffi
+from basertd.native.abi import BasertLib, Bundle
+
+ENGINES = ["ref", "libbasert"]
+BASERT_LIB_ENV = "BASERT_LIB"
+BASERT_BUNDLE_FACTORY_ENV = "BASERT_BUNDLE_FACTORY"
+_REF_SOURCES = Path(__file__).resolve().parents[2] / "native" / "ref_engine"
+
+
+def pytest_report_header(config) -> str:
+    lib = os.environ.get(BASERT_LIB_ENV)
+    shown = lib or "(unset: real-libbaseRT tests skip)"
+    return f"tick-ABI conformance: reference engine always; ${BASERT_LIB_ENV}={shown}"
+
+
+def _skip_unset() -> None:
+    pytest.skip(
+        f"${BASERT_LIB_ENV} is unset: no real libbaseRT to check against (reference engine still runs)"
+    )
+
+
+@pytest.fixture(scope="session")
+def tick_ffi():
+    """The cffi FFI holding every declaration of native/basert_tick.h."""
+    return _tick_ffi()
+
+
+def _ref_lib_path() -> str:
+    if not any(_REF_SOURCES.glob("*.c")):
+        pytest.skip("native/ref_engine has no sources yet: the reference engine is not written")
+    return ref_engine_path()  # FileNotFoundError ("run make native") when sources exist unbuilt
+
+
+@pytest.fixture(scope="session")
+def ref_lib() -> BasertLib:
+    """The reference engine opened through the binding (tick-ABI declarations only)."""
+    return BasertLib(_ref_lib_path())
+
+
+@pytest.fixture(scope="session")
+def real_lib() -> BasertLib:
+    """``$BASERT_LIB`` opened through the binding; skipped when the variable is unset."""
+    path = os.environ.get(BASERT_LIB_ENV)
+    if not path:
+        _skip_unset()
+    return BasertLib(path)
+
+
+@pytest.fixture(params=ENGINES)
+def abi_lib(request) -> BasertLib:
+    """The library under test: the reference engine, then ``$BASERT_LIB`` when set."""
+    return request.getfixturevalue("ref_lib" if request.param == "ref" else "real_lib")
+
+
+@pytest.fixture(params=ENGINES)
+def make_bundle(request) -> Iterator[Callable[..., Bundle]]:
+    """``make_bundle(**config) -> Bundle``: fresh bundles of the engine under test, closed at
+    teardown. Keyword config is the reference engine's (``basertd.native.ref``); a real
+    libbaseRT's factory gets none and must skip tests whose config it cannot honour."""
+    if request.param == "ref":
+        factory = request.getfixturevalue("ref_bundle_factory")
+    else:
+        lib = request.getfixturevalue("real_lib")
+        spec = os.environ.get(BASERT_BUNDLE_FACTORY_ENV)
+        if not spec:
+            pytest.skip(f"${BASERT_BUNDLE_FACTORY_ENV} is unset: cannot create bundles of {lib.path}")
+        mod, _, fn = spec.partition(":")
+        make = getattr(importlib.import_module(mod), fn)
+
+        def factory(**config):
+            if config:
+                pytest.skip(f"reference-engine config {sorted(config)} has no real-libbaseRT equivalent")
+            return make(lib)
+
+    made: list[Bundle] = []
+
+    def make_one(**config) -> Bundle:
+        b = factory(**config)
+        made.append(b)
+        return b
+
+    yield make_one
+    for b in made:
+        b.close()
