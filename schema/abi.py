@@ -13,7 +13,7 @@ ALL_SPACES = 0xFFFFFFFF
 STATE_ENVELOPE_MAGIC = 0x4554415453545242
 """u64 whose little-endian bytes spell ``BRTSTATE`` (ABI rule 12)."""
 RING_MAGIC = 0x42525452494E4731
-"""u64 whose little-endian bytes spell ``BRTRING1`` (ABI rule 123)."""
+"""u64 of ABI rule 123: little-endian bytes 31 47 4E 49 52 54 52 42, i.e. ``BRTRING1`` read big-endian."""
 
 
 class Status(IntEnum):
