@@ -423,11 +423,10 @@ class FrameReader:
         body = bytes(self._buf[4 : 4 + length])
         del self._buf[: 4 + length]
         try:
-            msg = self._codec.decode(body)
+            return self._codec.decode(body)
         except FrameError as exc:
             self._fail(exc)
-        self._check_prefix()
-        return msg
+            raise  # _fail raised already; this keeps the flow explicit
 
     def feed(self, data: Any) -> list[Any]:
         """``feed_data(data)`` then every whole message. A bad frame raises ``FrameError`` and the
