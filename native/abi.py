@@ -32,6 +32,7 @@ import numpy as np
 
 from basertd.native._cdef import declared_functions, tick_cdef
 from basertd.native._errors import (
+    PLAN_REJECTION_RANGE,
     AbiError,
     ArgumentError,
     BindingError,
@@ -75,6 +76,7 @@ from basertd.schema.tick import (
 __all__ = [
     "ENVELOPE_BYTES",
     "PLAN_LEGACY_SIZE",
+    "PLAN_REJECTION_RANGE",
     "PLAN_SIZE",
     "TICK_FUNCTIONS",
     "AbiError",
@@ -98,6 +100,7 @@ __all__ = [
     "StrategyGrant",
     "StrategyRegistration",
     "TapSpec",
+    "error_for",
 ]
 
 TICK_FUNCTIONS: tuple[str, ...] = tuple(declared_functions(tick_cdef()))
