@@ -49,7 +49,12 @@ ELEM_BYTES = 4
 """Bytes per element of both ring kinds (u32 token id, f32 logit)."""
 _DTYPES = {RingKind.TOKENS: np.dtype("<u4"), RingKind.LOGITS: np.dtype("<f4")}
 _U32 = (1 << 32) - 1
-_U64 = (1 << 64) - 1
+_BYTES = "uint8_t[]"
+_from_buffer = ffi.from_buffer
+_write = lib.brt_ring_write
+_read = lib.brt_ring_read
+_read_slot = lib.brt_ring_read_slot
+_ERR_BOUNDS = lib.BRT_RING_ERR_BOUNDS
 
 assert lib.BRT_RING_HEADER_BYTES == RING_HEADER_BYTES
 assert lib.BRT_RING_SLOT_HEADER_BYTES == SLOT_HEADER_BYTES
@@ -151,6 +156,7 @@ class _Ring:
         self.slot_bytes = slot_bytes
         self.dtype = _DTYPES[kind]
         self._cap = int(lib.brt_ring_capacity(ring, ELEM_BYTES))
+        self._max_elems = min(self._cap * slots, _U32)
 
     @property
     def capacity_elems(self) -> int:
@@ -160,7 +166,7 @@ class _Ring:
     @property
     def max_span_elems(self) -> int:
         """Largest span, in elements, the ring can hold: ``slots * capacity_elems``."""
-        return self._cap * self.slots
+        return self._max_elems
 
     @property
     def closed(self) -> bool:
@@ -265,19 +271,19 @@ class RingWriter(_Ring):
         Zero elements: no slot is used, returns ``TokenRef(ring_id, 0, 0, 0)``. Raises BadPayload
         (wrong shape, dtype or token range) or SpanTooLarge (more than ``max_span_elems`` elements),
         both before anything is written; RingClosed after close."""
-        ring = self._live()
+        if self._closed:
+            raise RingClosed(f"ring {self.ring_id} is closed")
         arr = self._coerce(values)
         n = arr.shape[0]
-        if n > self.max_span_elems:
+        if n > self._max_elems:
             raise SpanTooLarge(
                 f"span of {n} elements needs more than the ring's {self.slots} slots of {self._cap} elements"
             )
         span = self._span
-        src = ffi.from_buffer(arr) if n else ffi.NULL
-        rc = lib.brt_ring_write(ring, src, n, ELEM_BYTES, span)
+        rc = _write(self._ring, _from_buffer(arr) if n else ffi.NULL, n, ELEM_BYTES, span)
         if rc != 0:
             raise SpanTooLarge(f"ring refused a span of {n} elements (status {rc})")
-        return TokenRef(ring_id=self.ring_id, index=span.index, count=span.count, generation=span.generation)
+        return TokenRef(ring_id=self.ring_id, index=span.index, count=n, generation=span.generation)
 
     def write_row(self, row: Any) -> RingRef:
         """Publishes one row (1-D, 1 to ``capacity_elems`` elements; a logits row for LOGITS rings) in
@@ -316,6 +322,10 @@ class RingReader(_Ring):
         (ERR_RING_LAYOUT, -131) on any mismatch or a kind other than TOKENS/LOGITS (ABI rule 125)."""
         return cls(segment, ring_id, kind, slots, slot_bytes, format_fresh=False)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._n_out = ffi.new("uint32_t *")
+
     def _out(self, out: np.ndarray | None, n: int) -> np.ndarray:
         if out is None:
             return np.empty(n, self.dtype)
@@ -341,24 +351,28 @@ class RingReader(_Ring):
         Slots carry no end-of-span mark: a count that is a multiple of ``capacity_elems`` and shorter
         than the published span reads exactly that prefix (whole slots of the same publication); any
         other count that differs from the published one is StaleRef."""
-        ring = self._live()
-        count, index, generation = ref.count, ref.index, ref.generation
+        if self._closed:
+            raise RingClosed(f"ring {self.ring_id} is closed")
+        count = ref.count
         if count == 0:
-            if index == 0 and generation == 0:
+            if ref.index == 0 and ref.generation == 0:
                 return self._out(out, 0)
-            raise StaleRef(f"empty reference with index {index} and generation {generation}")
+            raise StaleRef(f"empty reference with index {ref.index} and generation {ref.generation}")
         if ref.ring_id != self.ring_id:
             raise StaleRef(f"reference to ring {ref.ring_id} read from ring {self.ring_id}")
-        if not (_is_u32(index) and index < self.slots and _is_u32(count) and count <= self._cap * self.slots):
-            raise StaleRef(f"reference (index {index}, count {count}) is outside the ring")
-        if not (isinstance(generation, int) and 0 < generation <= _U64):
-            raise StaleRef(f"generation {generation!r} never resolves")
-        dst = self._out(out, count)
-        rc = lib.brt_ring_read(
-            ring, index, generation, count, ELEM_BYTES, ffi.from_buffer(dst, require_writable=True)
-        )
+        try:
+            if not 0 < count <= self._max_elems:
+                raise StaleRef(f"reference count {count} is outside the ring")
+            dst = np.empty(count, self.dtype) if out is None else self._out(out, count)
+            # index >= slots and generation 0 are refused in C; a negative or oversized field is refused
+            # by cffi's integer conversion (OverflowError), a non-integer by TypeError.
+            rc = _read(
+                self._ring, ref.index, ref.generation, count, ELEM_BYTES, _from_buffer(_BYTES, dst, True)
+            )
+        except (TypeError, OverflowError) as exc:
+            raise StaleRef(f"reference fields out of range: {ref!r}") from exc
         if rc != 0:
-            raise StaleRef(f"span (index {index}, count {count}, generation {generation}) is stale")
+            raise StaleRef(f"span (index {ref.index}, count {count}, generation {ref.generation}) is stale")
         return dst
 
     def read_row(self, ref: RingRef, out: np.ndarray | None = None) -> np.ndarray:
@@ -368,33 +382,32 @@ class RingReader(_Ring):
         Raises StaleRef for a reference to another ring, generation 0, an out-of-range index, a slot
         recycled or being rewritten (ABI rules 127-129); BadPayload for an ``out`` of the wrong shape.
         One foreign call."""
-        ring = self._live()
-        index, generation = ref.index, ref.generation
+        if self._closed:
+            raise RingClosed(f"ring {self.ring_id} is closed")
         if ref.ring_id != self.ring_id:
             raise StaleRef(f"reference to ring {ref.ring_id} read from ring {self.ring_id}")
-        if not (_is_u32(index) and index < self.slots):
-            raise StaleRef(f"slot index {index!r} outside [0, {self.slots})")
-        if not (isinstance(generation, int) and 0 < generation <= _U64):
-            raise StaleRef(f"generation {generation!r} never resolves")
         if out is not None:
             dst = self._out(out, out.shape[0] if isinstance(out, np.ndarray) and out.ndim == 1 else -1)
         else:
             dst = np.empty(self._cap, self.dtype)
-        n_out = ffi.new("uint32_t *")
-        rc = lib.brt_ring_read_slot(
-            ring,
-            index,
-            generation,
-            ELEM_BYTES,
-            ffi.from_buffer(dst, require_writable=True),
-            dst.shape[0],
-            n_out,
-        )
-        if rc == lib.BRT_RING_ERR_BOUNDS:
-            raise BadPayload(f"row in slot {index} is longer than out ({dst.shape[0]} elements)")
+        n_out = self._n_out
+        try:
+            rc = _read_slot(
+                self._ring,
+                ref.index,
+                ref.generation,
+                ELEM_BYTES,
+                _from_buffer(_BYTES, dst, True),
+                dst.shape[0],
+                n_out,
+            )
+        except (TypeError, OverflowError) as exc:
+            raise StaleRef(f"reference fields out of range: {ref!r}") from exc
+        if rc == _ERR_BOUNDS:
+            raise BadPayload(f"row in slot {ref.index} is longer than out ({dst.shape[0]} elements)")
         if rc != 0:
-            raise StaleRef(f"row (index {index}, generation {generation}) is stale")
-        n = int(n_out[0])
+            raise StaleRef(f"row (index {ref.index}, generation {ref.generation}) is stale")
+        n = n_out[0]
         if out is not None:
             if n != dst.shape[0]:
                 raise BadPayload(f"row holds {n} elements, out has {dst.shape[0]}")
