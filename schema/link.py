@@ -234,7 +234,9 @@ class _Msg(msgspec.Struct, array_like=True, kw_only=True):
 
 class _ArrayMsg(_Msg):
     """A body with 1-D numpy array fields, named with their kinds in ``_arrays``; they are
-    converted on construction and on decode (a bad array fails the decode)."""
+    converted on construction and on decode (a bad array fails the decode). Compare such
+    messages field by field: ``==`` on a numpy array is elementwise, so ``==`` on the message
+    raises ValueError."""
 
     _arrays: ClassVar[dict[str, str]] = {}
 

@@ -286,3 +286,13 @@ def test_codec_shared_between_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_error_family():
+    """One subclass per code, all FrameError, the code readable from class and instance."""
+    for code in FrameErrorCode:
+        exc = FrameError.for_code(code, "why")
+        assert type(exc) is not FrameError and isinstance(exc, FrameError)
+        assert exc.code is code and type(exc).code is code and "why" in str(exc)
+    with pytest.raises(ValueError):
+        FrameError.for_code(99)
