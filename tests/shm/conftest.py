@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -11,32 +10,12 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from shm_testutil import devshm_listing, memfds_of
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PY_PEER = HERE / "shm_ring_peer.py"
 C_PEER_SRC = HERE / "shm_ring_peer.c"
-
-
-def devshm_listing() -> set[str]:
-    """Names in /dev/shm (empty set where it does not exist)."""
-    try:
-        return set(os.listdir("/dev/shm"))
-    except FileNotFoundError:
-        return set()
-
-
-def memfds_of(pid: int | str = "self") -> list[str]:
-    """The memfd descriptors a process holds, as /proc/<pid>/fd link targets."""
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:"):
-            out.append(target)
-    return out
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import devshm_listing
 from shm_ring_peer import (
     CTRL_WORDS,
     STRESS_CAP,
@@ -22,6 +21,7 @@ from shm_ring_peer import (
     stress_segment_bytes,
     stress_span_of_slot,
 )
+from shm_testutil import devshm_listing
 
 from basertd.schema.abi import RingKind
 from basertd.schema.tick import TokenRef

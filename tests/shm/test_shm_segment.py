@@ -12,7 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import devshm_listing, memfds_of
+from shm_testutil import devshm_listing, memfds_of
 
 from basertd.native._ringc import ffi
 from basertd.schema.abi import Status
