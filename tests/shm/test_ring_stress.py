@@ -25,7 +25,7 @@ from shm_testutil import devshm_listing
 
 from basertd.schema.abi import RingKind
 from basertd.schema.tick import TokenRef
-from basertd.shm import RingReader, RingWriter, Segment, StaleRef
+from basertd.shm import RingReader, RingWriter, Segment, StaleRef, ring_bytes, slot_bytes_for
 
 RID = 9
 READS = 200_000
@@ -171,3 +171,34 @@ def test_writer_killed_mid_stream_leaves_exact_or_stale_and_no_dev_shm(no_shm_le
     finally:
         w.close()
     assert devshm_listing() - before == set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_c_writer_and_c_reader_processes_never_tear(no_shm_leak, c_peer):
+    """The C ring code at C speed on both sides (the reference engine's writer against a C reader in
+    another process): millions of contended reads, every one exact or stale (ABI rule 129)."""
+    slots, slot_bytes = 5, slot_bytes_for(512)
+    with Segment.create(ring_bytes(slots, slot_bytes)) as seg:
+        RingWriter.create(seg, RID, RingKind.TOKENS, slots, slot_bytes).close()
+        base = [str(c_peer), str(seg.fd), str(seg.length), str(RID), str(slots), str(slot_bytes)]
+        writer = subprocess.Popen(
+            [*base, "hammer-write", "1500"], pass_fds=[seg.fd], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            time.sleep(0.1)
+            reader = subprocess.run(
+                [*base, "hammer-read", "1000"], pass_fds=[seg.fd], capture_output=True, text=True, timeout=60
+            )
+            out, _ = writer.communicate(timeout=60)
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+    assert reader.returncode == 0 and writer.returncode == 0, reader.stderr
+    words = reader.stdout.split()
+    counts = dict(zip(words[::2], map(int, words[1::2]), strict=True))
+    print(f"C stress: {counts}, writer {out.strip()}")
+    assert counts["torn"] == 0, counts
+    assert counts["ok"] > 10_000 and counts["stale"] > 0, counts
+    assert int(out.split()[1]) > 10_000
