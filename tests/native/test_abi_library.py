@@ -19,15 +19,19 @@ from basertd.native.abi import (
     AbiError,
     ArgumentError,
     BasertLib,
+    CapabilityReq,
     EventsMalformed,
     LibraryError,
     LibraryNotFound,
     MissingSymbols,
     PartialEmitCallbackError,
     PlanRejected,
+    RingSpec,
+    StrategyRegistration,
+    TapSpec,
 )
 from basertd.schema.abi import Finish, OpState, SpaceKind, Status, TickFlag
-from basertd.schema.tick import LaneDecode, TickPlan
+from basertd.schema.tick import CacheKey, LaneDecode, ShedPolicy, TickPlan, TokenRange, TokenRef
 
 CC = shutil.which("cc") or shutil.which("gcc")
 pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler on PATH to build the scripted library")
@@ -248,3 +252,54 @@ def test_library_errors(tmp_path, scripted_path):
         BasertLib(scripted_path, extra_cdef="int scripted_not_there(void);")
     assert info.value.missing == ["scripted_not_there"]
     assert len(TICK_FUNCTIONS) == 34
+
+
+def test_every_wrapper_reaches_c(bundle):
+    # Each wrapper marshals its arguments (structs by value, arrays, strings, out pointers) and
+    # reaches the library, which answers OP_UNSUPPORTED for everything it does not script.
+    seq = bundle.sequence_create()
+    span = TokenRef(ring_id=1, index=0, count=4, generation=1)
+    rng = TokenRange(start=0, end=4)
+    calls = {
+        "rings_attach": lambda: bundle.rings_attach([RingSpec(1, 1, 1, 8, 64, 0x10000, 4096)]),
+        "space_match": lambda: bundle.space_match(0xFFFFFFFF, span, [bytes(32)]),
+        "seed_acquire": lambda: bundle.seed_acquire(span, 4, 0),
+        "seed_adopt": lambda: bundle.seed_adopt(seq, span),
+        "seq_fork": lambda: bundle.seq_fork(seq, 1),
+        "export_size": lambda: bundle.export_size(seq, 0, rng, 0),
+        "restore": lambda: bundle.restore(seq, 0, b"x" * 140),
+        "snapshot_boundary": lambda: bundle.snapshot_boundary(seq, 0, 16),
+        "demote": lambda: bundle.demote(seq, 0, rng, 1, 1, 512),
+        "promote": lambda: bundle.promote(seq, 0, rng, b"y" * 140),
+        "op_cancel": lambda: bundle.op_cancel(1),
+        "cache_evict": lambda: bundle.cache_evict(ShedPolicy(victim_lanes=[1, 2], max_evict_bytes=10), 10),
+        "cache_evict_entries": lambda: bundle.cache_evict_entries([CacheKey(), CacheKey()]),
+        "sequence_publish": lambda: bundle.sequence_publish(seq, [1, 2, 3]),
+        "media_probe": lambda: bundle.media_probe("/nonexistent.png"),
+        "media_encode": lambda: bundle.media_encode("/nonexistent.png"),
+        "media_release": lambda: bundle.media_release(1),
+        "media_bind": lambda: bundle.media_bind(1, 1, 0),
+        "strategy_register": lambda: bundle.strategy_register(
+            StrategyRegistration(
+                strategy_id="prompt-lookup",
+                taps=[TapSpec(layer=0, tensor=1)],
+                capabilities=[CapabilityReq(kind_id=1, params=bytes(16), param_elem_size=8)],
+                target_archs=["x86", None],
+            )
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(AbiError) as info:
+            call()
+        assert info.value.status is Status.ERR_OP_UNSUPPORTED, name
+    assert not bundle._loans  # refused submissions hold no buffers
+    assert bundle.grammar_create('{"type": "object"}') == 0
+    assert bundle.grammar_create_structural("{}") == 0
+    for free in (bundle.grammar_free, bundle.logit_bias_free):
+        with pytest.raises(AbiError) as info:
+            free(5)
+        assert info.value.status is Status.ERR_UNKNOWN_HANDLE
+    with pytest.raises(ArgumentError):
+        bundle.sequence_publish(seq, [-1])
+    with pytest.raises(ArgumentError):
+        bundle.space_match(0, span, [b"short"])
