@@ -48,6 +48,8 @@ whose true extent the reader cannot know)."""
 EVENTS_V1_SIZE = 216
 """Minimum ``struct_size`` of BaseRTTickEvents (ABI rule 8); smaller is refused like rule 25."""
 
+_TOLIST_MAX = 16  # below this many records ndarray.tolist() beats building columns
+
 _ADMITS = list[AdmitResult]
 _EMITS = list[LaneEmit]
 _FAULTS = list[LaneFault]
@@ -81,17 +83,12 @@ class ArrayReader:
     def __init__(self, ffi: cffi.FFI, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> None:
         self.ffi = ffi
         self.max_array_bytes = max_array_bytes
-        self._events_dtype = record_dtype(ffi, "BaseRTTickEvents")
-        self._array_dtype = record_dtype(ffi, "BaseRTArray")
         self._u8 = np.dtype(np.uint8)
+        self._specs: dict[str, tuple[np.dtype, int]] = {}
 
     # -- the four rules --------------------------------------------------------------------------
 
-    def records(
-        self, data: int, count: int, elem_size: int, dtype: np.dtype, min_size: int, where: str
-    ) -> np.ndarray:
-        """Copy ``count`` records at address ``data`` (stride ``elem_size`` bytes) into a new
-        zero-initialised numpy array of ``dtype``. Raises ``EventsMalformed`` (rules 17-24)."""
+    def _check(self, data: int, count: int, elem_size: int, min_size: int, where: str) -> int:
         if data % 8:
             raise EventsMalformed(where, f"data pointer 0x{data:x} is not 8-byte aligned")
         if count and not data:
@@ -103,6 +100,14 @@ class ArrayReader:
             raise EventsMalformed(
                 where, f"{count} x {elem_size} bytes exceeds the {self.max_array_bytes}-byte cap"
             )
+        return total
+
+    def records(
+        self, data: int, count: int, elem_size: int, dtype: np.dtype, min_size: int, where: str
+    ) -> np.ndarray:
+        """Copy ``count`` records at address ``data`` (stride ``elem_size`` bytes) into a new
+        zero-initialised numpy array of ``dtype``. Raises ``EventsMalformed`` (rules 17-24)."""
+        total = self._check(data, count, elem_size, min_size, where)
         local = dtype.itemsize
         if not count:
             return np.zeros(0, dtype)
@@ -114,12 +119,25 @@ class ArrayReader:
         out[:, :n] = raw.reshape(count, elem_size)[:, :n]
         return out.reshape(-1).view(dtype)
 
+    def _spec(self, cname: str) -> tuple[np.dtype, int]:
+        spec = self._specs.get(cname)
+        if spec is None:
+            spec = self._specs[cname] = (record_dtype(self.ffi, cname), min_prefix(self.ffi, cname))
+        return spec
+
     def array(self, arr: tuple[int, int, int], cname: str, where: str) -> np.ndarray:
         """``records`` for a ``(data, count, elem_size)`` triple of C records ``cname``."""
+        dtype, min_size = self._spec(cname)
+        return self.records(*arr, dtype, min_size, where)
+
+    def _convert(self, arr: tuple[int, int, int], cname: str, where: str, kind: type) -> list:
+        """Decode an array of flat-field records into a list of schema Structs ``kind``."""
         data, count, elem_size = arr
-        return self.records(
-            data, count, elem_size, record_dtype(self.ffi, cname), min_prefix(self.ffi, cname), where
-        )
+        if not count:  # still checked: alignment and stride apply to empty arrays (rules 20, 24)
+            self._check(data, count, elem_size, self._spec(cname)[1], where)
+            return []
+        recs = self.array(arr, cname, where)
+        return msgspec.convert(recs.tolist() if count <= _TOLIST_MAX else rows(recs), kind)
 
     def struct_at(self, address: int, cname: str, where: str) -> tuple:
         """The fields of one top-level engine-owned struct at ``address`` (a nested tuple in C
@@ -129,10 +147,10 @@ class ArrayReader:
             raise EventsMalformed(where, "NULL pointer")
         if address % 8:
             raise EventsMalformed(where, f"pointer 0x{address:x} is not 8-byte aligned")
-        dtype = record_dtype(self.ffi, cname)
+        dtype, min_size = self._spec(cname)
         buf = self.ffi.buffer(self.ffi.cast("char *", address), dtype.itemsize)
         row = np.frombuffer(buf, dtype, count=1)[0].tolist()
-        if dtype.names[0] == "struct_size" and row[0] < min_prefix(self.ffi, cname):
+        if dtype.names[0] == "struct_size" and row[0] < min_size:
             raise EventsMalformed(where, f"struct_size {row[0]} is below the v1 size {dtype.itemsize}")
         return row
 
@@ -163,11 +181,10 @@ class ArrayReader:
             logprobs=self._logprobs(logprobs),
         )
 
-    def _convert(self, arr: tuple[int, int, int], cname: str, where: str, kind: type) -> list:
-        return msgspec.convert(rows(self.array(arr, cname, where)), kind)
-
     def _logprobs(self, arr: tuple[int, int, int]) -> list[LaneLogprob]:
         out = []
+        if not arr[1]:
+            return self._convert(arr, "BaseRTLaneLogprob", "events.logprobs", list)
         for lane_tag, logprob, n_top, top_ids, top_logprobs in rows(
             self.array(arr, "BaseRTLaneLogprob", "events.logprobs")
         ):
