@@ -1,0 +1,254 @@
+"""The daemon's configuration: one TOML file, validated with msgspec (issue 7).
+
+Every key has a working default, so ``basertd serve`` with no file serves the default model on the
+llamacpp engine on CPU. An unknown key, a wrong type or a value out of range is a ``ConfigError``
+whose message names the key (``workers[0].lanse``), raised before anything starts.
+
+Example (every key shown with its default)::
+
+    runtime_dir = ""            # "": $RUNTIME_DIRECTORY, else /run/basertd, else a per-user dir
+    socket = ""                 # "": <runtime_dir>/basertd.sock
+    socket_mode = "0660"        # octal string or integer
+    log_level = "info"
+
+    [[workers]]                 # one table per worker; none given = one default worker
+    engine = "llamacpp"         # "llamacpp" or "basert" (libbaseRT or the C reference engine)
+    model = ""                  # GGUF path ("" = the default model) or engine library path
+    device = "cpu"
+    lanes = 8                   # concurrent generations
+    context_length = 4096       # tokens per lane (prompt + generated)
+    threads = 2                 # CPU threads of the engine
+    engine_args = []            # extra basertd-worker flags, e.g. ["--ref-config", "tick_delay_ms=5"]
+
+    [scheduler]                 # DESIGN.md "Scheduling"
+    prefill_budget = 512        # most prompt tokens prefilled per tick
+    decode_grant = 8            # most tokens one lane decodes per tick
+    tick_target_s = 0.05        # tick length aimed at while anything waits
+    queue_limit = 256           # queued requests per QoS class
+    max_queued_tokens = 1048576 # prompt tokens queued in all, per worker
+    partial_emits = true        # stream tokens mid-tick (TICK_EMIT, ABI rule 64)
+
+    [cache]                     # DESIGN.md "Prefix cache policy"
+    publish_on_retire = true    # finished lanes publish their KV to the engine's prefix cache
+    evict_in_tick = true        # a tick may evict unpinned cache entries to fit its plan
+    max_evict_bytes_per_tick = 0  # 0: no limit
+
+Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
+rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+SOCKET_NAME = "basertd.sock"
+"""File name of the client socket inside the runtime directory."""
+SYSTEM_RUNTIME_DIR = "/run/basertd"
+"""The runtime directory when neither the config nor ``$RUNTIME_DIRECTORY`` names one."""
+SOCKET_ENV = "BASERTD_SOCKET"
+"""Environment variable ``basertctl`` and the client read for the socket path."""
+
+_Pos = Annotated[int, msgspec.Meta(ge=1)]
+_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used: unreadable file, bad TOML, unknown key, wrong type or a
+    value out of range. The message names the file and the key."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every table: unknown keys are errors (a typo must not be silently ignored)."""
+
+
+class WorkerConfig(_Section):
+    """One engine worker (one process, one device).
+
+    ``engine``: "llamacpp" (GGUF through llama-cpp-python) or "basert" (a tick-ABI library; the C
+    reference engine when ``model`` is ""). ``model``: the GGUF path for llamacpp ("" = the default
+    model, ``basertd.models.default_model_path()``), the engine library path for basert.
+    ``lanes``: concurrent generations; ``context_length``: tokens per lane (prompt + generated);
+    ``threads``: engine CPU threads; ``engine_args``: extra ``basertd-worker`` flags passed as is."""
+
+    engine: Literal["llamacpp", "basert"] = "llamacpp"
+    model: str = ""
+    device: str = "cpu"
+    lanes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    context_length: Annotated[int, msgspec.Meta(ge=16)] = 4096
+    threads: _Pos = 2
+    engine_args: list[str] = msgspec.field(default_factory=list)
+
+
+class SchedulerConfig(_Section):
+    """Per-worker scheduler knobs (DESIGN.md "Scheduling").
+
+    ``prefill_budget``: the most prompt tokens one tick prefills (tokens); ``decode_grant``: the most
+    tokens one lane decodes in one tick (tokens, <= 65535, a u16 in LaneDecode); ``tick_target_s``:
+    the tick length (seconds) the adaptive budget aims at while requests wait; ``queue_limit``:
+    queued requests per QoS class and worker; ``max_queued_tokens``: queued prompt tokens per
+    worker; ``partial_emits``: ask the worker for mid-tick token deltas (ABI rule 64)."""
+
+    prefill_budget: _Pos = 512
+    decode_grant: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8
+    tick_target_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.05
+    queue_limit: _Pos = 256
+    max_queued_tokens: _Pos = 1 << 20
+    partial_emits: bool = True
+
+
+class CacheConfig(_Section):
+    """Prefix-cache knobs (DESIGN.md "Prefix cache policy").
+
+    ``publish_on_retire``: retire finished lanes with ``publish_to_cache`` so later prompts sharing
+    their prefix prefill less; ``evict_in_tick``: let a tick evict unpinned cache entries to fit its
+    plan (the plan's ShedPolicy); ``max_evict_bytes_per_tick``: cap of that eviction (bytes, 0 = no
+    cap)."""
+
+    publish_on_retire: bool = True
+    evict_in_tick: bool = True
+    max_evict_bytes_per_tick: _NonNeg = 0
+
+
+def _default_workers() -> list[WorkerConfig]:
+    return [WorkerConfig()]
+
+
+class Config(_Section):
+    """The whole configuration. ``runtime_dir`` "" means the rule of ``resolve_runtime_dir``;
+    ``socket`` "" means ``<runtime_dir>/basertd.sock``; ``socket_mode`` is the client socket's
+    permission bits (an integer such as 0o660, or an octal string "0660")."""
+
+    runtime_dir: str = ""
+    socket: str = ""
+    socket_mode: int | str = 0o660
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    workers: Annotated[list[WorkerConfig], msgspec.Meta(min_length=1)] = msgspec.field(
+        default_factory=_default_workers
+    )
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        mode = self.socket_mode
+        if isinstance(mode, str):
+            if not re.fullmatch(r"0?[0-7]{3}|0o[0-7]{3}", mode):
+                raise ValueError(f"socket_mode must be an octal mode such as '0660', got {mode!r}")
+            mode = int(mode.removeprefix("0o"), 8)
+        if not 0 <= mode <= 0o777:
+            raise ValueError(f"socket_mode must be within 0..0o777, got {mode:#o}")
+        self.socket_mode = mode
+
+
+_KEY_PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)")
+
+
+def _readable(exc: msgspec.ValidationError) -> str:
+    """msgspec says ``... - at `$.workers[0]```; operators read ``workers[0]``."""
+    text = str(exc)
+    m = re.search(r"unknown field `([^`]+)`(?: - at `\$([^`]*)`)?", text)
+    if m:
+        where = (m.group(2) or "").lstrip(".")
+        key = f"{where}.{m.group(1)}" if where else m.group(1)
+        return f"unknown key {key!r}"
+    return _KEY_PATH.sub(lambda k: k.group(1).lstrip(".") or "(top level)", text.replace("`", ""))
+
+
+def parse_config(data: dict[str, Any], *, source: str = "<config>") -> Config:
+    """A ``Config`` from already-parsed TOML data. Raises ``ConfigError`` naming the key."""
+    try:
+        return msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_readable(exc)}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read and validate the TOML file at ``path`` (None: every default). Raises ``ConfigError``
+    for an unreadable file, invalid TOML, an unknown key, a wrong type or an out-of-range value."""
+    if path is None:
+        return Config()
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return parse_config(data, source=str(path))
+
+
+def _writable_dir(path: Path, *, create: bool) -> bool:
+    """True when ``path`` is a writable directory, or could be created as one (its nearest existing
+    parent is writable). With ``create`` the directory is also created."""
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o755)
+        except OSError:
+            return False
+        return os.access(path, os.W_OK | os.X_OK)
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return False
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK | os.X_OK)
+
+
+def user_runtime_dir() -> Path:
+    """The per-user fallback runtime directory: ``$XDG_RUNTIME_DIR/basertd`` when that variable
+    names a directory, else ``<tmp>/basertd-<uid>``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return Path(xdg) / "basertd"
+    return Path(tempfile.gettempdir()) / f"basertd-{os.getuid()}"
+
+
+def resolve_runtime_dir(config: Config | None = None, *, create: bool = True) -> Path:
+    """The runtime directory: ``config.runtime_dir`` when set; else ``$RUNTIME_DIRECTORY`` (the
+    first path when systemd lists several); else ``/run/basertd`` when writable (created if
+    needed), falling back to ``user_runtime_dir()``. With ``create`` the directory is created;
+    without it nothing on disk changes (``basertctl`` uses that to find the socket). Raises
+    ``ConfigError`` when an explicitly configured directory cannot be created."""
+    if config is not None and config.runtime_dir:
+        path = Path(config.runtime_dir).expanduser()
+        if create:
+            try:
+                path.mkdir(parents=True, exist_ok=True, mode=0o755)
+            except OSError as exc:
+                raise ConfigError(f"runtime_dir {path}: {exc.strerror or exc}") from None
+        return path
+    env = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if env:
+        path = Path(env)
+        if create:
+            path.mkdir(parents=True, exist_ok=True, mode=0o755)
+        return path
+    system = Path(SYSTEM_RUNTIME_DIR)
+    if _writable_dir(system, create=create) or (not create and (system / SOCKET_NAME).exists()):
+        return system
+    path = user_runtime_dir()
+    if create:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def socket_path(config: Config, runtime_dir: Path) -> Path:
+    """The client socket of ``config``: the key ``socket`` when set, else
+    ``<runtime_dir>/basertd.sock``."""
+    return Path(config.socket).expanduser() if config.socket else runtime_dir / SOCKET_NAME
+
+
+def default_socket_path() -> Path:
+    """The socket ``basertctl`` and the client library connect to by default:
+    ``$BASERTD_SOCKET``, else ``basertd.sock`` in the runtime directory a default ``basertd serve``
+    would use (``resolve_runtime_dir`` without creating anything)."""
+    env = os.environ.get(SOCKET_ENV)
+    if env:
+        return Path(env)
+    return resolve_runtime_dir(None, create=False) / SOCKET_NAME

@@ -1,0 +1,238 @@
+"""Coordinator-side tokenizers, the incremental detokenizer and the stop-string matcher.
+
+Tokenizing and detokenizing happen in the coordinator (issue 7), with the very vocabulary the
+worker's engine uses, named by the capability record's ``TokenizerDesc``:
+
+- ``BytesTokenizer`` ("bytes", the C reference engine): ids 0 unk, 1 BOS, 2 EOS; ids 3..258 are
+  the bytes 0x00..0xFF; higher ids decode to nothing.
+- ``GgufTokenizer`` ("gguf"): the model's vocabulary loaded vocab-only with llama-cpp-python (no
+  weights; about 0.3 s for the 262k-token Gemma 3 vocabulary).
+
+Generated text is streamed as UTF-8 deltas that never split a character
+(``IncrementalDetokenizer``) and cut at the first stop string, holding back any tail that could
+still be the beginning of one (``StopMatcher``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+"""Special ids of the "bytes" vocabulary."""
+BYTE_BASE = 3
+"""Id of byte 0x00 in the "bytes" vocabulary; byte b is id ``BYTE_BASE + b``."""
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be built (unknown kind, unreadable vocabulary) or refused a text."""
+
+
+class Tokenizer(Protocol):
+    """What the coordinator needs of a vocabulary. Ids are ints in ``[0, vocab_size)``."""
+
+    kind: str
+    vocab_size: int
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        """Token ids of ``text`` (UTF-8), with the BOS id first when ``add_bos`` and the vocabulary
+        has one; special-token text such as ``<start_of_turn>`` is parsed as the special token."""
+        ...
+
+    def piece(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for in generated text (b"" for control tokens and
+        unknown ids); may be part of a UTF-8 character."""
+        ...
+
+
+class BytesTokenizer:
+    """The reference engine's vocabulary: ids 0..2 special (unk, BOS, EOS), 3..258 the bytes
+    0x00..0xFF, every higher id (up to ``vocab_size``) decodes to b"". Encoding maps each UTF-8
+    byte of the text to its id, so any text round-trips exactly."""
+
+    kind = "bytes"
+
+    def __init__(self, vocab_size: int = BYTE_BASE + 256) -> None:
+        self.vocab_size = vocab_size
+        self._pieces = [b""] * BYTE_BASE + [bytes((b,)) for b in range(256)]
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        """``[BOS]`` (when ``add_bos``) then ``3 + b`` for each UTF-8 byte ``b`` of ``text``."""
+        ids = [BYTE_BASE + b for b in text.encode("utf-8", "surrogatepass")]
+        return [BOS_ID, *ids] if add_bos else ids
+
+    def piece(self, token: int) -> bytes:
+        """One byte for ids 3..258, b"" for the specials and any higher id."""
+        return self._pieces[token] if 0 <= token < len(self._pieces) else b""
+
+
+class GgufTokenizer:
+    """A GGUF model's vocabulary loaded vocab-only with llama-cpp-python's low-level API
+    (``llama_model_load_from_file`` with ``vocab_only``; ``llama_tokenize`` with parse_special;
+    ``llama_token_to_piece`` without special tokens). Thread-safe; call ``close()`` to free it.
+    Raises ``TokenizerError`` when the file cannot be loaded."""
+
+    kind = "gguf"
+    _init_lock = threading.Lock()
+    _backend_ready = False
+
+    def __init__(self, path: str) -> None:
+        import llama_cpp  # the llamacpp extra; only coordinators of GGUF workers need it
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        self._ll = llama_cpp
+        with GgufTokenizer._init_lock:
+            if not GgufTokenizer._backend_ready:
+                llama_cpp.llama_backend_init()
+                GgufTokenizer._backend_ready = True
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not self._model:
+            raise TokenizerError(f"cannot load the vocabulary of {path}")
+        self.path = str(path)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.bos_id = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self._lock = threading.Lock()
+        self._pieces: dict[int, bytes] = {}
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        """Token ids of ``text``; BOS first when ``add_bos``. Raises ``TokenizerError`` for text
+        that is not valid Unicode (lone surrogates)."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"prompt is not valid Unicode: {exc.reason}") from None
+        n_max = len(data) + 8
+        with self._lock:
+            self._check_open()
+            buf = (self._ll.llama_token * n_max)()
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, True)
+            if n < 0:  # the buffer was short: -n is the count needed
+                n_max = -n
+                buf = (self._ll.llama_token * n_max)()
+                n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, True)
+        if n < 0:
+            raise TokenizerError(f"llama_tokenize failed ({n})")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The token's bytes without special tokens (cached per id); b"" for ids out of range."""
+        cached = self._pieces.get(token)
+        if cached is not None:
+            return cached
+        if not 0 <= token < self.vocab_size:
+            return b""
+        with self._lock:
+            self._check_open()
+            size = 64
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = self._ll.llama_token_to_piece(self._vocab, token, buf, size, 0, False)
+                if n >= 0:
+                    break
+                size = -n
+        out = buf.raw[:n]
+        self._pieces[token] = out
+        return out
+
+    def _check_open(self) -> None:
+        if self._model is None:
+            raise TokenizerError("tokenizer is closed")
+
+    def close(self) -> None:
+        """Free the vocabulary; idempotent."""
+        with self._lock:
+            if self._model is not None:
+                self._ll.llama_model_free(self._model)
+                self._model = None
+
+
+def make_tokenizer(kind: str, path: str = "", vocab_size: int = 0) -> BytesTokenizer | GgufTokenizer:
+    """The tokenizer a capability record's ``TokenizerDesc(kind, path)`` names; ``vocab_size``
+    (tokens) sizes the "bytes" vocabulary. Raises ``TokenizerError`` for an unknown kind."""
+    if kind == "bytes":
+        return BytesTokenizer(max(vocab_size, BYTE_BASE + 256))
+    if kind == "gguf":
+        return GgufTokenizer(path)
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}")
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas that never split a UTF-8 character.
+
+    ``feed(ids)`` returns the text completed by these tokens: bytes of an unfinished character stay
+    buffered until the token that finishes it; bytes that can never form a character become U+FFFD
+    (the stdlib's incremental UTF-8 decoder). ``flush()`` returns what is left at the end of the
+    generation (an unfinished character becomes U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._piece = tokenizer.piece
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: Iterable[int]) -> str:
+        """Text completed by ``ids`` (possibly "")."""
+        data = b"".join(self._piece(int(t)) for t in ids)
+        return self._decoder.decode(data, final=False) if data else ""
+
+    def flush(self) -> str:
+        """The rest at end of stream; "" when every character was complete."""
+        return self._decoder.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Cuts a text stream at the first occurrence of any stop string, never letting the beginning
+    of a stop string leak out.
+
+    ``feed(text)`` returns ``(safe, stopped)``: ``safe`` is text that can no longer be part of a
+    stop string; while the stream's tail could still begin one, that tail is held back. When a stop
+    string completes, ``safe`` ends right before it and ``stopped`` is True (further input is
+    ignored). ``flush()`` releases the held tail at the end of a generation that did not stop.
+    Empty stop strings are ignored."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """``(safe text, stopped)``; see the class docstring."""
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        first: tuple[int, str] | None = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (first is None or i < first[0]):
+                first = (i, s)
+        if first is not None:
+            self._held = ""
+            self.stopped = True
+            self.matched = first[1]
+            return buf[: first[0]], True
+        hold = self._hold_length(buf)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def _hold_length(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def flush(self) -> str:
+        """The held-back tail (end of a generation that did not stop); "" after a stop."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
