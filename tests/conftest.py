@@ -1,0 +1,32 @@
+"""Session fixtures shared by every test folder. Add fixtures here; never remove other people's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight ``llama`` GGUF (293-token SPM vocabulary, EOS id 2; tests/tinymodel.py)."""
+    from tinymodel import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight ``gemma3`` GGUF with a 32-token sliding window on layer 0."""
+    from tinymodel import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-gemma3.gguf", "gemma3", n_swa=32)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The default model (Gemma 3 270M Q4_K_M), assembled once (``basertd.models``); tests using it
+    are marked ``realmodel``."""
+    from basertd.models import default_model_path
+
+    return default_model_path()
