@@ -691,7 +691,9 @@ class Ping(_Msg):
 class Pong(_Msg):
     """PONG: ``queue_depth`` requests waiting in the worker, ``ticks_run`` since start,
     ``last_plan_seq`` of the last finished tick, ``lanes_active``, whether a tick is in flight,
-    and the pool counters of the last tick (``MemCounters``, bytes and blocks)."""
+    the pool counters of the last tick (``MemCounters``, bytes and blocks), and ``stats``: the
+    engine's counters and gauges (``Engine.stats()``: ticks, prefill/decode tokens, live lanes and
+    seed leases, cache entries, pool bytes, evictions), for metrics and cache-policy checks."""
 
     queue_depth: int = 0
     ticks_run: int = 0
@@ -699,6 +701,7 @@ class Pong(_Msg):
     lanes_active: int = 0
     tick_in_flight: bool = False
     mem: MemCounters = msgspec.field(default_factory=MemCounters)
+    stats: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Drain(_Msg):
