@@ -1,0 +1,14 @@
+"""The llama.cpp engine adapter: real GGUF models through llama-cpp-python 0.3.36's low-level API
+(DESIGN.md "Engines"; ``../shared/reference/llamacpp-notes.md``).
+
+``LlamaCppEngine`` implements ``basertd.worker.engines.base.Engine``. Modules, one concept each:
+``model`` (loading, vocabulary, model id), ``batch`` (the reused llama_batch), ``pool`` (the KV cell
+ledger), ``lane`` (per-lane cursors), ``sampling`` (vectorised samplers, counter-based RNG),
+``validate`` (plan -> reject codes), ``prefix_cache`` (published prefixes, leases, sliding-window
+rules), ``state`` (sealed envelopes), ``ops`` (bare sequences, snapshot / restore), ``rings``
+(the engine's side of the BRTRING1 rings), ``engine`` (the tick).
+"""
+
+from basertd.worker.engines.llamacpp.engine import KV_SPACE_ID, LlamaCppEngine
+
+__all__ = ["KV_SPACE_ID", "LlamaCppEngine"]

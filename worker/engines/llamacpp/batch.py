@@ -1,0 +1,104 @@
+"""One reusable ``llama_batch`` over numpy arrays, filled a lane's run at a time.
+
+``llama_batch_init`` allocates one malloc'd seq-id slot per row, which forces a Python loop per
+token to fill. This batch instead owns numpy arrays (``token``, ``pos``, ``n_seq_id``, one seq id
+per row, ``logits`` flags) and an array of pointers to the seq-id slots, and hands llama.cpp a
+``llama_batch`` struct pointing into them: a prefill chunk of any length is a few slice
+assignments. The struct is built once; ``decode`` passes a shifted copy for each ``n_batch``-sized
+part, so a round larger than ``n_batch`` never reaches llama.cpp's ``n_batch`` GGML_ASSERT.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import llama_cpp as L
+import numpy as np
+
+
+class BatchDecodeError(Exception):
+    """``llama_decode`` returned ``rc`` != 0 for the part of the batch starting at row ``start``
+    (rows ``[start, end)``); the parts before it were decoded."""
+
+    def __init__(self, rc: int, start: int, end: int) -> None:
+        super().__init__(f"llama_decode returned {rc} for batch rows [{start}, {end})")
+        self.rc = rc
+        self.start = start
+        self.end = end
+
+
+class TokenBatch:
+    """A batch of up to ``capacity`` tokens, each in exactly one sequence.
+
+    Rows are appended with ``add``; ``decode`` runs them through llama.cpp in parts of at most
+    ``n_batch`` rows and calls ``on_part(start, end)`` after each part, while that part's logits
+    are valid (``llama_get_logits_ith(ctx, i - start)`` for row ``i``)."""
+
+    def __init__(self, capacity: int, n_batch: int) -> None:
+        self.capacity = capacity
+        self.n_batch = n_batch
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        addr = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *(ctypes.cast(addr + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity))
+        )
+        self._ptr_size = ctypes.sizeof(ctypes.c_void_p)
+        self._head = self._struct(0, 0)  # the struct for parts starting at row 0, built once
+        self.n = 0
+
+    def clear(self) -> None:
+        """Empty the batch."""
+        self.n = 0
+
+    def add(self, tokens: np.ndarray, pos0: int, seq: int, want_last: bool) -> int:
+        """Append ``tokens`` at positions ``pos0 ..`` of sequence ``seq``; when ``want_last`` the
+        last one produces a logits row. Returns the row index of the last token. The caller keeps
+        ``n`` within ``capacity`` (ValueError otherwise)."""
+        k = tokens.shape[0]
+        i = self.n
+        if k == 0 or i + k > self.capacity:
+            raise ValueError(f"cannot add {k} tokens to a batch holding {i} of {self.capacity}")
+        self.token[i : i + k] = tokens
+        self.pos[i : i + k] = np.arange(pos0, pos0 + k, dtype=np.int32)
+        self.seq[i : i + k] = seq
+        self.logits[i : i + k] = 0
+        if want_last:
+            self.logits[i + k - 1] = 1
+        self.n = i + k
+        return i + k - 1
+
+    def _struct(self, start: int, end: int) -> L.llama_batch:
+        b = L.llama_batch()
+        b.n_tokens = end - start
+        b.token = ctypes.cast(self.token.ctypes.data + 4 * start, ctypes.POINTER(ctypes.c_int32))
+        b.embd = None
+        b.pos = ctypes.cast(self.pos.ctypes.data + 4 * start, ctypes.POINTER(ctypes.c_int32))
+        b.n_seq_id = ctypes.cast(self.n_seq_id.ctypes.data + 4 * start, ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = ctypes.cast(
+            ctypes.addressof(self._seq_ptrs) + self._ptr_size * start,
+            ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)),
+        )
+        b.logits = ctypes.cast(self.logits.ctypes.data + start, ctypes.POINTER(ctypes.c_int8))
+        return b
+
+    def decode(self, ctx: L.llama_context_p, on_part: Callable[[int, int], None]) -> None:
+        """Decode every row, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
+        after each successful part. Raises BatchDecodeError on the first nonzero return code."""
+        start = 0
+        while start < self.n:
+            end = min(self.n, start + self.n_batch)
+            if start == 0:
+                part = self._head
+                part.n_tokens = end
+            else:
+                part = self._struct(start, end)
+            rc = L.llama_decode(ctx, part)
+            if rc != 0:
+                raise BatchDecodeError(int(rc), start, end)
+            on_part(start, end)
+            start = end

@@ -1,0 +1,210 @@
+"""Host-side token selection for the llama.cpp engine: vectorised numpy over one logits row.
+
+A lane's token at stream position ``p`` (the p-th token this admission commits) is a pure function
+of the logits row, the lane's token history and one uniform draw ``u = draw(rng_counter_base + p)``
+(ABI rules 63, 67, 73). The draw is a keyed hash of the 64-bit counter (xxh3-64 with a fixed engine
+key), so there is no generator state to save: a lane re-admitted after a preemption with
+``decode_replay = k`` and ``rng_counter_base`` advanced by ``k`` draws exactly what the
+uninterrupted lane drew. Coordinator convention: put the request's 32-bit seed in the high half of
+``rng_counter_base`` (``seed << 32``) and the resumed length in the low half, so two seeds never
+share draws.
+
+Pipeline of a sampled (GPU_GUMBEL) lane, in llama.cpp's own order: logit bias, penalties
+(repetition over prompt + generated, frequency / presence over generated tokens, as vLLM does), then
+temperature <= 0 means argmax; otherwise top-k, top-p, min-p, temperature, and inverse-CDF
+selection with ``u`` over the surviving tokens in token-id order (the same distribution as a
+Gumbel-max draw, one uniform per token). GPU_GREEDY lanes take the argmax of the row plus any logit
+bias; their penalties are recorded but unused (the header: params are used by GPU_GUMBEL).
+
+Cost per sampled row is a few O(vocab) numpy passes (no Python loop over the vocabulary); top-p
+sorts only as many candidates as it needs. Greedy rows without bias or logprobs are read in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from basertd.schema.abi import MAX_TOP_LOGPROBS, Sampling, SamplingFlag
+from basertd.schema.tick import SamplingParams
+
+ENGINE_RNG_KEY = 0x6261736572746431
+"""Fixed xxh3 seed of the counter hash (the ASCII bytes "basertd1"); part of the sampling contract."""
+
+_U64 = (1 << 64) - 1
+_INV_2_53 = 1.0 / (1 << 53)
+
+
+def draw(counter: int) -> float:
+    """The uniform in [0, 1) for RNG counter ``counter`` (u64, wraps modulo 2**64).
+
+    53 bits of ``xxh3_64(counter as 8 little-endian bytes, seed=ENGINE_RNG_KEY)``. Pure: the same
+    counter always gives the same value, on any host (ABI rule 73)."""
+    h = xxhash.xxh3_64_intdigest((counter & _U64).to_bytes(8, "little"), seed=ENGINE_RNG_KEY)
+    return (h >> 11) * _INV_2_53
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """How one lane picks tokens, fixed at admit.
+
+    ``mode`` is Sampling.GPU_GREEDY or GPU_GUMBEL (HOST lanes never sample in the engine).
+    ``top_k`` 0 and ``top_p`` outside (0, 1) and ``min_p`` <= 0 disable those filters;
+    ``repeat_penalty`` 0 or 1 disables it. ``n_logprobs`` is -1 when the lane wants no logprobs,
+    else the number of top alternatives (0..MAX_TOP_LOGPROBS). ``bias_ids`` / ``bias_values`` are a
+    logit bias (token ids, additive values) or empty."""
+
+    mode: Sampling = Sampling.GPU_GREEDY
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    repeat_penalty: float = 0.0
+    freq_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    ignore_eos: bool = False
+    n_logprobs: int = -1
+    bias_ids: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
+
+    @classmethod
+    def from_admit(
+        cls,
+        sampling: int,
+        params: SamplingParams,
+        want_logprobs: int,
+        bias: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> SamplerConfig:
+        """Build from a LaneAdmit's ``sampling``, ``params`` and ``want_logprobs`` byte (0 = off,
+        else 1 + number of alternatives, at most 1 + MAX_TOP_LOGPROBS; the caller validates)."""
+        return cls(
+            mode=Sampling(sampling) if sampling != Sampling.HOST else Sampling.GPU_GREEDY,
+            temperature=float(params.temperature),
+            top_k=int(params.top_k),
+            top_p=float(params.top_p),
+            min_p=float(params.min_p),
+            repeat_penalty=float(params.repeat_penalty),
+            freq_penalty=float(params.freq_penalty),
+            presence_penalty=float(params.presence_penalty),
+            ignore_eos=bool(params.flags & SamplingFlag.IGNORE_EOS),
+            n_logprobs=min(want_logprobs - 1, MAX_TOP_LOGPROBS) if want_logprobs else -1,
+            bias_ids=None if bias is None else bias[0],
+            bias_values=None if bias is None else bias[1],
+        )
+
+    @property
+    def sampled(self) -> bool:
+        """True when the lane draws from a distribution (GUMBEL with temperature > 0)."""
+        return self.mode == Sampling.GPU_GUMBEL and self.temperature > 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """True when any penalty changes the row (GUMBEL lanes only)."""
+        if self.mode != Sampling.GPU_GUMBEL:
+            return False
+        rp = self.repeat_penalty
+        return (rp not in (0.0, 1.0)) or self.freq_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def reads_row_in_place(self) -> bool:
+        """True when the token is a plain argmax of the unmodified row (no copy needed)."""
+        return not self.sampled and not self.penalised and self.bias_ids is None
+
+
+def adjusted_row(row: np.ndarray, cfg: SamplerConfig, history: np.ndarray, gen_start: int) -> np.ndarray:
+    """The row after logit bias and penalties: ``row`` itself when nothing applies, else a copy.
+
+    ``row`` is float32 of shape (vocab,); ``history`` the lane's tokens so far (int32, prompt then
+    generated); tokens from ``gen_start`` on were generated by this request (including a replayed
+    tail). Repetition penalty divides positive and multiplies negative logits of every token in
+    ``history``; frequency / presence subtract ``count * freq + presence`` for generated tokens."""
+    if cfg.bias_ids is None and not cfg.penalised:
+        return row
+    out = row.astype(np.float32, copy=True)
+    if cfg.bias_ids is not None:
+        np.add.at(out, cfg.bias_ids, cfg.bias_values)
+    if cfg.penalised:
+        rp = cfg.repeat_penalty
+        if rp not in (0.0, 1.0) and history.size:
+            seen = np.unique(history)
+            vals = out[seen]
+            out[seen] = np.where(vals > 0, vals / rp, vals * rp)
+        if (cfg.freq_penalty or cfg.presence_penalty) and history.size > gen_start:
+            toks, counts = np.unique(history[gen_start:], return_counts=True)
+            out[toks] -= counts.astype(np.float32) * cfg.freq_penalty + cfg.presence_penalty
+    return out
+
+
+def _top_p_keep(ids: np.ndarray | None, logits: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest set of highest-probability candidates whose mass reaches ``top_p`` (at least one).
+
+    ``ids`` None means the candidates are the whole row. Sorts only the top few candidates,
+    widening the window until the mass is reached."""
+    m = float(logits.max())
+    probs = np.exp((logits - m).astype(np.float64))
+    probs /= probs.sum()
+    n = probs.shape[0]
+    k = min(n, 64)
+    while True:
+        part = np.argpartition(-probs, k - 1)[:k] if k < n else np.arange(n)
+        order = part[np.lexsort((part, -probs[part]))]
+        cum = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cum, top_p, side="left"))
+        if cut < k or k == n:
+            keep = order[: min(cut + 1, order.shape[0])]
+            break
+        k = min(n, k * 8)
+    sel_ids = keep if ids is None else ids[keep]
+    return sel_ids, logits[keep]
+
+
+def select(row: np.ndarray, cfg: SamplerConfig, u: float) -> int:
+    """The token id chosen from ``row`` (already through ``adjusted_row``) with uniform ``u``.
+
+    Greedy (GPU_GREEDY, or temperature <= 0) is ``argmax`` (lowest id on ties). Sampled lanes
+    apply top-k, top-p, min-p and temperature, then pick by inverse CDF over the survivors sorted by
+    token id."""
+    if not cfg.sampled:
+        return int(np.argmax(row))
+    vocab = row.shape[0]
+    ids: np.ndarray | None = None
+    logits = row
+    if 0 < cfg.top_k < vocab:
+        ids = np.argpartition(row, vocab - cfg.top_k)[vocab - cfg.top_k :]
+        logits = row[ids]
+    if 0.0 < cfg.top_p < 1.0:
+        ids, logits = _top_p_keep(ids, logits, cfg.top_p)
+    if cfg.min_p > 0.0:
+        floor = float(logits.max()) + float(np.log(cfg.min_p))
+        keep = np.flatnonzero(logits >= floor)
+        ids = keep if ids is None else ids[keep]
+        logits = logits[keep]
+    if ids is not None:
+        order = np.argsort(ids, kind="stable")
+        ids, logits = ids[order], logits[order]
+    m = float(logits.max())
+    weights = np.exp((logits.astype(np.float64) - m) / cfg.temperature)
+    cdf = np.cumsum(weights)
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    j = min(j, cdf.shape[0] - 1)
+    return int(ids[j]) if ids is not None else j
+
+
+def logprobs(row: np.ndarray, token: int, n_top: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """Natural-log probability of ``token`` under softmax(``row``) and the ``n_top`` most likely
+    alternatives, descending (ties: lower id first), as (logprob, ids uint32, logprobs float32).
+
+    ``row`` is the row the token was chosen from after bias and penalties, before temperature and
+    truncation. ``n_top`` is clamped to [0, MAX_TOP_LOGPROBS]."""
+    m = float(row.max())
+    lse = m + float(np.log(np.exp((row - m).astype(np.float64)).sum()))
+    lp = float(row[token]) - lse
+    n_top = max(0, min(n_top, MAX_TOP_LOGPROBS, row.shape[0]))
+    if n_top == 0:
+        return lp, np.zeros(0, np.uint32), np.zeros(0, np.float32)
+    vocab = row.shape[0]
+    part = np.argpartition(row, vocab - n_top)[vocab - n_top :] if n_top < vocab else np.arange(vocab)
+    order = part[np.lexsort((part, -row[part]))]
+    return lp, order.astype(np.uint32), (row[order].astype(np.float64) - lse).astype(np.float32)
