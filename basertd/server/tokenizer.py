@@ -208,16 +208,16 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self._held + text
-        first: tuple[int, str] | None = None
+        first: tuple[int, int, str] | None = None  # (end, start, stop) of the match that ends first
         for s in self.stops:
             i = buf.find(s)
-            if i >= 0 and (first is None or i < first[0]):
-                first = (i, s)
+            if i >= 0 and (first is None or (i + len(s), i) < first[:2]):
+                first = (i + len(s), i, s)
         if first is not None:
             self._held = ""
             self.stopped = True
-            self.matched = first[1]
-            return buf[: first[0]], True
+            self.matched = first[2]
+            return buf[: first[1]], True
         hold = self._hold_length(buf)
         self._held = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False

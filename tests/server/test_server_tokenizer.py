@@ -90,6 +90,7 @@ def test_held_tail_released_when_it_turns_out_not_to_be_a_stop():
 
 def test_earliest_of_several_stops_wins_and_empty_stops_are_ignored():
     assert _run(["b", "abc", ""], ["xxab", "c"])[:2] == ("xxa", True)
+    assert _run(["b", "xab"], ["xxab"])[:2] == ("x", True)  # same end: the one starting first
     assert _run(["\n\n", "##"], ["one\n", "\ntwo"])[:2] == ("one", True)
     assert _run([""], ["abc"])[:2] == ("abc", False)
 
@@ -101,9 +102,9 @@ def test_earliest_of_several_stops_wins_and_empty_stops_are_ignored():
     st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=10),
 )
 def test_stop_matcher_matches_the_one_shot_cut(text, stops, cuts):
-    """Streaming in any chunks gives exactly the text before the first stop occurrence."""
-    firsts = [(text.find(s), s) for s in stops if s in text]
-    expected = text[: min(firsts)[0]] if firsts else text
+    """Streaming in any chunks gives exactly the text before the stop occurrence that ends first."""
+    firsts = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    expected = text[: min(firsts)[1]] if firsts else text
     chunks, i, k = [], 0, 0
     while i < len(text):
         chunks.append(text[i : i + cuts[k % len(cuts)]])

@@ -1,0 +1,308 @@
+"""Generation requests: validation, the request record, and its output stream (issue 7).
+
+A ``GenerationRequest`` is everything the coordinator knows about one Generate: its prompt ids,
+its parameters, where its replies go (a ``RequestSink``), the tokens already delivered to the
+client, and its timings. The scheduler (``basertd.server.scheduler``) moves it queued -> running
+-> finished and feeds it tokens; the request turns them into client messages itself
+(``deliver``, ``finish``, ``fail``), so the scheduler never touches a socket and every exit
+path goes through one place that cannot send a reply twice.
+
+Text rules (DESIGN.md "Client API"): text deltas never split a UTF-8 character
+(``IncrementalDetokenizer``); a stop string ends the generation and neither it nor its beginning
+reaches the client (``StopMatcher``); ``max_tokens`` is exact: never more tokens than that are
+delivered, whatever the engine produced in a tick.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from basertd.schema import client as api
+from basertd.schema.abi import Sampling, SamplingFlag
+from basertd.schema.client import ErrorCode
+from basertd.schema.tick import SamplingParams
+from basertd.server.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+QOS_CLASSES: tuple[str, ...] = ("interactive", "batch", "background")
+"""QoS classes, highest first (DESIGN.md "Scheduling")."""
+MAX_SEED = (1 << 32) - 1
+"""Largest request seed: ``rng_counter_base = seed << 32`` must fit a u64 (ABI rule 73)."""
+MAX_STOPS = 16
+"""Most stop strings one Generate may carry."""
+MAX_STOP_CHARS = 256
+"""Longest stop string (characters)."""
+
+FINISH_REASONS = ("stop", "length", "eos", "cancelled", "error")
+"""Finish reasons of a generation: a stop string, max_tokens (or the context window), the model's
+end-of-generation token, a cancel or disconnect, a failure."""
+
+
+class AdmissionError(Exception):
+    """A Generate refused before anything was queued: ``code`` is the client ``ErrorCode``
+    (INVALID_REQUEST, EMPTY_PROMPT, CONTEXT_LENGTH_EXCEEDED, QUEUE_FULL, SHUTTING_DOWN, ...)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class RequestSink(Protocol):
+    """Where a request's replies go (a client connection). ``send`` must not block or raise;
+    ``closed`` turns True when the client has gone (its requests are then cancelled)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def send(self, msg: object) -> None: ...
+
+
+class RequestState(StrEnum):
+    """Life of a request: queued (waiting for a lane), running (owns a lane), finished."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The lane's sampling as the ABI wants it: ``mode`` GPU_GREEDY for temperature 0, else
+    GPU_GUMBEL with ``params`` filled; ``seed`` the request seed (drawn at random when the client
+    gave none) so ``rng_counter_base = seed << 32`` for a fresh lane (ABI rule 73)."""
+
+    mode: Sampling
+    params: SamplingParams
+    seed: int
+
+    def rng_counter_base(self, generated: int = 0) -> int:
+        """Counter base of a lane that resumes after ``generated`` tokens: ``(seed << 32) + k``."""
+        return (self.seed << 32) + generated
+
+
+def sampler_for(gen: api.Generate) -> Sampler:
+    """The ``Sampler`` of a validated Generate (see ``validate_generate``)."""
+    seed = gen.seed if gen.seed is not None else secrets.randbelow(MAX_SEED + 1)
+    flags = SamplingFlag.IGNORE_EOS if gen.ignore_eos else 0
+    if gen.temperature == 0.0:
+        return Sampler(Sampling.GPU_GREEDY, SamplingParams(flags=int(flags)), seed)
+    params = SamplingParams(
+        temperature=gen.temperature,
+        top_p=0.0 if gen.top_p >= 1.0 else gen.top_p,
+        min_p=gen.min_p,
+        top_k=gen.top_k,
+        freq_penalty=gen.frequency_penalty,
+        presence_penalty=gen.presence_penalty,
+        repeat_penalty=0.0 if gen.repeat_penalty == 1.0 else gen.repeat_penalty,
+        flags=int(flags),
+    )
+    return Sampler(Sampling.GPU_GUMBEL, params, seed)
+
+
+def validate_generate(gen: api.Generate) -> None:
+    """Check a Generate's parameter values (types were checked by the codec). Raises
+    ``AdmissionError``: EMPTY_PROMPT for an empty prompt, INVALID_REQUEST naming the field for
+    everything else (both or neither of prompt/prompt_tokens, max_tokens < 1, temperature < 0,
+    top_p outside [0, 1], top_k < 0, min_p outside [0, 1], repeat_penalty <= 0, a seed outside
+    0..2**32-1, logprobs (not served yet), too many or too long stop strings)."""
+
+    def bad(message: str) -> AdmissionError:
+        return AdmissionError(ErrorCode.INVALID_REQUEST, f"request {gen.request_id!r}: {message}")
+
+    if (gen.prompt is None) == (gen.prompt_tokens is None):
+        raise bad("give exactly one of prompt and prompt_tokens")
+    if (gen.prompt is not None and gen.prompt == "") or (
+        gen.prompt_tokens is not None and not gen.prompt_tokens
+    ):
+        raise AdmissionError(ErrorCode.EMPTY_PROMPT, f"request {gen.request_id!r}: the prompt is empty")
+    if not gen.request_id:
+        raise bad("request_id is empty")
+    checks = (
+        (gen.max_tokens >= 1, f"max_tokens must be >= 1, got {gen.max_tokens}"),
+        (gen.temperature >= 0.0, f"temperature must be >= 0, got {gen.temperature}"),
+        (0.0 <= gen.top_p <= 1.0, f"top_p must be within [0, 1], got {gen.top_p}"),
+        (gen.top_k >= 0, f"top_k must be >= 0, got {gen.top_k}"),
+        (0.0 <= gen.min_p <= 1.0, f"min_p must be within [0, 1], got {gen.min_p}"),
+        (gen.repeat_penalty > 0.0, f"repeat_penalty must be > 0, got {gen.repeat_penalty}"),
+        (gen.seed is None or 0 <= gen.seed <= MAX_SEED, f"seed must be within 0..{MAX_SEED}"),
+        (gen.logprobs == 0, "logprobs are not served by this daemon yet"),
+        (len(gen.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings"),
+        (all(len(s) <= MAX_STOP_CHARS for s in gen.stop), f"stop strings are at most {MAX_STOP_CHARS} chars"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise bad(message)
+    for x in (gen.temperature, gen.top_p, gen.min_p, gen.repeat_penalty, gen.frequency_penalty):
+        if x != x or x in (float("inf"), float("-inf")):
+            raise bad("sampling parameters must be finite numbers")
+
+
+_keys = itertools.count(1)
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One Generate from admission to Done/Error.
+
+    Fixed at admission: ``key`` (daemon-unique, never reused), ``request_id`` (the client's),
+    ``prompt`` (token ids), ``max_tokens`` (tokens), ``sampler``, ``stop``, ``qos``, ``stream``,
+    ``sink``, ``t_received`` (monotonic seconds). Moving state: ``state``, ``worker_id`` and
+    ``lane_tag`` while running, ``generated`` (ids delivered to the client, in order; the record
+    a resume after preemption replays), ``cached_tokens`` (prompt tokens served from the prefix
+    cache), timings, ``finish_reason`` once finished, ``cancelled`` once the client cancelled or
+    went away."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampler: Sampler
+    sink: RequestSink
+    tokenizer: Tokenizer
+    stop: Sequence[str] = ()
+    qos: str = "interactive"
+    stream: bool = True
+    key: int = field(default_factory=lambda: next(_keys))
+    t_received: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.QUEUED
+    worker_id: int | None = None
+    lane_tag: int | None = None
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    cancelled: bool = False
+    finish_reason: str | None = None
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    t_finished: float | None = None
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        self._stops = StopMatcher(self.stop)
+        self._pending_ids: list[int] = []  # stream=False: everything goes out with Done
+        self._pending_text: list[str] = []
+
+    # --- views the scheduler plans with ---------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        """True once Done or Error was sent (or the request was dropped)."""
+        return self.state is RequestState.FINISHED
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed by max_tokens."""
+        return self.max_tokens - len(self.generated)
+
+    @property
+    def gone(self) -> bool:
+        """True when the client cancelled or disconnected: the lane retires, a queued request never
+        starts."""
+        return self.cancelled or self.sink.closed
+
+    # --- output ---------------------------------------------------------------------------
+
+    def _send_tokens(self, ids: list[int], text: str, final: bool) -> None:
+        if self.stream:
+            if ids or text:
+                self.sink.send(api.Tokens(request_id=self.request_id, ids=ids, text=text))
+            return
+        self._pending_ids.extend(ids)
+        self._pending_text.append(text)
+        if final and (self._pending_ids or any(self._pending_text)):
+            self.sink.send(
+                api.Tokens(
+                    request_id=self.request_id, ids=self._pending_ids, text="".join(self._pending_text)
+                )
+            )
+
+    def deliver(self, ids: Sequence[int], now: float | None = None) -> str | None:
+        """Deliver freshly generated ``ids`` (in order) to the client. At most ``remaining`` of them
+        are taken; with stop strings, none after the token that completed one. Returns the finish
+        reason this delivery reached ("stop" or "length"), else None; the caller then retires the
+        lane and calls ``finish``. Ignored once finished."""
+        if self.finished or not ids:
+            return None
+        now = time.monotonic() if now is None else now
+        if self.t_first_token is None:
+            self.t_first_token = now
+        take = [int(t) for t in ids[: max(self.remaining, 0)]]
+        reason = None
+        if self._stops.stops:
+            sent: list[int] = []
+            text_parts: list[str] = []
+            for t in take:
+                sent.append(t)
+                safe, stopped = self._stops.feed(self._detok.feed((t,)))
+                text_parts.append(safe)
+                if stopped:
+                    reason = "stop"
+                    break
+            take, text = sent, "".join(text_parts)
+        else:
+            text = self._detok.feed(take)
+        self.generated.extend(take)
+        if reason is None and self.remaining <= 0:
+            reason = "length"
+        self._send_tokens(take, text, final=False)
+        return reason
+
+    def finish(self, reason: str, now: float | None = None) -> None:
+        """Send the held-back text (unless a stop string matched) and Done with ``reason``, usage
+        and timings. Idempotent: a finished request sends nothing more."""
+        if self.finished:
+            return
+        now = time.monotonic() if now is None else now
+        tail = ""
+        if not self._stops.stopped:
+            tail = self._stops.feed(self._detok.flush())[0] + self._stops.flush()
+        self._send_tokens([], tail, final=True)
+        self.state = RequestState.FINISHED
+        self.finish_reason = reason
+        self.t_finished = now
+        self.sink.send(
+            api.Done(
+                request_id=self.request_id, finish_reason=reason, usage=self.usage(), timings=self.timings()
+            )
+        )
+
+    def fail(self, code: ErrorCode, message: str, now: float | None = None) -> None:
+        """End the request with ``Error(code, message)`` after whatever was already delivered
+        (never repeated). Idempotent."""
+        if self.finished:
+            return
+        self.state = RequestState.FINISHED
+        self.finish_reason = "cancelled" if code is ErrorCode.CANCELLED else "error"
+        self.t_finished = time.monotonic() if now is None else now
+        if not self.stream and self._pending_ids:
+            self.sink.send(
+                api.Tokens(
+                    request_id=self.request_id, ids=self._pending_ids, text="".join(self._pending_text)
+                )
+            )
+        self.sink.send(api.Error(code=code, request_id=self.request_id, message=message))
+
+    def usage(self) -> api.Usage:
+        """Token counts: prompt, cached (prefix cache), completion (delivered)."""
+        return api.Usage(
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.cached_tokens,
+            completion_tokens=len(self.generated),
+        )
+
+    def timings(self) -> api.Timings:
+        """Seconds queued, TTFT and total from receipt, and the decode rate after the first token
+        (tokens/s; 0 with fewer than two tokens)."""
+        end = self.t_finished if self.t_finished is not None else time.monotonic()
+        queue_s = (self.t_admitted if self.t_admitted is not None else end) - self.t_received
+        ttft = (self.t_first_token - self.t_received) if self.t_first_token is not None else 0.0
+        rate = 0.0
+        if self.t_first_token is not None and len(self.generated) > 1 and end > self.t_first_token:
+            rate = (len(self.generated) - 1) / (end - self.t_first_token)
+        return api.Timings(
+            queue_s=queue_s, ttft_s=ttft, decode_tokens_per_s=rate, total_s=end - self.t_received
+        )
