@@ -41,8 +41,11 @@ class SharedLibBuild(build_ext):
     PLAIN = {"basertd.native.libbasert_ref"}
 
     def get_ext_filename(self, fullname: str) -> str:
-        if fullname in self.PLAIN:
-            return os.path.join(*fullname.split(".")[:-1], fullname.split(".")[-1] + ".so")
+        # distutils' get_ext_fullpath asks with the last name component only, the in-place copy
+        # with the full dotted name: both must get the plain ".so" name, or the copy looks for a
+        # file the link step never wrote.
+        if fullname in self.PLAIN or fullname in {n.rsplit(".", 1)[-1] for n in self.PLAIN}:
+            return os.path.join(*fullname.split(".")) + ".so"
         return super().get_ext_filename(fullname)
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
