@@ -1,0 +1,36 @@
+"""Fixtures of the llama.cpp engine tests: engines on the tiny GGUFs (one thread, small pools),
+each with a ``Coordinator`` playing the other side of its rings (lc_harness.py)."""
+
+from __future__ import annotations
+
+import pytest
+from lc_harness import Coordinator
+
+from basertd.worker.engines.llamacpp import LlamaCppEngine
+
+
+@pytest.fixture
+def make_engine(tiny_gguf):
+    """``make(path=None, coord_kw=None, **engine_kw) -> (engine, coordinator)``; closed after the
+    test. Defaults: the tiny llama model, 8 lanes of 256 tokens, n_threads 1."""
+    made = []
+
+    def make(path=None, coord_kw=None, **kw):
+        kw.setdefault("lanes", 8)
+        kw.setdefault("context_length", 256)
+        kw.setdefault("n_threads", 1)
+        eng = LlamaCppEngine(path or tiny_gguf, **kw)
+        coord = Coordinator(eng, **(coord_kw or {}))
+        made.append((eng, coord))
+        return eng, coord
+
+    yield make
+    for eng, coord in made:
+        eng.close()
+        coord.close()
+
+
+@pytest.fixture
+def lc(make_engine):
+    """One default tiny-llama engine and its coordinator."""
+    return make_engine()
