@@ -108,3 +108,54 @@ def make_bundle(request) -> Iterator[Callable[..., Bundle]]:
     yield make_one
     for b in made:
         b.close()
+
+
+# -- sections C-G and J: reference bundles and bundles with rings (lanekit.Rig) ----------------
+
+
+@pytest.fixture
+def ref_bundle_factory() -> Iterator[Callable[..., Bundle]]:
+    """``factory(**config) -> RefBundle``: fresh reference bundles (keywords of
+    ``basertd.native.ref.RefConfig``), driven through ``basertd.native.abi``; closed at teardown."""
+    from basertd.native.ref import create_ref_bundle
+
+    made: list[Bundle] = []
+
+    def factory(**config) -> Bundle:
+        _ref_lib_path()
+        b = create_ref_bundle(**config)
+        made.append(b)
+        return b
+
+    yield factory
+    for b in made:
+        b.close()
+
+
+@pytest.fixture
+def make_rig(make_bundle):
+    """``make_rig(rig_kw=None, **config) -> lanekit.Rig``: a bundle of the engine under test with
+    its prompt, emit and logits rings attached. Rigs are closed (bundle, then ring segments) at
+    teardown."""
+    from lanekit import Rig
+
+    from basertd.native.ref import RefBundle
+
+    rigs = []
+
+    def factory(rig_kw: dict | None = None, **config):
+        b = make_bundle(**config)
+        vocab = b.config.vocab_size if isinstance(b, RefBundle) else 512
+        r = Rig(b, vocab=vocab, **(rig_kw or {}))
+        rigs.append(r)
+        return r
+
+    yield factory
+    for r in rigs:
+        r.close()
+
+
+@pytest.fixture
+def rig(make_rig):
+    """A default-config ``lanekit.Rig`` of the engine under test."""
+    return make_rig()

@@ -1,0 +1,280 @@
+"""The C reference engine's test surface (``native/ref_engine/basert_ref.h``) in Python.
+
+``create_ref_bundle(RefConfig(...))`` opens ``libbasert_ref.so`` through ``basertd.native.abi``
+(``BasertLib`` with the ``baseRT_ref_*`` declarations added), creates a bundle with
+``baseRT_ref_create_checked`` and returns a ``RefBundle``: an ``abi.Bundle`` - every tick-ABI call
+goes through exactly the binding a real libbaseRT uses - plus the reference-only calls
+``force_finish``, ``inject_fault``, ``refuse_admits``, ``stats`` and ``lane_info``.
+``close()`` frees the bundle with ``baseRT_ref_free``.
+
+What the engine does (plan validation, tick order, synthetic tokens, pool, cache, seeds, HOST
+lanes, replay) is documented in the header comment of ``basert_ref.h``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from basertd.native import ref_engine_path
+from basertd.native._cdef import header_to_cdef
+from basertd.native.abi import ArgumentError, BasertLib, Bundle, error_for
+from basertd.schema.abi import SpaceKind
+
+REF_HEADER = Path(__file__).resolve().parent / "ref_engine" / "basert_ref.h"
+"""The test-surface header (installed as package data next to the engine sources)."""
+
+
+class RefuseKind:
+    """Predicates of ``RefBundle.refuse_admits`` (BASERT_REF_REFUSE_*)."""
+
+    NONE = 0
+    TAG_MASK = 1  # lane_tag & param != 0
+    TAG_EQUALS = 2  # lane_tag == param
+    ALL = 3
+    PROMPT_OVER = 4  # prompt longer than param tokens
+
+
+class LaneState:
+    """``LaneInfo.state`` values (BASERT_REF_LANE_*)."""
+
+    LIVE = 0
+    FINISHED = 1
+    FAULTED = 2
+
+
+@dataclass(frozen=True)
+class RefSpace:
+    """One state space of a reference bundle (BaseRTRefSpace). At most one paged space (its page
+    size and bytes per token are the bundle's); blob kinds record a snapshot boundary every
+    ``snapshot_interval_tokens`` tokens (cadence 2) or at the published end (cadence 1)."""
+
+    space_id: int
+    kind: int = SpaceKind.PAGED_TOKEN_KV
+    flags: int = 0  # SpaceFlag bits
+    blob_bytes: int = 0  # bytes of one blob snapshot
+    version_tag: int = 1
+    snapshot_cadence: int = 0  # 0 none, 1 tool boundary, 2 interval
+    snapshot_interval_tokens: int = 0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """Configuration of a reference bundle (BaseRTRefConfig); the defaults make a working bundle.
+
+    Sizes in tokens unless named ``_bytes``; ``tick_delay_us`` in microseconds (a real sleep per
+    accepted tick); ``seed_lease_ticks`` in ticks (ABI rule 84). ``eos_period`` p > 0 makes the
+    synthetic model draw ``eos_token`` about once per p tokens (0: never). ``scripted_tokens`` are
+    emitted in order by every request (index counts its decode_replay tokens) before hashing takes
+    over. ``spaces`` empty means one PAGED_TOKEN_KV space, id 0, named "kv"."""
+
+    vocab_size: int = 512
+    max_lanes: int = 16
+    max_batch_size: int = 16
+    page_size_tokens: int = 16
+    bytes_per_token: int = 64
+    pool_bytes: int = 1 << 20
+    context_length: int = 1024
+    eos_token: int = 2
+    eos_period: int = 0
+    tick_delay_us: int = 0
+    seed_lease_ticks: int = 8
+    scripted_tokens: Sequence[int] = ()
+    spaces: Sequence[RefSpace] = ()
+    identity: bytes = b""  # 32 bytes, or empty to derive it from the config
+    kernel_caps: int = 0
+    n_layers: int = 32
+    arch: str = "ref-arch"
+
+
+@dataclass(frozen=True)
+class LaneInfo:
+    """One lane as the reference engine holds it (BaseRTRefLaneInfo); tokens unless stated."""
+
+    state: int  # LaneState
+    finish: int  # Finish, once finished
+    sampling: int
+    prompt_len: int
+    prefill_end: int  # prompt_len - decode_replay
+    prefilled: int  # prompt tokens resident (seeded, prefilled or replayed)
+    committed: int  # tokens resident in the lane's sequence
+    generated: int  # tokens drawn or committed by the lane
+    rng_counter: int  # counter of the next generated token (rng_counter_base + generated)
+    row_nonce: int  # pending HOST row's generation, 0 when none
+    taint_bits: int
+    blocks: int  # pool blocks the lane's sequence references
+
+
+STAT_FIELDS = (
+    "ticks",
+    "last_plan_seq",
+    "prefill_tokens_total",
+    "decode_tokens_total",
+    "replay_tokens_total",
+    "live_lanes",
+    "live_seed_leases",
+    "cache_entries",
+    "cache_bytes",
+    "pool_bytes_used",
+    "pool_bytes_total",
+    "pool_blocks_used",
+    "pool_blocks_total",
+    "evictions_total",
+    "faults_total",
+    "bare_sequences",
+    "rejected_plans",
+)
+"""Keys of ``RefBundle.stats()`` (BaseRTRefStats without struct_size)."""
+
+
+def ref_cdef() -> str:
+    """cffi declarations of the ``baseRT_ref_*`` surface (basert_ref.h through native/_cdef.py)."""
+    return header_to_cdef(REF_HEADER.read_text())
+
+
+@functools.lru_cache(maxsize=4)
+def open_ref_lib(path: str | None = None) -> BasertLib:
+    """The reference engine opened through the tick-ABI binding with the test surface declared.
+    ``path`` defaults to ``ref_engine_path()``; one ``BasertLib`` per path per process. Raises
+    FileNotFoundError ("run make native") when the engine is not built, and the binding's
+    LibraryError / MissingSymbols."""
+    return BasertLib(path or ref_engine_path(), extra_cdef=ref_cdef())
+
+
+class RefBundle(Bundle):
+    """A reference-engine bundle: an ``abi.Bundle`` plus the reference-only test surface.
+
+    Every method raises ``AbiError`` with the engine's ``Status`` on refusal (nothing changed)."""
+
+    config: RefConfig
+
+    def force_finish(self, lane_tag: int, finish: int) -> None:
+        """End live lane ``lane_tag`` with ``finish`` (Finish.EOS..ERROR) in its next tick.
+        AbiError(REJECT_UNKNOWN_LANE) unless live and unfinished; REJECT_BOUNDS for a bad code."""
+        self._call("baseRT_ref_force_finish", self.handle, lane_tag, finish)
+
+    def inject_fault(self, lane_tag: int, code: int) -> None:
+        """Fault lane ``lane_tag`` with FaultCode ``code`` in its next tick (ABI rules 60-62)."""
+        self._call("baseRT_ref_inject_fault", self.handle, lane_tag, code)
+
+    def refuse_admits(self, kind: int, param: int = 0, status: int = 0) -> None:
+        """Reject admits matching predicate ``kind`` (RefuseKind) / ``param`` in admit_results with
+        reject_code ``status`` (a negative Status) from now on; RefuseKind.NONE stops it."""
+        self._call("baseRT_ref_refuse_admits", self.handle, kind, param, status)
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges (keys ``STAT_FIELDS``): ticks, tokens prefilled / decoded /
+        replayed, lanes, leases, cache entries and bytes, pool bytes and blocks, evictions,
+        faults, bare sequences, rejected plans."""
+        out = self.ffi.new("BaseRTRefStats *", {"struct_size": self.ffi.sizeof("BaseRTRefStats")})
+        self._call("baseRT_ref_stats", self.handle, out)
+        return {name: int(getattr(out, name)) for name in STAT_FIELDS}
+
+    def lane_info(self, lane_tag: int) -> LaneInfo:
+        """The engine's view of lane ``lane_tag``; AbiError(REJECT_UNKNOWN_LANE) if it holds none."""
+        out = self.ffi.new("BaseRTRefLaneInfo *", {"struct_size": self.ffi.sizeof("BaseRTRefLaneInfo")})
+        self._call("baseRT_ref_lane_info", self.handle, lane_tag, out)
+        return LaneInfo(**{f.name: int(getattr(out, f.name)) for f in fields(LaneInfo)})
+
+
+def _space_rows(spaces: Sequence[RefSpace]) -> list[dict]:
+    rows = []
+    for s in spaces:
+        name = s.name.encode()
+        if len(name) > 31 or b"\0" in name:
+            raise ArgumentError(f"space {s.space_id}: name must be at most 31 bytes without NUL")
+        rows.append(
+            {
+                "space_id": s.space_id,
+                "kind": int(s.kind),
+                "flags": int(s.flags),
+                "blob_bytes": s.blob_bytes,
+                "version_tag": s.version_tag,
+                "snapshot_cadence": s.snapshot_cadence,
+                "snapshot_interval_tokens": s.snapshot_interval_tokens,
+                "name": name,
+            }
+        )
+    return rows
+
+
+def create_ref_bundle(
+    config: RefConfig | None = None, *, lib: BasertLib | None = None, **overrides
+) -> RefBundle:
+    """A fresh reference bundle from ``config`` (default ``RefConfig()``) with ``overrides``
+    applied (``create_ref_bundle(vocab_size=64)``), driven through ``basertd.native.abi``.
+
+    Raises ``ArgumentError`` for values that do not fit the C config, ``AbiError`` with
+    REJECT_BOUNDS for a config the engine refuses (see baseRT_ref_create_checked) and
+    FileNotFoundError when the engine is not built."""
+    try:
+        cfg = replace(config or RefConfig(), **overrides)
+    except TypeError as e:
+        raise ArgumentError(f"RefConfig: {e}") from e
+    lib = lib or open_ref_lib()
+    ffi = lib.ffi
+    c = ffi.new("BaseRTRefConfig *")
+    lib.lib.baseRT_ref_config_init(c)
+    keep = []
+    try:
+        for name in (
+            "vocab_size",
+            "max_lanes",
+            "max_batch_size",
+            "page_size_tokens",
+            "bytes_per_token",
+            "pool_bytes",
+            "context_length",
+            "eos_token",
+            "eos_period",
+            "tick_delay_us",
+            "seed_lease_ticks",
+            "kernel_caps",
+            "n_layers",
+        ):
+            setattr(c, name, getattr(cfg, name))
+        if cfg.scripted_tokens:
+            toks = ffi.new("uint32_t[]", list(cfg.scripted_tokens))
+            keep.append(toks)
+            c.scripted_tokens = toks
+            c.n_scripted_tokens = len(cfg.scripted_tokens)
+        if cfg.spaces:
+            sp = ffi.new("BaseRTRefSpace[]", _space_rows(cfg.spaces))
+            keep.append(sp)
+            c.spaces = sp
+            c.n_spaces = len(cfg.spaces)
+        if cfg.identity:
+            if len(cfg.identity) != 32:
+                raise ArgumentError(f"identity must be 32 bytes, got {len(cfg.identity)}")
+            ffi.memmove(c.identity, cfg.identity, 32)
+        arch = ffi.new("char[]", cfg.arch.encode())
+        keep.append(arch)
+        c.arch = arch
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ArgumentError(f"RefConfig: {e}") from e
+    out = ffi.new("baseRT_model_t *")
+    status = lib.lib.baseRT_ref_create_checked(c, out)
+    if status:
+        raise error_for(status, "baseRT_ref_create_checked")
+    bundle = RefBundle(lib, out[0], lib.lib.baseRT_ref_free)
+    bundle.config = cfg
+    del keep
+    return bundle
+
+
+__all__ = [
+    "REF_HEADER",
+    "STAT_FIELDS",
+    "LaneInfo",
+    "LaneState",
+    "RefBundle",
+    "RefConfig",
+    "RefSpace",
+    "RefuseKind",
+    "create_ref_bundle",
+    "open_ref_lib",
+    "ref_cdef",
+]
