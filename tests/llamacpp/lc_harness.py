@@ -236,3 +236,14 @@ class BareLlama:
         L.llama_batch_free(self.batch)
         L.llama_free(self.ctx)
         L.llama_model_free(self.model)
+
+
+def first_divergence(tokens: list[int], ref: list[int], ref_margins: list[float], tol: float) -> int | None:
+    """Where ``tokens`` first differs from ``ref`` (None when equal over the common length),
+    asserting the reference's top-2 logit margin there is below ``tol``: a different batch
+    composition or chunking may flip a near-tie, never a clear choice."""
+    for i, (a, b) in enumerate(zip(tokens, ref, strict=False)):
+        if a != b:
+            assert ref_margins[i] < tol, f"diverged at {i} where the reference margin is {ref_margins[i]:.4f}"
+            return i
+    return None
