@@ -162,7 +162,8 @@ class StatusResult(_Msg, tag="status_result"):
 class WorkerRow(_Rec):
     """One worker: ``state`` "starting", "ready", "draining", "restarting" or "dead"; pid (0 when
     none); lanes busy / max; requests queued for it; respawn count; KV pool bytes used / total;
-    ticks run."""
+    ticks run; lanes and unconsumed seed leases the engine itself reports (its ``stats``; with
+    the coordinator idle both are 0, anything else is a leak)."""
 
     worker_id: int
     engine: str = ""
@@ -176,6 +177,8 @@ class WorkerRow(_Rec):
     pool_used_bytes: int = 0
     pool_total_bytes: int = 0
     ticks_run: int = 0
+    engine_lanes: int = 0
+    seed_leases: int = 0
 
 
 class WorkersResult(_Msg, tag="workers_result"):
