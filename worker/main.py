@@ -1,9 +1,270 @@
-"""``basertd-worker``: one engine process per device (issue 5)."""
+"""``basertd-worker``: one engine process per device (DESIGN.md "Processes", issue 5).
 
+Started by the coordinator (``basertd.server.worker_proc``), never by hand in production::
+
+    basertd-worker --worker-id 0 --link ipc:///run/basertd/basertd-w0-x/link.sock --parent-pid 1234 \\
+        --ring 1:prompt:5:4096:272 --ring 2:emit:6:4096:80 --ring 3:logits:7:8:4112 \\
+        --engine basert --ref-config '{"vocab_size": 512, "max_lanes": 16}'
+
+Engines (``basertd.worker.engines.ENGINES``):
+
+- ``basert`` (default): a tick-ABI library through ``basertd.native.abi``. Without ``--lib`` it is
+  the C reference engine, configured with ``--ref-config`` (a JSON object, or ``key=value`` pairs
+  separated by commas, of ``basertd.native.ref`` config fields) and ``--lanes`` /
+  ``--context-length``. ``--lib PATH`` (or ``--model PATH``) names another library; a real
+  libbaseRT creates bundles through baseRT.h, which is not part of the tick ABI header we have, so
+  such a library is refused with exit 3 unless it also exports the reference engine's creation
+  functions.
+- ``llamacpp``: a GGUF ``--model`` through llama-cpp-python, ``--lanes``, ``--context-length``
+  (tokens per lane), ``--threads``.
+
+Rings: ``--ring ID:KIND:FD:SLOTS:SLOT_BYTES`` (repeatable): ring ``ID`` of KIND ``prompt`` (tokens,
+engine reads), ``emit`` (tokens, engine writes) or ``logits`` (f32 rows, engine writes), in the
+inherited memfd ``FD``, at offset 0, ``SLOTS`` slots of ``SLOT_BYTES`` bytes (16-byte slot header
+included). The segment must hold 64 + SLOTS * SLOT_BYTES bytes (checked with fstat).
+
+Exit codes (``lifecycle.ExitCode``): 0 orderly (SHUTDOWN, SIGTERM/SIGINT after the tick in flight,
+parent gone), 2 bad command line (the message names the flag), 3 engine/model load failure (the
+message says why), 70 engine FATAL, 76 Link W failure (malformed frame, protocol violation).
+Logs: JSON lines on stderr (``basertd.worker.logging``), content-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import sys
+from collections.abc import Sequence
+from typing import Any
+
+from basertd.schema.abi import RingKind, RingRole
+from basertd.shm import RingError, Segment, ring_bytes
+from basertd.worker import logging as wlog
+from basertd.worker.engines import (
+    ENGINES,
+    EngineLoadError,
+    EngineOptionError,
+    EngineOptions,
+    UnknownEngine,
+    open_engine,
+)
+from basertd.worker.lifecycle import ExitCode, LifecycleError, StopSignals, die_with_parent
+from basertd.worker.link import InheritedRing, LinkServer
+
+RING_KINDS: dict[str, tuple[RingKind, RingRole]] = {
+    "prompt": (RingKind.TOKENS, RingRole.ENGINE_READS),
+    "emit": (RingKind.TOKENS, RingRole.ENGINE_WRITES),
+    "logits": (RingKind.LOGITS, RingRole.ENGINE_WRITES),
+}
+"""``--ring`` KIND names -> (ring kind, role from the engine's side); DESIGN.md "Rings"."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with exit status 2 and the flag named, as argparse does, for our own checks too."""
+
+    def fail(self, flag: str, message: str) -> None:
+        self.error(f"argument {flag}: {message}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _u32(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 1 << 32:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..2**32-1, got {value}")
+    return value
+
+
+def build_parser() -> _Parser:
+    """The command line (``basertd-worker --help``)."""
+    p = _Parser(prog="basertd-worker", description="basertd engine worker: one engine, one Link W.")
+    p.add_argument("--worker-id", type=_u32, default=0, help="this worker's id in the coordinator's config")
+    p.add_argument(
+        "--link", required=True, metavar="ENDPOINT", help="the coordinator's zmq endpoint (ipc://...)"
+    )
+    p.add_argument(
+        "--parent-pid",
+        type=_positive,
+        default=None,
+        help="the coordinator's pid (default: our parent at start)",
+    )
+    p.add_argument(
+        "--ring",
+        action="append",
+        default=[],
+        metavar="ID:KIND:FD:SLOTS:SLOT_BYTES",
+        help="an inherited ring segment; KIND is prompt, emit or logits (repeatable)",
+    )
+    p.add_argument(
+        "--engine", default="basert", help=f"engine: {', '.join(sorted(ENGINES))} (default basert)"
+    )
+    p.add_argument(
+        "--lib", default=None, metavar="PATH", help="basert: tick-ABI library (default: reference engine)"
+    )
+    p.add_argument(
+        "--ref-config",
+        default=None,
+        metavar="JSON|K=V,...",
+        help="basert reference engine: config fields as a JSON object or key=value pairs",
+    )
+    p.add_argument("--model", default=None, metavar="PATH", help="llamacpp: GGUF file; basert: library path")
+    p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda:0 (default cpu)")
+    p.add_argument("--lanes", type=_positive, default=None, help="concurrent lanes")
+    p.add_argument("--context-length", type=_positive, default=None, help="tokens per lane")
+    p.add_argument("--threads", type=_positive, default=None, help="engine CPU threads")
+    p.add_argument("--log-level", default="info", choices=wlog.level_names())
+    return p
+
+
+def parse_ref_config(text: str | None) -> dict[str, Any]:
+    """``--ref-config``: a JSON object, or ``key=value[,key=value...]`` with integer values (else
+    the value is kept as a string). Raises ValueError with the reason."""
+    if text is None or not text.strip():
+        return {}
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("expected a JSON object")
+        return value
+    out: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"expected key=value, got {part!r}")
+        raw = raw.strip()
+        try:
+            out[key] = int(raw, 0)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+def attach_rings(parser: _Parser, specs: Sequence[str]) -> list[InheritedRing]:
+    """Parse every ``--ring`` and attach its segment (``Segment.attach`` checks the size with
+    fstat). Exits 2 through ``parser`` naming ``--ring`` on any problem; attached segments are
+    closed first."""
+    rings: list[InheritedRing] = []
+    try:
+        for text in specs:
+            parts = text.split(":")
+            if len(parts) != 5:
+                parser.fail("--ring", f"expected ID:KIND:FD:SLOTS:SLOT_BYTES, got {text!r}")
+            rid_s, kind_s, fd_s, slots_s, slot_bytes_s = parts
+            if kind_s not in RING_KINDS:
+                parser.fail("--ring", f"KIND must be one of {', '.join(RING_KINDS)}, got {kind_s!r}")
+            try:
+                rid, fd, slots, slot_bytes = (int(x, 10) for x in (rid_s, fd_s, slots_s, slot_bytes_s))
+            except ValueError:
+                parser.fail("--ring", f"ID, FD, SLOTS and SLOT_BYTES must be integers, got {text!r}")
+            if not 1 <= rid < 1 << 32 or any(r.ring_id == rid for r in rings):
+                parser.fail("--ring", f"ring id {rid} is out of range or given twice")
+            if fd < 3 or any(r.fd == fd for r in rings):
+                parser.fail("--ring", f"fd {fd} is not an inheritable descriptor or given twice")
+            if not 1 <= slots < 1 << 32 or slot_bytes < 24 or slot_bytes % 8 or slot_bytes >= 1 << 32:
+                parser.fail("--ring", f"bad geometry {slots} slots x {slot_bytes} bytes")
+            try:
+                seg = Segment.attach(fd, ring_bytes(slots, slot_bytes))
+            except RingError as exc:
+                parser.fail("--ring", f"ring {rid} on fd {fd}: {exc}")
+            kind, role = RING_KINDS[kind_s]
+            rings.append(InheritedRing(rid, kind, role, fd, slots, slot_bytes, seg))
+    except BaseException:
+        for r in rings:
+            r.segment.close()
+        raise
+    return rings
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Parse, load, serve; returns the exit code (``lifecycle.ExitCode``). Usage errors exit 2
+    through argparse (SystemExit)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        ref_config = parse_ref_config(args.ref_config)
+    except ValueError as exc:
+        parser.fail("--ref-config", str(exc))
+    log = wlog.configure(args.worker_id, args.log_level)
+    parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
+    try:
+        if not die_with_parent(parent_pid):
+            log.info("parent_gone", parent_pid=parent_pid, at="startup")
+            return ExitCode.OK
+    except LifecycleError as exc:
+        log.error("pdeathsig_failed", reason=str(exc))
+        return ExitCode.USAGE
+    stop = StopSignals()
+    stop.install()
+    rings: list[InheritedRing] = []
+    try:
+        rings = attach_rings(parser, args.ring)
+        options = EngineOptions(
+            lib=args.lib,
+            ref_config=ref_config,
+            model=args.model,
+            device=args.device,
+            lanes=args.lanes,
+            context_length=args.context_length,
+            threads=args.threads,
+        )
+        log.info("engine_loading", engine=args.engine, device=args.device, rings=len(rings))
+        try:
+            engine = open_engine(args.engine, options)
+        except UnknownEngine as exc:
+            parser.fail("--engine", str(exc))
+        except EngineOptionError as exc:
+            parser.error(str(exc))
+        except EngineLoadError as exc:
+            log.error("model_load_failed", engine=args.engine, reason=str(exc))
+            print(f"basertd-worker: cannot load the {args.engine} engine: {exc}", file=sys.stderr)
+            return ExitCode.MODEL_LOAD
+        info = engine.info()
+        log.info(
+            "engine_loaded",
+            engine=info.engine,
+            engine_version=info.engine_version,
+            model_id=info.model_id,
+            vocab_size=info.vocab_size,
+            max_lanes=info.max_lanes,
+        )
+        server = LinkServer(
+            engine,
+            endpoint=args.link,
+            worker_id=args.worker_id,
+            parent_pid=parent_pid,
+            rings=rings,
+            stop=stop,
+            log=log,
+        )
+        rings = []  # the server owns and closes them now
+        return server.run()
+    finally:
+        for r in rings:
+            r.segment.close()
+        stop.close()
 
 
 def main() -> int:
-    """Entry point; not implemented until the worker issue lands."""
-    print("basertd-worker: not yet implemented (issue 5)", file=sys.stderr)
-    return 1
+    """Console entry point (``basertd-worker``)."""
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -236,6 +236,7 @@ class WorkerLink:
         self._armed = False
         self._check_scheduled = False
         self._last_worker_error: link.Error | None = None
+        self._shutdown_sent = False
         self._log = log.bind(worker_id=worker_id, pid=pid)
 
     # -- state ---------------------------------------------------------------------------------
@@ -338,7 +339,10 @@ class WorkerLink:
         if self._error is not None:
             return
         self._error = error
-        level = "info" if isinstance(error, LinkClosed) else "warning"
+        expected = isinstance(error, LinkClosed) or (
+            self._shutdown_sent and isinstance(error, WorkerDied) and error.returncode == 0
+        )
+        level = "info" if expected else "warning"
         getattr(self._log, level)("link_down", error=type(error).__name__, reason=str(error))
         self._disarm()
         for fut in self._pending.values():
@@ -653,6 +657,7 @@ class WorkerLink:
         Does nothing on a dead link."""
         if self._error is None and self.version is not None:
             self._send(link.Shutdown(reason=reason))
+            self._shutdown_sent = True
 
     def close(self) -> None:
         """Fail pending calls with ``LinkClosed``, stop watching the fds and close the socket.
