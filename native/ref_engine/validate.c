@@ -185,9 +185,11 @@ static baseRT_status lane_view(ref_plan_tag *t) {
         return rc;
     if (t->lane->state == REF_LANE_FINISHED)
         return BASERT_REJECT_ILLEGAL_COMBINATION; /* rule 48 */
-    t->fed0 = t->fed_after = t->lane->fed;
-    t->prompt_len = t->lane->prompt_len;
-    t->prefill_end = t->lane->prefill_end;
+    if (!t->prompt_len) { /* first look at this lane in the plan (a prefill may have moved fed_after) */
+        t->fed0 = t->fed_after = t->lane->fed;
+        t->prompt_len = t->lane->prompt_len;
+        t->prefill_end = t->lane->prefill_end;
+    }
     return BASERT_STATUS_OK;
 }
 
