@@ -14,6 +14,11 @@ tokens this admission committed. Three cursors move through it:
 A decode unit needs the logits for ``produced``: either ``kv_len == produced - 1`` and the unit
 forwards ``tokens[produced - 1]``, or ``kv_len == produced`` and a logits row is held (from the
 forward that completed the prefill, or kept across ticks in ``held_row``).
+
+A seed of ``p`` tokens starts the cursors at: ``p`` < prefill_end: kv_len = prefilled = p (prefill
+continues at p); prefill_end <= ``p`` < prompt length (the seed covers replayed tokens): kv_len =
+p, produced = p + 1; ``p`` = prompt length: kv_len = p - 1, produced = p (the last position is
+decoded again, since its logits are not cached).
 """
 
 from __future__ import annotations

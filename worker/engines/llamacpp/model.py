@@ -25,29 +25,31 @@ from basertd.worker.engines.base import EngineError
 _init_lock = threading.Lock()
 _initialised = False
 _log = logging.getLogger("basertd.llamacpp")
-_GGML_LOG_ERROR = 3
-
-
-@L.llama_log_callback
-def _log_errors(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """llama.cpp / ggml log sink: errors go to the ``basertd.llamacpp`` logger, the rest is dropped
-    (model-load chatter would otherwise go straight to the worker's stderr)."""
-    if level == _GGML_LOG_ERROR:
-        _log.error("%s", text.decode("utf-8", "replace").rstrip())
-
+# ggml_log_level of the vendored ggml (llama-cpp-python's _logger.py still maps the old numbering).
+_GGML_WARN, _GGML_ERROR = 3, 4
 
 _HEAD_BYTES = 4 << 20
 _SAMPLE_BYTES = 64 << 10
 _SAMPLES = 16
 
 
+@L.llama_log_callback
+def _log_sink(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """llama.cpp / ggml log sink: warnings and errors go to the ``basertd.llamacpp`` logger, the
+    rest (model-load chatter, debug) is dropped instead of going straight to the worker's stderr."""
+    if level == _GGML_ERROR:
+        _log.error("%s", text.decode("utf-8", "replace").rstrip())
+    elif level == _GGML_WARN:
+        _log.warning("%s", text.decode("utf-8", "replace").rstrip())
+
+
 def init_backend() -> None:
-    """Initialise llama.cpp once per process and route its log to ``_log_errors`` (llama-cpp-python
+    """Initialise llama.cpp once per process and route its log to ``_log_sink`` (llama-cpp-python
     installs a callback printing to stderr at import)."""
     global _initialised
     with _init_lock:
         if not _initialised:
-            L.llama_log_set(_log_errors, ctypes.c_void_p(0))
+            L.llama_log_set(_log_sink, ctypes.c_void_p(0))
             L.llama_backend_init()
             _initialised = True
 

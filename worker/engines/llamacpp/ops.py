@@ -283,15 +283,14 @@ class StateOps:
         return op.op
 
     def snapshot_boundary(self, handle: int, space_id: int, cap: int) -> int:
-        """The longest whole-page length <= ``cap`` whose prefix a seed could serve (window
-        intact), 0 when none (ABI rule 111)."""
+        """The longest whole-page length <= ``cap`` (and <= the valid length) whose prefix a seed
+        could serve with its sliding window intact, 0 when none (ABI rule 111)."""
         self._space(space_id)
         seq, _ = self._resolve(handle)
         q = (min(cap, self.e.ledger.length(seq)) // self.e.page) * self.e.page
         pmin, pmax = self.e.pos_range(seq)
-        while q > 0 and not prefix_servable(pmin, pmax, q, self.e.n_swa):
-            q -= self.e.page
-        return max(q, 0)
+        # Servability only gets harder for shorter prefixes: the longest page multiple or nothing.
+        return q if q > 0 and prefix_servable(pmin, pmax, q, self.e.n_swa) else 0
 
     def trim(self, handle: int, space_id: int, new_len: int) -> None:
         """Trim a bare sequence to ``new_len`` tokens (any length for paged KV, ABI rule 109):

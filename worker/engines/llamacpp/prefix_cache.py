@@ -11,10 +11,11 @@ at which it was taken. ``seed_adopt`` leases a bare restored sequence instead (r
 
 Sliding-window models (Gemma 3): llama.cpp may reuse the cells of an entry's positions that are out
 of the entry's own window, so an entry can lose the window needed to branch off before its end
-(``../shared/reference/llamacpp-notes.md`` section 2). ``servable`` answers, from the entry's
-``llama_memory_seq_pos_min``, whether a prefix of length ``p`` still has every windowed key a lane
-continuing from ``p - 1`` needs; matches and seeds only offer servable prefixes, and the engine
-re-checks after sharing (falling back to a cold prefill), so output never depends on the cache.
+(``../shared/reference/llamacpp-notes.md`` section 2). ``prefix_servable`` answers, from the
+entry's ``llama_memory_seq_pos_min``, whether a prefix of length ``p`` still has every windowed key
+a lane continuing at ``p`` needs; matches and seeds only offer servable prefixes, and the engine
+re-checks the admit's actual shape before and after sharing (falling back to a cold prefill), so
+output never depends on the cache.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def window_intact(pos_min: int, pos_max: int, next_pos: int, n_swa: int) -> bool
     Needs ``pos_max == next_pos - 1`` and every key the query at ``next_pos`` attends to: llama.cpp
     masks key ``p0`` for query ``p1`` when ``p1 - p0 >= n_swa`` (``llama_hparams::is_masked_swa``,
     standard and chunked windows), so keys from ``next_pos - n_swa + 1`` on must be present. This is
-    one position less strict than ``pos_min <= max(0, p - n_swa)`` in the reference notes, which also
-    holds here whenever that one does. Without a window (``n_swa`` 0) every position must be
-    present."""
+    one position less strict than ``pos_min <= max(0, p - n_swa)`` in the reference notes, and it is
+    what llama.cpp itself keeps when it prunes (positions from ``pos_max + 2 - n_swa`` on, observed
+    on 0c1e57098): with the notes' rule every pruned entry would be refused. Without a window
+    (``n_swa`` 0) every position must be present."""
     if next_pos == 0:
         return pos_max < 0
     if pos_max != next_pos - 1 or pos_min < 0:
@@ -68,16 +70,16 @@ def window_intact(pos_min: int, pos_max: int, next_pos: int, n_swa: int) -> bool
 
 def prefix_servable(src_pos_min: int, src_pos_max: int, p: int, n_swa: int) -> bool:
     """True when the first ``p`` positions of a sequence holding ``[src_pos_min, src_pos_max]`` can
-    seed a lane in every admit shape: sharing ``[0, p)`` and decoding at ``p``, or sharing
-    ``[0, p - 1)`` and re-decoding position ``p - 1`` when the whole prompt is cached (the worst
-    case, which is ``src_pos_min <= max(0, p - n_swa)``)."""
-    if p <= 0 or src_pos_max < p - 1:
+    seed a lane that shares ``[0, p)`` and decodes on from position ``p`` (``window_intact`` of the
+    shared copy). When llama.cpp prunes a sequence it keeps exactly the positions from
+    ``pos_max + 2 - n_swa`` on, so a pruned entry still serves its full length.
+
+    An admit whose seed covers its whole prefill must instead re-decode position ``p - 1`` (for
+    its logits) from a copy of ``[0, p - 1)``, which needs one more position of window; the engine
+    checks that shape at admit and falls back to a cold prefill when it does not hold."""
+    if p <= 0 or src_pos_max < p - 1 or src_pos_min > p - 1:
         return False
-    if p == 1:
-        return True  # the back-off shares nothing
-    if src_pos_min > p - 2:
-        return False  # nothing of [0, p - 1) is left to share
-    return window_intact(src_pos_min, p - 2, p - 1, n_swa)
+    return window_intact(src_pos_min, p - 1, p, n_swa)
 
 
 @dataclass(eq=False)

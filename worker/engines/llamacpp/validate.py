@@ -349,9 +349,12 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
         used_leases.add(a.seed_handle)
         w.lease = lease
         _, _, pos_min, _ = st.seed_source(lease)
-        if p >= n_p:  # the whole prefill is cached: re-decode position p - 1 for its logits
+        if p == n:  # the whole prompt is cached: re-decode position p - 1 for its logits
             share = p - 1
             w.produced = p
+        elif p >= n_p:  # the seed covers replayed tokens: the next unit forwards token p
+            share = p
+            w.produced = p + 1
         else:
             share = p
         if st.window_ok(pos_min, share):
