@@ -17,9 +17,9 @@ Protocol, as this side plays it:
    the tick (same thread, same socket; each token array is copied first, so no frame aliases ring
    or engine memory). The result is TICK_RESULT (events, ``plan_seq`` echoed), TICK_REJECTED
    (``PlanRejected``: the engine changed nothing) or ERROR. Requests that arrive mid-tick are
-   served after it, except PING, which is answered from the partial-emit callback when the tick
-   streams (PONG ``tick_in_flight`` = True, stats of the previous tick: the engine is never
-   re-entered from its own callback).
+   served after it, except PING: while a tick streams, each partial-emit callback answers every
+   PING received or queued so far (PONG ``tick_in_flight`` = True, stats of the previous tick:
+   the engine is never re-entered from its own callback).
 4. Async state ops (snapshot, restore, demote, promote) answer STATE_OP_ACCEPTED with the op
    handle; their end is reported as STATE_OP_DONE (``corr`` = the STATE_OP's seq; a DONE snapshot
    or demote carries the sealed bytes as a side frame) once ``op_poll`` sees it terminal. Pending
@@ -388,6 +388,14 @@ class LinkServer:
                 link.TickEmit(plan_seq=self._tick_plan_seq, lane_tag=lane_tag, tokens=toks), self._tick_seq
             )
             self._receive_ready(answer_pings=True)
+            if self._queue and any(env.msg_type == MsgType.PING for env, _ in self._queue):
+                rest: deque[tuple[link.Envelope, Any]] = deque()
+                for env, body in self._queue:
+                    if env.msg_type == MsgType.PING:
+                        self._send(self._pong(), env.seq)
+                    else:
+                        rest.append((env, body))
+                self._queue = rest
         except _LinkEnd as end:
             self._mid_tick_error = end
         except Exception as exc:

@@ -60,6 +60,7 @@ __all__ = [
     "LinkError",
     "LinkProtocolError",
     "LinkTimeout",
+    "MessageNotEncodable",
     "PlanRejected",
     "TickInFlight",
     "WorkerDied",
@@ -116,6 +117,11 @@ class LinkProtocolError(LinkError):
     def __init__(self, message: str, code: int | None = None) -> None:
         self.code = code
         super().__init__(message)
+
+
+class MessageNotEncodable(LinkError, ValueError):
+    """A message that does not fit Link W (a field out of its integer range, an oversize body);
+    nothing was sent and the link is unaffected."""
 
 
 class TickInFlight(LinkError):
@@ -423,12 +429,12 @@ class WorkerLink:
     def _send(self, msg: Any, corr: int = 0) -> int:
         if self._error is not None:
             raise self._error
-        self._seq += 1
-        seq = self._seq
+        seq = self._seq + 1
         try:
             frames = self.codec.encode(msg, seq, corr)
         except FrameError as exc:
-            raise LinkProtocolError(f"cannot encode {type(msg).__name__}: {exc}", int(exc.code)) from None
+            raise MessageNotEncodable(f"cannot encode {type(msg).__name__}: {exc}") from None
+        self._seq = seq
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:

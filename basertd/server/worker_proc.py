@@ -10,9 +10,9 @@
    (TOKENS, engine writes; the coordinator keeps a ``RingReader``), ring 3 logits (LOGITS,
    engine writes; ``RingReader``). Fresh segments per incarnation, so generations start at 1;
 3. a zmq PAIR socket bound on the endpoint (``configure_link_socket``: MAXMSGSIZE, no HWM);
-4. ``sys.executable -m basertd.worker.main`` with the segments' fds in ``pass_fds`` and on the
-   command line (``--ring ID:KIND:FD:SLOTS:SLOT_BYTES``), ``--parent-pid`` this process,
-   ``--link`` the endpoint and the engine flags of the spec;
+4. ``sys.executable -m basertd.worker.main`` (or ``spec.command``) with the segments' fds in
+   ``pass_fds`` and on the command line (``--ring ID:KIND:FD:SLOTS:SLOT_BYTES``),
+   ``--parent-pid`` this process, ``--link`` the endpoint and the engine flags of the spec;
 5. ``os.pidfd_open`` of the child, handed to the ``WorkerLink`` so its death is noticed at once;
 6. the Link W handshake and ring attach (``WorkerLink.handshake``).
 
@@ -139,7 +139,9 @@ class WorkerSpec:
     ``runtime_dir``: parent of the private per-worker directory (None: ``$XDG_RUNTIME_DIR`` or the
     temp dir). ``stderr``: where the worker's JSON log lines go (None inherits ours; a file
     object or fd). ``start_timeout``: seconds for spawn + model load + handshake. ``env``: extra
-    environment variables."""
+    environment variables. ``command``: the program and leading arguments that run the worker
+    (default ``[sys.executable, "-m", "basertd.worker.main"]``; e.g. behind ``taskset``); the
+    worker flags are appended."""
 
     worker_id: int = 0
     engine: str = "basert"
@@ -159,6 +161,7 @@ class WorkerSpec:
     start_timeout: float = 60.0
     env: Mapping[str, str] | None = None
     log_level: str = "info"
+    command: Sequence[str] | None = None
 
     def geometry(self, ring_id: int) -> RingGeometry:
         """The geometry of ring ``ring_id`` (1 prompt, 2 emit, 3 logits)."""
@@ -332,10 +335,9 @@ class WorkerProcess:
             configure_link_socket(res.sock)
             endpoint = "ipc://" + res.ipc_path
             res.sock.bind(endpoint)
+            command = list(spec.command) if spec.command else [sys.executable, "-m", "basertd.worker.main"]
             argv = [
-                sys.executable,
-                "-m",
-                "basertd.worker.main",
+                *command,
                 "--worker-id",
                 str(spec.worker_id),
                 "--link",
