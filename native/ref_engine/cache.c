@@ -185,7 +185,8 @@ int ref_cache_publish(ref_bundle *b, ref_seq *s, const uint32_t *tokens, uint32_
                 free(e);
                 return -1;
             }
-            memcpy(e->boundaries, sp->boundaries, (size_t)nb * sizeof *e->boundaries);
+            if (nb)
+                memcpy(e->boundaries, sp->boundaries, (size_t)nb * sizeof *e->boundaries);
             if (extra)
                 e->boundaries[nb++] = len;
             e->n_boundaries = nb;
@@ -284,7 +285,8 @@ int ref_cache_plan_evictions(ref_bundle *b, const BaseRTShedPolicy *policy, uint
             !ref_entry_pins_at(b, e, tick_index))
             w->evict[n++] = e;
     }
-    qsort(w->evict, n, sizeof *w->evict, by_lru);
+    if (n)
+        qsort(w->evict, n, sizeof *w->evict, by_lru);
     uint64_t cap = evict_cap(b, policy, UINT64_MAX), taken = 0;
     uint32_t chosen = 0;
     for (uint32_t i = 0; i < n && p->sim_free < 0; i++) {

@@ -134,7 +134,8 @@ int ref_seq_seed(ref_bundle *b, ref_seq *s, const uint32_t *tokens, uint32_t n, 
     if (ref_reserve((void **)&s->tokens, &s->cap, n, sizeof *s->tokens) ||
         ref_reserve((void **)&s->blocks, &s->cap_blocks, n_blocks, sizeof *s->blocks))
         return -1;
-    memcpy(s->tokens, tokens, (size_t)n * sizeof *tokens);
+    if (n)
+        memcpy(s->tokens, tokens, (size_t)n * sizeof *tokens);
     s->len = n;
     s->hist_hash = b->model_seed;
     for (uint32_t i = 0; i < n; i++)
