@@ -6,9 +6,11 @@
 ledger), ``lane`` (per-lane cursors), ``sampling`` (vectorised samplers, counter-based RNG),
 ``validate`` (plan -> reject codes), ``prefix_cache`` (published prefixes, leases, sliding-window
 rules), ``state`` (sealed envelopes), ``ops`` (bare sequences, snapshot / restore), ``rings``
-(the engine's side of the BRTRING1 rings), ``engine`` (the tick).
+(the engine's side of the BRTRING1 rings), ``engine`` (the tick), ``factory`` (``open_engine``,
+the worker registry's entry point).
 """
 
 from basertd.worker.engines.llamacpp.engine import KV_SPACE_ID, LlamaCppEngine
+from basertd.worker.engines.llamacpp.factory import open_engine
 
-__all__ = ["KV_SPACE_ID", "LlamaCppEngine"]
+__all__ = ["KV_SPACE_ID", "LlamaCppEngine", "open_engine"]
