@@ -110,7 +110,8 @@ class ExitCode(IntEnum):
     MODEL_LOAD = 3
     """The engine or model could not be loaded; the message says why."""
     ENGINE_FATAL = 70
-    """The engine reported BASERT_ERR_FATAL (or a fatal tick): its state is gone."""
+    """The engine reported BASERT_ERR_FATAL (or a fatal tick): its state is gone. Also used for an
+    unexpected error inside the worker itself (logged as ``worker_internal_error``)."""
     LINK = 76
     """Link W failed: a malformed frame, a protocol violation, a refused handshake, or a socket
     error. Logged as one JSON line with the frame error code, never a traceback."""

@@ -118,8 +118,8 @@ class InheritedRing:
 class _LinkEnd(Exception):
     """Internal: stop the loop with ``code`` (after logging ``event``)."""
 
-    def __init__(self, code: ExitCode, event: str, **fields: Any) -> None:
-        self.code = code
+    def __init__(self, exit_code: ExitCode, event: str, **fields: Any) -> None:
+        self.code = exit_code
         self.event = event
         self.fields = fields
         super().__init__(event)
@@ -274,6 +274,11 @@ class LinkServer:
             getattr(self.log, level)(end.event, exit_code=int(end.code), **end.fields)
             if end.code == ExitCode.LINK:
                 linger = 0
+        except Exception as exc:  # a worker bug: one log line, never a traceback
+            code = ExitCode.ENGINE_FATAL
+            self.log.error(
+                "worker_internal_error", exit_code=int(code), error=type(exc).__name__, reason=str(exc)
+            )
         finally:
             self._close(linger)
         return int(code)

@@ -54,12 +54,13 @@ def process_gone(pid: int) -> bool:
     return False
 
 
-def log_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON log lines in ``path``; raises AssertionError naming any line that is not JSON (a
-    traceback or a stray print would be one)."""
+def log_lines(path: Path, *, plain_ok: bool = False) -> list[dict[str, Any]]:
+    """The JSON log lines in ``path``. Unless ``plain_ok`` (plain lines skipped: the exit-2/3
+    messages), raises AssertionError naming any line that is not JSON (a traceback or a stray
+    print would be one)."""
     out = []
     for line in path.read_text().splitlines():
-        if not line.strip():
+        if not line.strip() or (plain_ok and not line.startswith("{")):
             continue
         try:
             out.append(json.loads(line))
