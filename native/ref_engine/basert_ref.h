@@ -166,7 +166,7 @@ typedef struct BaseRTRefStats {
     uint64_t evictions_total;       /* cache entries evicted, in ticks and by cache_evict */
     uint64_t faults_total;
     uint64_t bare_sequences;        /* sequences no lane owns */
-    uint64_t rejected_plans;
+    uint64_t rejected_plans;        /* refused ticks: the only counter a refused plan moves */
 } BaseRTRefStats; /* 144 */
 
 enum { /* BaseRTRefLaneInfo.state */

@@ -31,10 +31,7 @@ def test_rule_075_prefix_len_zero_or_beyond_span(rig, prefix_len):
     assert rig.bundle.seed_acquire(span, 32, BEST)
 
 
-@pytest.mark.parametrize("flag", ["ops unavailable", "no prefix cache"])
-# ABI rules 76, 77
-def test_rule_076_077_flagged_space_makes_seeds_unservable(make_rig, flag):
-    # ABI rule 76 (OPS_UNAVAILABLE) and ABI rule 77 (NO_PREFIX_CACHE)
+def _flagged_space_refuses_seeds(make_rig, flag: str) -> None:
     rig = make_rig(spaces=[PAGED, blob(flags=FLAGGED[flag])])
     publish(rig, 1, PREFIX)
     assert candidates(rig, rig.put(PREFIX)) == [32]  # the KV space itself holds the prefix
@@ -42,6 +39,16 @@ def test_rule_076_077_flagged_space_makes_seeds_unservable(make_rig, flag):
     plain = make_rig(spaces=[PAGED, blob()])
     publish(plain, 1, PREFIX)
     assert plain.bundle.seed_acquire(plain.put(PREFIX), 32, BEST)
+
+
+# ABI rule 76
+def test_rule_076_ops_unavailable_space_makes_seeds_unservable(make_rig):
+    _flagged_space_refuses_seeds(make_rig, "ops unavailable")
+
+
+# ABI rule 77
+def test_rule_077_no_prefix_cache_space_makes_seeds_unservable(make_rig):
+    _flagged_space_refuses_seeds(make_rig, "no prefix cache")
 
 
 @pytest.mark.parametrize("case", ["paged off a block", "paged not cached", "blob off a boundary"])
