@@ -18,6 +18,7 @@ import pytest
 
 from basertd.native import header_path
 from basertd.native._layout import struct_names
+from basertd.native.abi import TICK_FUNCTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_HEADER = ROOT.parent / "shared" / "reference" / "seeds" / "baseRT_tick.h.txt"
@@ -276,3 +277,11 @@ def test_layout_matches_reference_header(probe, tick_ffi, tmp_path):
     (ref_dir / "baseRT_tick.h").write_text(SEED_HEADER.read_text())
     ref = _run_probe(tick_ffi, ref_dir, ref_dir / "baseRT_tick.h")
     assert ref == probe
+
+
+def test_library_exports_every_function(abi_lib):
+    # ABI rule 11 (binding side): the library under test exports all 34 functions the header
+    # declares, so every binding wrapper resolves (BasertLib refuses a library lacking any).
+    assert len(TICK_FUNCTIONS) == 34
+    for name in TICK_FUNCTIONS:
+        assert callable(getattr(abi_lib.lib, name)), name
