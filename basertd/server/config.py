@@ -16,9 +16,10 @@ Example (every key shown with its default)::
     model = ""                  # GGUF path ("" = the default model) or engine library path
     device = "cpu"
     lanes = 8                   # concurrent generations
-    context_length = 4096       # tokens per lane (prompt + generated)
+    context_length = 2048       # tokens per lane (prompt + generated)
     threads = 2                 # CPU threads of the engine
-    engine_args = []            # extra basertd-worker flags, e.g. ["--ref-config", "tick_delay_ms=5"]
+    engine_args = []            # extra basertd-worker flags, verbatim
+    ref_config = {}             # reference-engine settings (engine "basert" without a model)
 
     [scheduler]                 # DESIGN.md "Scheduling"
     prefill_budget = 512        # most prompt tokens prefilled per tick
@@ -81,9 +82,10 @@ class WorkerConfig(_Section):
     model: str = ""
     device: str = "cpu"
     lanes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
-    context_length: Annotated[int, msgspec.Meta(ge=16)] = 4096
+    context_length: Annotated[int, msgspec.Meta(ge=16)] = 2048
     threads: _Pos = 2
     engine_args: list[str] = msgspec.field(default_factory=list)
+    ref_config: dict[str, int | float | bool | str] = msgspec.field(default_factory=dict)
 
 
 class SchedulerConfig(_Section):

@@ -37,6 +37,8 @@ class Tokenizer(Protocol):
 
     kind: str
     vocab_size: int
+    add_bos: bool
+    """Whether the vocabulary asks for BOS before a prompt (the capability record overrides it)."""
 
     def encode(self, text: str, *, add_bos: bool) -> list[int]:
         """Token ids of ``text`` (UTF-8), with the BOS id first when ``add_bos`` and the vocabulary
@@ -55,6 +57,7 @@ class BytesTokenizer:
     byte of the text to its id, so any text round-trips exactly."""
 
     kind = "bytes"
+    add_bos = False  # the reference engine's capability record says add_bos False
 
     def __init__(self, vocab_size: int = BYTE_BASE + 256) -> None:
         self.vocab_size = vocab_size
@@ -98,6 +101,7 @@ class GgufTokenizer:
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.bos_id = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self._lock = threading.Lock()
         self._pieces: dict[int, bytes] = {}
 

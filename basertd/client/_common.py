@@ -1,0 +1,73 @@
+"""What the sync and asyncio clients share: errors, the Completion record, request building."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from basertd.schema import client as api
+from basertd.schema.client import ErrorCode
+
+
+class ClientError(Exception):
+    """The daemon answered ``Error``: ``code`` (an ``ErrorCode``), ``message``, ``request_id``."""
+
+    def __init__(self, code: ErrorCode | str, message: str = "", request_id: str = "") -> None:
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            pass
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        super().__init__(f"{code}: {message}" if message else str(code))
+
+
+class ConnectionLost(ClientError):
+    """The connection to the daemon closed before the answer was complete (code INTERNAL)."""
+
+    def __init__(self, message: str = "connection to basertd lost", request_id: str = "") -> None:
+        super().__init__(ErrorCode.INTERNAL, message, request_id)
+
+
+@dataclass
+class Completion:
+    """A whole generation: the text and token ids delivered, the finish reason ("stop", "length",
+    "eos"), usage (prompt / cached / completion tokens) and timings (seconds, tokens/s)."""
+
+    request_id: str
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: api.Usage = field(default_factory=api.Usage)
+    timings: api.Timings = field(default_factory=api.Timings)
+
+
+def new_request_id() -> str:
+    """A fresh random request id."""
+    return uuid.uuid4().hex
+
+
+def generate_message(
+    prompt: str | None = None,
+    *,
+    prompt_tokens: list[int] | None = None,
+    request_id: str | None = None,
+    **params: Any,
+) -> api.Generate:
+    """A ``Generate`` for ``prompt`` (text) or ``prompt_tokens`` (ids); ``params`` are its other
+    fields (max_tokens, temperature, seed, stop, qos, ...). Raises TypeError for an unknown field."""
+    return api.Generate(
+        request_id=request_id or new_request_id(), prompt=prompt, prompt_tokens=prompt_tokens, **params
+    )
+
+
+def resolve_socket(path: str | Path | None) -> Path:
+    """``path``, or the default socket (``$BASERTD_SOCKET``, then the runtime directory's)."""
+    if path is not None:
+        return Path(path)
+    from basertd.server.config import default_socket_path
+
+    return default_socket_path()

@@ -1,0 +1,208 @@
+"""The client socket: length-prefixed msgspec frames over a Unix socket (DESIGN.md "Client API").
+
+``ApiServer`` listens on the configured path with the configured mode and runs one
+``ClientConnection`` per client on the daemon's event loop. A connection reads requests with
+``read_message`` and hands each to the ``Service`` (the daemon), which answers through the
+connection's ``send``. Replies of several generations on one connection interleave, each tagged
+with its ``request_id``.
+
+Failure rules: a frame that does not decode (``FrameError``) is answered with
+``Error(PROTOCOL_ERROR)`` and closes that connection only; a client that disconnects, or reads so
+slowly that ``max_buffered_bytes`` of replies pile up, has its connection closed and every one of
+its generations cancelled (lanes retired in the next plan, queued requests never start). The
+socket file is removed when the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from basertd.schema import client as api
+from basertd.schema.client import ErrorCode
+from basertd.schema.codec import ClientCodec, FrameError, read_message
+
+log = structlog.get_logger("basertd.api")
+
+MAX_BUFFERED_BYTES = 8 * 1024 * 1024
+"""Replies (bytes) allowed to wait in one connection's send buffer before the client is dropped."""
+
+
+class Service(Protocol):
+    """What the API server needs of the daemon. ``handle`` answers one decoded request through
+    ``conn.send`` (it may keep ``conn`` for later replies); ``connection_lost`` cancels what a gone
+    client still had running. Neither may raise."""
+
+    async def handle(self, conn: ClientConnection, msg: Any) -> None: ...
+
+    def connection_lost(self, conn: ClientConnection) -> None: ...
+
+
+class ClientConnection:
+    """One client. ``send(msg)`` queues one reply frame without blocking (a no-op once closed);
+    ``closed`` turns True when the client went away or was dropped; ``generations`` maps the
+    client's live ``request_id`` to the daemon's request object; ``peer`` is (pid, uid, gid)."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, codec: ClientCodec
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._codec = codec
+        self._closed = False
+        self.generations: dict[str, Any] = {}
+        self.peer = _peer_credentials(writer)
+        self.max_buffered_bytes = MAX_BUFFERED_BYTES
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection is closed (by either side)."""
+        return self._closed
+
+    def send(self, msg: Any) -> None:
+        """Queue ``msg`` (a client-API or control reply) as one frame. Never blocks or raises; a
+        client that lets more than ``max_buffered_bytes`` pile up is dropped."""
+        if self._closed:
+            return
+        try:
+            frame = self._codec.encode(msg)
+        except FrameError as exc:  # a reply we cannot encode is our bug; the client gets a typed error
+            log.error("reply_encode_failed", error=str(exc))
+            frame = self._codec.encode(
+                api.Error(
+                    code=ErrorCode.INTERNAL,
+                    request_id=getattr(msg, "request_id", ""),
+                    message="reply too large",
+                )
+            )
+        self._writer.write(frame)
+        transport = self._writer.transport
+        if transport.get_write_buffer_size() > self.max_buffered_bytes:
+            log.warning("client_too_slow", buffered=transport.get_write_buffer_size())
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection (idempotent); the read loop then reports it lost."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+    async def serve(self, service: Service) -> None:
+        """Read and dispatch requests until the client leaves or breaks the framing."""
+        try:
+            while not self._closed:
+                try:
+                    msg = await read_message(self._reader, self._codec)
+                except FrameError as exc:
+                    log.info("protocol_error", error=str(exc))
+                    self.send(api.Error(code=ErrorCode.PROTOCOL_ERROR, message=str(exc)))
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self._writer.drain(), 1.0)
+                    break
+                if msg is None:
+                    break
+                await service.handle(self, msg)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self.close()
+            service.connection_lost(self)
+
+
+def _peer_credentials(writer: asyncio.StreamWriter) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the peer (SO_PEERCRED), or (0, -1, -1) when unavailable."""
+    import socket
+    import struct
+
+    sock = writer.get_extra_info("socket")
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", raw)
+    except (OSError, AttributeError):
+        return (0, -1, -1)
+
+
+class ApiServer:
+    """The Unix-socket server. ``start()`` binds ``path`` (a stale socket file left by a dead
+    daemon is replaced; a live one is an error) and sets ``mode``; ``stop()`` closes every
+    connection, stops listening and removes the socket file. Raises ``OSError`` when the path is
+    in use by a live daemon or cannot be bound."""
+
+    def __init__(self, path: Path, mode: int, service: Service) -> None:
+        self.path = Path(path)
+        self.mode = mode
+        self.service = service
+        self.codec = ClientCodec("server")
+        self.connections: set[ClientConnection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Bind and listen."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
+            if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                raise OSError(f"{self.path} exists and is not a socket")
+            if await _socket_alive(self.path):
+                raise OSError(f"{self.path} is in use by a running daemon")
+            self.path.unlink()
+        old_umask = os.umask(0o777 & ~self.mode)
+        try:
+            self._server = await asyncio.start_unix_server(
+                self._on_client, path=str(self.path), limit=1 << 16
+            )
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, self.mode)
+        log.info("listening", socket=str(self.path), mode=f"{self.mode:04o}")
+
+    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = ClientConnection(reader, writer, self.codec)
+        self.connections.add(conn)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await conn.serve(self.service)
+        finally:
+            self.connections.discard(conn)
+            if task is not None:
+                self._tasks.discard(task)
+
+    def stop_listening(self) -> None:
+        """Accept no new clients (existing connections stay)."""
+        if self._server is not None:
+            self._server.close()
+
+    async def stop(self) -> None:
+        """Close every connection, stop listening and remove the socket file. Idempotent."""
+        self.stop_listening()
+        for conn in list(self.connections):
+            conn.close()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(self.path.lstat().st_mode):
+                self.path.unlink()
+
+
+async def _socket_alive(path: Path) -> bool:
+    """True when something accepts connections on the Unix socket ``path``."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
