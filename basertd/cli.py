@@ -1,9 +1,58 @@
-"""``basertd``: the coordinator daemon's command line (issue 7)."""
+"""``basertd``: the coordinator daemon's command line (issue 7).
 
+``basertd serve [--config FILE]`` runs the daemon in the foreground until SIGTERM or SIGINT
+(``basertd.server.daemon``). Exit status: 0 after a clean stop, 2 for a bad command line or
+configuration (the message names the key), 1 when the daemon cannot start (socket in use,
+model unavailable, ...). The operators issue adds more subcommands under the same group.
+"""
+
+from __future__ import annotations
+
+import asyncio
 import sys
+
+import click
+
+from basertd.server.config import ConfigError, load_config
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """basertd: serving daemon for LLM inference."""
+
+
+@cli.command()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="TOML configuration file (default: every key at its default).",
+)
+def serve(config_path: str | None) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    from basertd.models import ModelUnavailable
+    from basertd.server.daemon import configure_logging, run
+    from basertd.server.tokenizer import TokenizerError
+
+    configure_logging(config.log_level)
+    try:
+        code = asyncio.run(run(config))
+    except (OSError, ModelUnavailable, ConfigError, TokenizerError) as exc:
+        click.echo(f"basertd: cannot start: {exc}", err=True)
+        sys.exit(1)
+    sys.exit(code)
 
 
 def main() -> int:
-    """Entry point; not implemented until the coordinator issue lands."""
-    print("basertd: not yet implemented (issue 7)", file=sys.stderr)
-    return 1
+    """Console-script entry point."""
+    cli.main(prog_name="basertd")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
