@@ -170,8 +170,10 @@ int ref_seq_append(ref_bundle *b, ref_seq *s, const uint32_t *tokens, uint32_t n
 /* Makes `s` start with the first n_blocks blocks of `blocks` and tokens[0..n) (seeded start). */
 int ref_seq_seed(ref_bundle *b, ref_seq *s, const uint32_t *tokens, uint32_t n, const uint32_t *blocks,
                  uint32_t n_blocks, uint32_t taint_bits, uint64_t prov_salt);
-/* Releases every block of the sequence (its tokens stay), e.g. when its lane faults. */
+/* Releases every block of the sequence (its tokens stay; used on the way to destroying it). */
 void ref_seq_release_blocks(ref_bundle *b, ref_seq *s);
+/* Empties the sequence: no blocks, no tokens, every space at length 0 (a faulted lane's). */
+void ref_seq_clear(ref_bundle *b, ref_seq *s);
 /* Looks up a sequence handle in every live bundle and locks that bundle; UNKNOWN_HANDLE when no
  * bundle holds it, EBUSY when the bundle is locked by this thread. Unlock with ref_unlock. */
 baseRT_status ref_seq_lock(baseRT_sequence_t h, ref_bundle **b, ref_seq **s);

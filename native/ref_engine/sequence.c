@@ -48,6 +48,17 @@ void ref_seq_release_blocks(ref_bundle *b, ref_seq *s) {
     s->n_blocks = 0;
 }
 
+void ref_seq_clear(ref_bundle *b, ref_seq *s) {
+    ref_seq_release_blocks(b, s);
+    s->len = 0;
+    s->hist_hash = b->model_seed;
+    for (uint32_t i = 0; i < b->n_spaces; i++) {
+        s->sp[i].valid_len = 0;
+        s->sp[i].n_boundaries = 0;
+        s->sp[i].content_gen++;
+    }
+}
+
 void ref_seq_destroy(ref_bundle *b, ref_seq *s) {
     ref_seq_release_blocks(b, s);
     for (uint32_t i = 0; i < b->n_spaces; i++) {

@@ -71,7 +71,7 @@ static int run_hooks(ref_bundle *b, ref_events *ev) {
             f->code = l->fault_code;
             f->detail = l->seq ? l->seq->len : 0;
             if (l->seq)
-                ref_seq_release_blocks(b, l->seq); /* rule 62 */
+                ref_seq_clear(b, l->seq); /* its state is gone, pool bytes released: rule 62 */
             l->state = REF_LANE_FAULTED;
             l->row_pending = 0;
             b->faults_total++;
