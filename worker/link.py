@@ -394,13 +394,10 @@ class LinkServer:
             )
             self._receive_ready(answer_pings=True)
             if self._queue and any(env.msg_type == MsgType.PING for env, _ in self._queue):
-                rest: deque[tuple[link.Envelope, Any]] = deque()
-                for env, body in self._queue:
-                    if env.msg_type == MsgType.PING:
-                        self._send(self._pong(), env.seq)
-                    else:
-                        rest.append((env, body))
-                self._queue = rest
+                pings = [env.seq for env, _ in self._queue if env.msg_type == MsgType.PING]
+                self._queue = deque(item for item in self._queue if item[0].msg_type != MsgType.PING)
+                for seq in pings:
+                    self._send(self._pong(), seq)
         except _LinkEnd as end:
             self._mid_tick_error = end
         except Exception as exc:
