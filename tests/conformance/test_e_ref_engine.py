@@ -149,3 +149,16 @@ def test_config_refusals(rig, config):
     with pytest.raises(AbiError) as info:
         create_ref_bundle(**config).close()
     assert info.value.status == Status.REJECT_BOUNDS
+
+
+def test_faulted_lane_sequence_is_empty(rig):
+    need_ref(rig.bundle)
+    rig.start(1, list(range(100, 140)), decode=2)
+    seq = rig.bundle.lane_sequence(1)  # a handle taken before the fault
+    rig.ref.inject_fault(1, FaultCode.INTERNAL)
+    rig.tick()
+    assert rig.bundle.lane_sequence(1) is None
+    child = rig.bundle.seq_fork(seq)
+    assert rig.ref.stats()["pool_blocks_used"] == 0
+    rig.bundle.sequence_publish(child, [])  # nothing left to publish, and nothing read past it
+    assert rig.ref.stats()["cache_entries"] == 0
