@@ -40,6 +40,20 @@ void ref_compat_key(const ref_bundle *b, uint32_t space, const uint32_t *tokens,
     ref_digest_final(&d, out);
 }
 
+void ref_space_identity(const ref_bundle *b, uint32_t space, uint8_t out[32]) {
+    const BaseRTStateSpaceDesc *d = &b->spaces[space];
+    ref_digest g;
+    ref_digest_init(&g, 0x4944454Eu); /* "IDEN" */
+    ref_digest_update(&g, b->identity, 32);
+    ref_digest_u64(&g, d->space_id);
+    ref_digest_u64(&g, d->kind);
+    ref_digest_u64(&g, d->version_tag);
+    ref_digest_u64(&g, d->bytes_per_token);
+    ref_digest_u64(&g, d->blob_bytes);
+    ref_digest_u64(&g, d->page_size_tokens);
+    ref_digest_final(&g, out);
+}
+
 static int cacheable(const ref_bundle *b, uint32_t i) {
     return b->space_cfg[i].kind != BASERT_SPACE_KIND_ENCODER_CACHE &&
            !(b->space_cfg[i].flags & BASERT_SPACE_FLAG_NO_PREFIX_CACHE);

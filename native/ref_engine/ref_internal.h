@@ -258,6 +258,9 @@ void ref_provenance(const ref_bundle *b, uint32_t space, const uint32_t *tokens,
                     uint32_t taint, uint64_t salt, uint8_t out[32]);
 void ref_compat_key(const ref_bundle *b, uint32_t space, const uint32_t *tokens, uint32_t n,
                     uint8_t out[32]);
+/* The compatibility identity of one space of this bundle (model identity + space descriptor):
+ * what a state envelope's compat_identity carries and a restore compares (rule 102). */
+void ref_space_identity(const ref_bundle *b, uint32_t space, uint8_t out[32]);
 /* Publishes a sequence's whole-block prefix (paged) and recorded boundaries (blob) into the
  * cache; identical (space, tokens, provenance) entries are reused (rule 90). `n` caps the tokens
  * published; `tokens` (NULL = the sequence's own) are the key. Returns 0 or -1 out of memory. */
