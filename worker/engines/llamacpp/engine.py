@@ -152,7 +152,8 @@ class LlamaCppEngine:
     ``swa_full`` keeps a full-size sliding-window cache (the C default; see the reference notes).
 
     Raises EngineError(ERR_FATAL) when the model or context cannot be created, ValueError for
-    sizes llama.cpp cannot serve (more than 256 sequences, a pool smaller than one lane)."""
+    sizes llama.cpp cannot serve (more than 256 sequences, an empty pool). A pool smaller than
+    ``lanes * context_length`` is fine: plans that would overfill it get NEEDS_REPLAN."""
 
     def __init__(
         self,
@@ -179,12 +180,14 @@ class LlamaCppEngine:
         if n_seq_max > L.llama_max_parallel_sequences():
             raise ValueError(f"{n_seq_max} sequences exceed llama.cpp's {L.llama_max_parallel_sequences()}")
         pool_tokens = lanes * context_length if pool_tokens is None else pool_tokens
-        if pool_tokens < context_length:
-            raise ValueError("pool_tokens must hold at least one full lane")
-        n_batch = max(n_batch, lanes)
+        if pool_tokens < 1:
+            raise ValueError("pool_tokens must be >= 1")
+        # llama.cpp reserves graphs with one output per sequence: n_batch (clamped to n_ctx) must
+        # cover n_seq_max, or context creation hits a GGML_ASSERT. Cells are padded to 256 anyway.
+        n_batch = max(n_batch, lanes, n_seq_max)
         self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
         cp = L.llama_context_default_params()
-        cp.n_ctx = pool_tokens
+        cp.n_ctx = max(-(-pool_tokens // 256) * 256, -(-n_batch // 256) * 256)
         cp.n_batch = n_batch
         cp.n_ubatch = min(n_ubatch, n_batch)
         cp.n_seq_max = n_seq_max
@@ -198,7 +201,7 @@ class LlamaCppEngine:
             self.model.close()
             raise EngineError(Status.ERR_FATAL, "llama.cpp cannot create the context")
         self._ctx_params = {
-            "n_ctx": pool_tokens,
+            "n_ctx": cp.n_ctx,
             "n_batch": n_batch,
             "n_ubatch": cp.n_ubatch,
             "n_seq_max": n_seq_max,
@@ -208,7 +211,9 @@ class LlamaCppEngine:
             "swa_full": swa_full,
         }
         self.mem = L.llama_get_memory(self.ctx)
-        self.n_cells = int(L.llama_n_ctx(self.ctx))
+        # llama.cpp pads n_ctx up to a multiple of 256; the pool is what was asked for, which the
+        # ledger then enforces (never more than llama.cpp actually has).
+        self.n_cells = min(pool_tokens, int(L.llama_n_ctx(self.ctx)))
         self.n_batch = int(L.llama_n_batch(self.ctx))
         self.max_lanes = lanes
         self.context_length = context_length
@@ -660,8 +665,10 @@ class LlamaCppEngine:
                 continue  # its unit takes the logits of its last prefill row
             if lane.kv_len == lane.produced - 1:
                 forward.append(lane)
-            elif lane.kv_len == lane.produced and lane.held_row is not None:
-                ready.append(lane)
+            elif lane.kv_len == lane.produced and (
+                lane.held_row is not None or lane.produced < lane.n_tokens
+            ):
+                ready.append(lane)  # a held row, or a replayed token that needs no logits
             else:
                 self._fault(lane, FaultCode.INTERNAL, 1, sc)
         # Never hand llama.cpp more tokens than the ledger has cells for (the plan was checked;
@@ -690,7 +697,7 @@ class LlamaCppEngine:
             if lane.tag in self.lanes and sc.grant.get(lane.tag, 0) > 0:
                 row = lane.held_row
                 lane.held_row = None
-                self._unit(lane, row, sc)
+                self._unit(lane, row, sc)  # row is None only for a replayed token
 
     def _decode_batch(
         self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, sc: _TickScratch
@@ -732,7 +739,7 @@ class LlamaCppEngine:
         else:
             sc.decode_ns += dt
 
-    def _unit(self, lane: Lane, row: np.ndarray, sc: _TickScratch) -> None:
+    def _unit(self, lane: Lane, row: np.ndarray | None, sc: _TickScratch) -> None:
         """One decode unit with the logits for ``lane.produced`` (ABI rules 67, 72)."""
         tag = lane.tag
         sc.grant[tag] -= 1
@@ -990,7 +997,7 @@ class LlamaCppEngine:
         """Publish a bare sequence's whole-page prefix under ``tokens``; consumes it (rule 91)."""
         self.ops.publish(seq, np.asarray(tokens, dtype=np.int64))
 
-    def seq_fork(self, parent: int, flags: int) -> int:
+    def seq_fork(self, parent: int, flags: int = 0) -> int:
         """A bare sequence sharing every cell of ``parent`` (refcounted, zero-copy)."""
         return self.ops.fork(parent)
 

@@ -17,8 +17,10 @@ forward that completed the prefill, or kept across ticks in ``held_row``).
 
 A seed of ``p`` tokens starts the cursors at: ``p`` < prefill_end: kv_len = prefilled = p (prefill
 continues at p); prefill_end <= ``p`` < prompt length (the seed covers replayed tokens): kv_len =
-p, produced = p + 1; ``p`` = prompt length: kv_len = p - 1, produced = p (the last position is
-decoded again, since its logits are not cached).
+produced = p, so the units take replay tokens p, p + 1, ... (the first needs no logits, each next
+one forwards its predecessor), one unit per replay token not in the seed, as the reference engine
+counts them; ``p`` = prompt length: kv_len = p - 1, produced = p (the last position is decoded
+again, since its logits are not cached).
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ class Lane:
     def is_host(self) -> bool:
         """True for a HOST-sampled lane (logits rows out, commits in)."""
         return self.sampling == Sampling.HOST
+
+    @property
+    def pending_tokens(self) -> int:
+        """Committed tokens (sampled, committed, replayed, or a cached prompt's re-decoded end)
+        whose KV the next decode unit computes: cells the pool keeps reserved for this lane."""
+        if self.prefilled < self.prefill_end:
+            return 0
+        return max(0, self.produced - self.kv_len)
 
     @property
     def finished(self) -> bool:

@@ -39,13 +39,16 @@ _ZERO32 = bytes(32)
 @dataclass(eq=False)
 class BareSeq:
     """A sequence no lane owns: llama.cpp id ``seq``, provenance and taint of what it holds,
-    ``gen`` its content generation (sizing_gen, rule 96)."""
+    ``gen`` its content generation (sizing_gen, rule 96). ``pending`` counts tokens it holds
+    without their KV: a fork of a lane includes the lane's last committed token, whose KV the
+    lane's next decode would have computed (0 or 1); its length is KV + pending."""
 
     handle: int
     seq: int
     provenance: bytes = _ZERO32
     taint: int = 0
     gen: int = 0
+    pending: int = 0
 
 
 @dataclass(eq=False)
@@ -140,10 +143,11 @@ class StateOps:
             L.llama_memory_seq_cp(self.e.mem, seq, child.seq, 0, n)
             self.e.ledger.share(seq, child.seq, n)
         if b is not None:
-            child.provenance, child.taint = b.provenance, b.taint
+            child.provenance, child.taint, child.pending = b.provenance, b.taint, b.pending
         else:
             lane = next(ln for ln in self.e.lanes.values() if ln.handle == parent)
-            child.provenance = prefix_digest(self.e.model.model_id, lane.tokens[:n])
+            child.pending = lane.pending_tokens
+            child.provenance = prefix_digest(self.e.model.model_id, lane.tokens[: n + child.pending])
             child.taint = lane.taint
         self.bare[child.handle] = child
         self.e._evictable_dirty = True
@@ -157,7 +161,8 @@ class StateOps:
         sub-page sequence publishes nothing and is still consumed."""
         b = self._bare(handle)
         self._idle(handle)
-        n = self.e.ledger.length(b.seq)
+        kv = self.e.ledger.length(b.seq)
+        n = kv + b.pending
         if tokens.ndim != 1 or tokens.shape[0] > n:
             raise EngineError(
                 Status.ERR_OUT_OF_BOUNDARY, f"{tokens.shape[0]} tokens over a {n}-token sequence"
@@ -168,7 +173,7 @@ class StateOps:
         if full and tokens.shape[0] >= self.e.page:
             raise EngineError(Status.EBUSY, "the prefix cache is full; evict first")
         del self.bare[handle]
-        self.e._publish(b.seq, tokens.astype(np.int32), tokens.shape[0], b.taint, None, None)
+        self.e._publish(b.seq, tokens.astype(np.int32), min(tokens.shape[0], kv), b.taint, None, None)
 
     # ------------------------------------------------------------------ adoption
 
@@ -180,7 +185,7 @@ class StateOps:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"{handle} is not a bare sequence of this engine")
         self._idle(handle)
         b = self.bare[handle]
-        n = self.e.ledger.length(b.seq)
+        n = self.e.ledger.length(b.seq) + b.pending
         if span.shape[0] == 0 or span.shape[0] != n:
             raise EngineError(
                 Status.ERR_SEED_UNSERVABLE, f"span of {span.shape[0]} over a {n}-token sequence"
@@ -188,7 +193,12 @@ class StateOps:
         del self.bare[handle]
         self.leased[handle] = b
         lease = self.e.cache.new_lease(
-            span.copy(), 0, self.e.tick_index + self.e.seed_ttl, adopted=handle, taint=b.taint
+            span.copy(),
+            0,
+            self.e.tick_index + self.e.seed_ttl,
+            adopted=handle,
+            taint=b.taint,
+            pending=b.pending,
         )
         return lease.handle
 
@@ -300,10 +310,12 @@ class StateOps:
         if b is None:
             raise EngineError(Status.EBUSY, "a lane's sequence is trimmed by its plan, not here")
         self._idle(handle)
-        if not 0 <= new_len <= self.e.ledger.length(seq):
+        kv = self.e.ledger.length(seq)
+        if not 0 <= new_len <= kv + b.pending:
             raise EngineError(Status.REJECT_BOUNDS, f"trim to {new_len} past the valid length")
+        b.pending = max(0, new_len - kv)
         L.llama_memory_seq_rm(self.e.mem, seq, new_len, -1)
-        self.e.ledger.truncate(seq, new_len)
+        self.e.ledger.truncate(seq, min(new_len, kv))
         b.gen += 1
         self.e._evictable_dirty = True
 

@@ -107,8 +107,8 @@ class CacheEntry:
 @dataclass(eq=False)
 class Lease:
     """A seed lease: ``prefix`` tokens served by cache entry ``entry_id`` (or, when adopted, by the
-    bare sequence handle ``adopted``), for admits of ``determinism_class``. Valid for ticks whose
-    index is <= ``expires_after_tick``."""
+    bare sequence handle ``adopted``, whose KV covers ``len(prefix) - pending`` of them), for
+    admits of ``determinism_class``. Valid for ticks whose index is <= ``expires_after_tick``."""
 
     handle: int
     prefix: np.ndarray
@@ -117,6 +117,7 @@ class Lease:
     entry_id: int = 0
     adopted: int = 0
     taint: int = 0
+    pending: int = 0  # adopted: tokens of ``prefix`` past the sequence's KV (0 or 1)
 
 
 @dataclass

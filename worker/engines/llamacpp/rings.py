@@ -1,10 +1,10 @@
-"""The engine's side of its three BRTRING1 rings (DESIGN.md "Rings"; ABI rules 123-130).
+"""The engine's side of its BRTRING1 rings (DESIGN.md "Rings"; ABI rules 123-130).
 
 Ring roles are told apart by (role, kind) from the engine's side: the prompt ring is
 ENGINE_READS/TOKENS (admits and seeds name their tokens there), the emit ring ENGINE_WRITES/TOKENS
 (each lane's committed tokens of a tick), the logits ring ENGINE_WRITES/LOGITS (one f32 row per
 HOST decode; its generation is the commit nonce). The logits ring is optional: without it HOST
-admits are refused.
+admits are refused (HOST_RULES).
 """
 
 from __future__ import annotations
@@ -18,72 +18,70 @@ from basertd.schema.tick import RingRef, TokenRef
 from basertd.shm import RingError, RingReader, RingWriter
 from basertd.worker.engines.base import EngineError, RingMapping
 
+_ROLES = {
+    (RingRole.ENGINE_READS, RingKind.TOKENS): "prompts",
+    (RingRole.ENGINE_WRITES, RingKind.TOKENS): "emits",
+    (RingRole.ENGINE_WRITES, RingKind.LOGITS): "logits",
+}
+
 
 class EngineRings:
-    """Attached rings: ``prompts`` (reader), ``emits`` (writer), ``logits`` (writer or None).
+    """Attached rings by ring_id; ``prompts`` (reader), ``emits`` (writer) and ``logits`` (writer
+    or None) are the lowest-id ring of each role (as the reference engine picks them).
 
-    Build with ``attach``; until then every ring is None and the engine refuses admits."""
+    Until a prompt ring is attached admits are refused (BAD_REF_GENERATION), until an emit ring is
+    attached decodes are (BOUNDS)."""
 
     def __init__(self) -> None:
+        self._rings: dict[int, tuple[str, RingReader | RingWriter]] = {}
         self.prompts: RingReader | None = None
         self.emits: RingWriter | None = None
         self.logits: RingWriter | None = None
 
     def attach(self, rings: Sequence[RingMapping]) -> None:
-        """Validate every mapping's header and take the rings over, all or nothing.
+        """Attach or re-attach rings, replacing by ring_id; all or nothing.
 
-        Needs exactly one prompt ring and one emit ring, at most one logits ring, distinct ring ids.
-        Raises EngineError(ERR_RING_LAYOUT) on a header or size mismatch, a missing or duplicated
-        role, or an unknown kind/role; the previous rings stay attached then. On success the writer
-        cursors restart at (index 0, generation 1) (ABI rules 125, 130)."""
-        by_role: dict[tuple[RingRole, RingKind], RingMapping] = {}
-        ids: set[int] = set()
+        Every mapping's header is checked against its ring_id, slot_bytes, slots and length before
+        anything changes. Raises EngineError(ERR_RING_LAYOUT) on a mismatch, a kind/role with no use
+        here, or a ring_id twice in one call; the attached rings stay as they were then. Each ring
+        attached here starts its writer cursor at (index 0, generation 1); rings not named keep
+        theirs (ABI rules 125, 130)."""
+        seen: set[int] = set()
         for m in rings:
-            key = (RingRole(m.role), RingKind(m.kind))
-            if key not in (
-                (RingRole.ENGINE_READS, RingKind.TOKENS),
-                (RingRole.ENGINE_WRITES, RingKind.TOKENS),
-                (RingRole.ENGINE_WRITES, RingKind.LOGITS),
-            ):
-                raise EngineError(Status.ERR_RING_LAYOUT, f"ring {m.ring_id}: no use for {key}")
-            if key in by_role or m.ring_id in ids:
-                raise EngineError(Status.ERR_RING_LAYOUT, f"ring {m.ring_id}: duplicate role or id")
-            by_role[key] = m
-            ids.add(m.ring_id)
-        prompt = by_role.get((RingRole.ENGINE_READS, RingKind.TOKENS))
-        emit = by_role.get((RingRole.ENGINE_WRITES, RingKind.TOKENS))
-        logits = by_role.get((RingRole.ENGINE_WRITES, RingKind.LOGITS))
-        if prompt is None or emit is None:
-            raise EngineError(Status.ERR_RING_LAYOUT, "a prompt ring and an emit ring are required")
+            if (RingRole(m.role), RingKind(m.kind)) not in _ROLES:
+                raise EngineError(Status.ERR_RING_LAYOUT, f"ring {m.ring_id}: no use for {m.role}/{m.kind}")
+            if m.ring_id in seen:
+                raise EngineError(Status.ERR_RING_LAYOUT, f"ring {m.ring_id} twice")
+            seen.add(m.ring_id)
         probes: list[RingReader] = []
-        taken: list = []
+        taken: dict[int, tuple[str, RingReader | RingWriter]] = {}
         try:
-            # Validate every header before taking any writer over: attaching a writer invalidates its
-            # slots, which must not happen when another ring of the set is bad.
-            for m, kind in ((prompt, RingKind.TOKENS), (emit, RingKind.TOKENS), (logits, RingKind.LOGITS)):
-                if m is not None:
-                    probes.append(RingReader.attach(m.buffer, m.ring_id, kind, m.slots, m.slot_bytes))
-            new_prompts = probes.pop(0)
-            taken.append(new_prompts)
-            new_emits = RingWriter.attach(
-                emit.buffer, emit.ring_id, RingKind.TOKENS, emit.slots, emit.slot_bytes
-            )
-            taken.append(new_emits)
-            new_logits = None
-            if logits is not None:
-                new_logits = RingWriter.attach(
-                    logits.buffer, logits.ring_id, RingKind.LOGITS, logits.slots, logits.slot_bytes
+            # Every header first: attaching a writer invalidates its slots, which must not happen
+            # when another ring of the call is bad.
+            for m in rings:
+                probes.append(RingReader.attach(m.buffer, m.ring_id, RingKind(m.kind), m.slots, m.slot_bytes))
+            for m in rings:
+                role = _ROLES[(RingRole(m.role), RingKind(m.kind))]
+                cls = RingReader if role == "prompts" else RingWriter
+                taken[m.ring_id] = (
+                    role,
+                    cls.attach(m.buffer, m.ring_id, RingKind(m.kind), m.slots, m.slot_bytes),
                 )
-                taken.append(new_logits)
         except (RingError, ValueError) as exc:
-            for r in taken:
+            for _, r in taken.values():
                 r.close()
             raise EngineError(Status.ERR_RING_LAYOUT, str(exc)) from exc
         finally:
             for r in probes:
                 r.close()
-        self.close()
-        self.prompts, self.emits, self.logits = new_prompts, new_emits, new_logits
+        for rid, entry in taken.items():
+            old = self._rings.pop(rid, None)
+            if old is not None:
+                old[1].close()
+            self._rings[rid] = entry
+        for role in ("prompts", "emits", "logits"):
+            ids = sorted(rid for rid, (r, _) in self._rings.items() if r == role)
+            setattr(self, role, self._rings[ids[0]][1] if ids else None)
 
     @property
     def attached(self) -> bool:
@@ -114,7 +112,7 @@ class EngineRings:
 
     def close(self) -> None:
         """Release the views of the ring memory (the memory is the worker's). Idempotent."""
-        for r in (self.prompts, self.emits, self.logits):
-            if r is not None:
-                r.close()
+        for _, r in self._rings.values():
+            r.close()
+        self._rings.clear()
         self.prompts = self.emits = self.logits = None

@@ -31,8 +31,9 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
    complete after this tick's (truncated) prefills ILLEGAL_COMBINATION [47, 48]; HOST with
    max_new_tokens != 1, or with a row pending and no commit HOST_RULES [43, 44]; grants that could
    emit more slots than the emit ring has BOUNDS.
-10. KV: the cells the tick may need against free cells plus what its retires free, then cache
-   entries the shed envelope lets it evict (LRU); if that is not enough NEEDS_REPLAN [50-52].
+10. KV: the cells the tick may need (``_check_pool``) against free cells plus what its retires
+   free, then cache entries the shed envelope lets it evict (LRU); if that is not enough
+   NEEDS_REPLAN [50-52].
 
 Admits that no certificate serves (a required_cert_id, or minimum_exactness above what this engine
 grants) are not a plan rejection: they are REJECTED with REJECT_CERT_UNMATCHED in admit_results
@@ -349,14 +350,15 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
         used_leases.add(a.seed_handle)
         w.lease = lease
         _, _, pos_min, _ = st.seed_source(lease)
-        if p == n:  # the whole prompt is cached: re-decode position p - 1 for its logits
+        kv_avail = p - lease.pending  # an adopted fork of a lane may lack its last token's KV
+        if p == n:  # the whole prompt is cached: (re-)decode position p - 1 for its logits
             share = p - 1
             w.produced = p
-        elif p >= n_p:  # the seed covers replayed tokens: the next unit forwards token p
-            share = p
-            w.produced = p + 1
+        elif p >= n_p:  # the seed covers replayed tokens: units feed the rest, one each [72]
+            share = kv_avail
+            w.produced = p
         else:
-            share = p
+            share = kv_avail
         if st.window_ok(pos_min, share):
             w.share_len = w.kv_len = share
             w.prefilled = min(p, n_p)
@@ -375,28 +377,44 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
 def _check_pool(
     st: EngineState, work: TickWork, admitted: dict[int, AdmitWork], cursor: dict[int, int]
 ) -> None:
-    """Cells the tick may allocate vs. what is free (ABI rules 50-52). Fills ``work.evict``."""
+    """KV cells the tick may need vs. what is free (ABI rules 50-52). Fills ``work.evict``.
+
+    A lane is charged a cell for every token it has committed, including the one or two whose KV
+    the next decode unit computes (a sampled or committed token, a replayed token, the re-decoded
+    end of a cached prompt): those cells are reserved, so a pending forward always finds one, and
+    commits, seed back-offs and HOST replay tokens count when they are committed (rule 52). A tick
+    adds its prefill chunks (and the internal cold prefill after a lost window), one cell per
+    decode unit that produces a token (HOST units that only hand out a row produce none), and one
+    per commit."""
     need = 0
-    ctx_cap = st.context_length  # a lane's KV never exceeds its context
     for w in admitted.values():
         if w.cert_reject:
             continue
         after = cursor.get(w.rec.lane_tag, w.prefilled)
-        need += max(0, after - w.kv_len)
+        fed = max(w.kv_len, after)
+        need += fed - w.kv_len
+        if after >= w.prefill_end:
+            need += max(0, w.produced - fed)
     for tag, after in cursor.items():
         lane = st.lanes.get(tag)
         if lane is not None:
             need += max(0, after - lane.kv_len)
+    committed = {tag for tag, _ in work.commits}
+    need += len(committed)
     for tag, max_new in work.decodes:
         lane = st.lanes.get(tag)
         if lane is not None:
-            kv = max(lane.kv_len, cursor.get(tag, lane.prefilled))
+            produced, n_known, host = lane.produced + (tag in committed), lane.n_tokens, lane.is_host
         else:
             w = admitted[tag]
-            kv = max(w.kv_len, cursor.get(tag, w.prefilled))
-        need += min(max_new, max(0, ctx_cap - kv))
+            produced, n_known, host = w.produced, w.prompt.shape[0], w.rec.sampling == Sampling.HOST
+        if host:
+            need += 1 if produced < n_known else 0  # a HOST unit replays a token or hands out a row
+        else:
+            need += min(max_new, max(0, st.context_length - produced))
+    reserved = sum(ln.pending_tokens for ln in st.lanes.values())
     work.cells_needed = need
-    if need <= st.ledger.free:
+    if need <= st.ledger.free - reserved:
         return
     drops = []
     for tag, publish in work.retires:
@@ -404,7 +422,8 @@ def _check_pool(
         if lane is not None:
             keep = (lane.kv_len // st.cache.page) * st.cache.page if publish else 0
             drops.append((lane.seq, keep))
-    have = st.ledger.free + st.ledger.freed_by(drops)
+            reserved -= lane.pending_tokens
+    have = st.ledger.free - reserved + st.ledger.freed_by(drops)
     if need <= have:
         return
     pol = work.plan.shed_policy
@@ -416,7 +435,7 @@ def _check_pool(
     chosen: list[CacheEntry] = []
     for e in st.cache.eviction_order(pol.evictable_cache_classes):
         trial = drops + [(x.seq, 0) for x in chosen] + [(e.seq, 0)]
-        now = st.ledger.free + st.ledger.freed_by(trial)
+        now = st.ledger.free - reserved + st.ledger.freed_by(trial)
         gain = (now - have) * bpt
         if freed_bytes + gain > cap:
             continue
