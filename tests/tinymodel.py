@@ -36,18 +36,28 @@ _LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 ARCHES = ("llama", "gemma3")
 
 
-def tiny_vocab() -> tuple[list[str], list[float], list[int]]:
+BASE_VOCAB = 3 + 256 + len(_PIECES) + len(_LETTERS)
+"""Size of the tiny vocabulary without padding (293)."""
+
+
+def tiny_vocab(n_vocab: int | None = None) -> tuple[list[str], list[float], list[int]]:
     """The tiny model's vocabulary as (tokens, scores, token types).
 
     ``<unk>`` 0, ``<s>`` 1 (BOS), ``</s>`` 2 (EOS, the only end-of-generation token), the 256
-    byte tokens ``<0x00>``..``<0xFF>`` at 3..258, then "▁"-pieces and the letters a-z (293 tokens in all)."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _PIECES + _LETTERS
+    byte tokens ``<0x00>``..``<0xFF>`` at 3..258, then "▁"-pieces and the letters a-z (293 tokens in
+    all); ``n_vocab`` > 293 pads with ordinary pieces ``▁w0``, ``▁w1``, ... Raises ValueError below 293."""
+    n_vocab = BASE_VOCAB if n_vocab is None else n_vocab
+    if n_vocab < BASE_VOCAB:
+        raise ValueError(f"the tiny vocabulary has at least {BASE_VOCAB} tokens")
+    extra = [f"\u2581w{i}" for i in range(n_vocab - BASE_VOCAB)]
+    words = _PIECES + _LETTERS + extra
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
     types = (
         [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
         + [gguf.TokenType.BYTE] * 256
-        + [gguf.TokenType.NORMAL] * (len(_PIECES) + len(_LETTERS))
+        + [gguf.TokenType.NORMAL] * len(words)
     )
-    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(_PIECES) + len(_LETTERS))]
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(words))]
     return tokens, scores, [int(t) for t in types]
 
 
@@ -63,6 +73,8 @@ def write_tiny_gguf(
     n_layer: int = 2,
     context_length: int = 4096,
     n_swa: int = 32,
+    n_vocab: int | None = None,
+    quiet_eos: bool = False,
 ) -> Path:
     """Write a tiny random-weight model to ``path`` and return it as a ``Path``.
 
@@ -70,8 +82,12 @@ def write_tiny_gguf(
     ``n_ff`` feed-forward width), heads in heads, ``context_length`` and ``n_swa`` (gemma3's
     sliding window, layer 0 only) in tokens. Weights are F32 from ``numpy.random.default_rng(seed)``
     with standard deviations 1.0 (embedding), 0.5 (output) and 0.2 (everything else), so the logits
-    are spread out and different contexts give different tokens. The same arguments always write
-    the same bytes. Raises ValueError for an unknown ``arch`` or a width not divisible by ``n_head``.
+    are spread out and different contexts give different tokens. ``n_vocab`` pads the vocabulary
+    (``tiny_vocab``); ``quiet_eos`` zeroes EOS's output row, so its logit is always 0 among logits
+    of spread about 4: greedy decoding never ends and sampling at temperature 1 almost never does
+    (like the reference engine's default, which never draws EOS). The same arguments always write
+    the same bytes. Raises ValueError for an
+    unknown ``arch``, a width not divisible by ``n_head`` or a vocabulary under 293 tokens.
     """
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
@@ -79,7 +95,7 @@ def write_tiny_gguf(
         raise ValueError("n_embd must be a multiple of n_head, and n_head a multiple of n_head_kv")
     path = Path(path)
     rng = np.random.default_rng(seed)
-    tokens, scores, types = tiny_vocab()
+    tokens, scores, types = tiny_vocab(n_vocab)
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
 
@@ -118,7 +134,10 @@ def write_tiny_gguf(
     T = gguf.MODEL_TENSOR
     w.add_tensor(names[T.TOKEN_EMBD] + ".weight", normal((n_vocab, n_embd), 1.0))
     w.add_tensor(names[T.OUTPUT_NORM] + ".weight", ones(n_embd))
-    w.add_tensor(names[T.OUTPUT] + ".weight", normal((n_vocab, n_embd), 0.5))
+    output = normal((n_vocab, n_embd), 0.5)
+    if quiet_eos:
+        output[EOS_ID] = 0.0
+    w.add_tensor(names[T.OUTPUT] + ".weight", output)
     for i in range(n_layer):
 
         def blk(t: gguf.MODEL_TENSOR, i: int = i) -> str:

@@ -204,10 +204,12 @@ def test_bare_sequences(lc):
     fork = eng.seq_fork(lane_seq, 0)
     used = eng.ledger.used
     assert eng.ledger.length(eng.ops.bare[fork].seq) == 40 and eng.ledger.used == used  # shared
+    assert eng.ops.bare[fork].pending == 1  # the lane's sampled token, KV not computed yet
     assert eng.snapshot_boundary(fork, SPACE, 1000) == 32
     assert eng.snapshot_boundary(fork, SPACE, 20) == 16
-    err(Status.REJECT_BOUNDS, eng.trim, fork, SPACE, 41)
+    err(Status.REJECT_BOUNDS, eng.trim, fork, SPACE, 42)
     eng.trim(fork, SPACE, 35)
+    assert eng.ops.bare[fork].pending == 0
     assert eng.ledger.length(eng.ops.bare[fork].seq) == 35
     eng.sequence_free(fork)
     err(Status.ERR_UNKNOWN_HANDLE, eng.sequence_free, fork)

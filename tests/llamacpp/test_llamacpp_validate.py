@@ -237,24 +237,40 @@ def test_certificates(lc):
 
 
 def test_kv_exhaustion_is_needs_replan_never_a_crash(make_engine):
-    # ABI rules 50, 51: 4 lanes of 128 tokens in a 256-cell pool
+    # ABI rules 50-52: 4 lanes of 128 tokens in a 256-cell pool; every committed token is charged,
+    # including each lane's last sampled one, whose KV the next decode computes
     eng, coord = make_engine(lanes=4, context_length=128, pool_tokens=256)
     assert eng.n_cells == 256
     for t in (1, 2, 3):
-        live(coord, t, n=80, params=ignore_eos())
+        live(coord, t, n=80, params=ignore_eos())  # 80 prompt + 1 sampled: 81 charged each
     ref = coord.prompt(make_prompt(4, 60))
-    rejects(
-        coord,
-        Status.NEEDS_REPLAN,
-        admits=[admit(4, ref)],
-        prefills=[P(lane_tag=4, token_offset=0, token_count=60)],
-    )
-    rejects(coord, Status.NEEDS_REPLAN, decodes=[D(lane_tag=t, max_new_tokens=6) for t in (1, 2, 3)])
-    ev = coord.tick(decodes=[D(lane_tag=t, max_new_tokens=5) for t in (1, 2, 3)])  # exactly fits
-    assert sum(e.n_tokens for e in ev.emits) == 15 and eng.ledger.free == 1
+    prefill = [P(lane_tag=4, token_offset=0, token_count=60)]
+    rejects(coord, Status.NEEDS_REPLAN, admits=[admit(4, ref)], prefills=prefill)
+    rejects(coord, Status.NEEDS_REPLAN, decodes=[D(lane_tag=t, max_new_tokens=5) for t in (1, 2, 3)])
+    ev = coord.tick(decodes=[D(lane_tag=t, max_new_tokens=4) for t in (1, 2, 3)])  # 243 + 12 of 256
+    assert sum(e.n_tokens for e in ev.emits) == 12 and eng.ledger.free == 256 - 3 * 84
     rejects(coord, Status.NEEDS_REPLAN, decodes=[D(lane_tag=t, max_new_tokens=1) for t in (1, 2, 3)])
     ev = coord.tick(retires=[R(lane_tag=1)], decodes=[D(lane_tag=t, max_new_tokens=1) for t in (2, 3)])
     assert sum(e.n_tokens for e in ev.emits) == 2
+
+
+def test_commits_and_replay_tokens_are_charged_when_committed(make_engine):
+    # ABI rule 52
+    _eng, coord = make_engine(lanes=2, context_length=64, pool_tokens=32)
+    ref = coord.prompt(make_prompt(1, 32))
+    ev = coord.tick(
+        admits=[admit(1, ref, sampling=Sampling.HOST)],
+        prefills=[P(lane_tag=1, token_offset=0, token_count=32)],
+        decodes=[D(lane_tag=1)],
+    )
+    nonce = ev.emits[0].logits_row.generation  # the row came from the prefill: no new cell
+    rejects(coord, Status.NEEDS_REPLAN, commits=[C(lane_tag=1, token_id=5, logits_nonce=nonce)])
+    coord.tick(retires=[R(lane_tag=1)])
+    ref = coord.prompt(make_prompt(2, 33))
+    coord.tick(
+        admits=[admit(2, ref, decode_replay=1)], prefills=[P(lane_tag=2, token_offset=0, token_count=32)]
+    )
+    rejects(coord, Status.NEEDS_REPLAN, decodes=[D(lane_tag=2)])  # the replayed token needs a cell
 
 
 def test_cache_entries_are_evicted_inside_the_shed_envelope(make_engine):
