@@ -30,3 +30,14 @@ def default_model() -> Path:
     from basertd.models import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def conformance_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ``llama`` GGUF shaped like the reference engine's default bundle, for running the
+    conformance suite on the llama.cpp engine (tests/llamacpp_bundle.py): a 512-token vocabulary,
+    one layer with one 16-wide KV head (64 KV bytes per token), and an EOS that is never drawn."""
+    from tinymodel import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny-conformance.gguf"
+    return write_tiny_gguf(path, "llama", n_vocab=512, n_layer=1, n_head_kv=1, quiet_eos=True)
