@@ -33,6 +33,17 @@ BASERT_BUNDLE_FACTORY_ENV = "BASERT_BUNDLE_FACTORY"
 _REF_SOURCES = Path(__file__).resolve().parents[2] / "native" / "ref_engine"
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip, with the reason, the tests that cannot run on the llama.cpp engine (RULES.md sections
+    that exist only at the C layer, features it does not have); tests/llamacpp_bundle.py lists them."""
+    from llamacpp_bundle import not_applicable
+
+    for item in items:
+        reason = not_applicable(item.nodeid)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"llamacpp: {reason}"))
+
+
 def pytest_report_header(config) -> str:
     lib = os.environ.get(BASERT_LIB_ENV)
     shown = lib or "(unset: real-libbaseRT tests skip)"
@@ -78,13 +89,22 @@ def abi_lib(request) -> BasertLib:
     return request.getfixturevalue("ref_lib" if request.param == "ref" else "real_lib")
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=[*ENGINES, "llamacpp"])
 def make_bundle(request) -> Iterator[Callable[..., Bundle]]:
     """``make_bundle(**config) -> Bundle``: fresh bundles of the engine under test, closed at
     teardown. Keyword config is the reference engine's (``basertd.native.ref``); a real
-    libbaseRT's factory gets none and must skip tests whose config it cannot honour."""
+    libbaseRT's factory gets none and must skip tests whose config it cannot honour. ``llamacpp``
+    is the llama.cpp engine on a tiny GGUF behind the Bundle surface (tests/llamacpp_bundle.py)."""
     if request.param == "ref":
         factory = request.getfixturevalue("ref_bundle_factory")
+    elif request.param == "llamacpp":
+        from llamacpp_bundle import make_llamacpp_bundle
+
+        model = request.getfixturevalue("conformance_gguf")
+
+        def factory(**config):
+            return make_llamacpp_bundle(model, **config)
+
     else:
         lib = request.getfixturevalue("real_lib")
         spec = os.environ.get(BASERT_BUNDLE_FACTORY_ENV)
