@@ -525,19 +525,25 @@ class Scheduler:
         for lane in self.lanes.values():
             lane.tick_tokens.clear()
         live = [lane for lane in self.lanes.values() if not lane.retire and not lane.request.finished]
-        if exc.status == Status.NEEDS_REPLAN and len(draft.admits) == 1 and not live:
-            req = requests[draft.admits[0][1].key]
-            self.queues.remove(req)
-            req.fail(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "the request does not fit the worker's KV pool")
-            self.requests_done += 1
+        if exc.status == Status.NEEDS_REPLAN:
+            if len(draft.admits) == 1 and not live:  # it cannot fit even alone: never will
+                req = requests[draft.admits[0][1].key]
+                self.queues.remove(req)
+                req.fail(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "the request does not fit the worker's KV pool")
+                self.requests_done += 1
+            elif draft.admits:
+                self._max_admits = len(draft.admits) // 2
+            elif draft.prefills:
+                self._max_admits = 0
+                self._prefill_cap = max(1, draft.prefill_tokens // 2)
+            elif live:  # the running lanes alone outgrow the pool: stop the youngest one
+                youngest = max(live, key=lambda lane: lane.tag)
+                youngest.request.fail(ErrorCode.INTERNAL, "the worker's KV pool is exhausted")
+                self.requests_done += 1
+                youngest.retire = True
             return
-        if exc.status == Status.NEEDS_REPLAN and draft.admits:
-            self._max_admits = len(draft.admits) // 2
-        elif exc.status == Status.NEEDS_REPLAN and draft.prefills:
-            self._max_admits = 0
-            self._prefill_cap = max(1, draft.prefill_tokens // 2)
-        elif self._rejections == 1:
-            self._max_admits = 0
+        if self._rejections == 1:
+            self._max_admits = 0  # our view and the engine's disagree: stop admitting for a tick
         else:
             self.slot.restart(f"plans rejected {self._rejections} times in a row ({status})")
 

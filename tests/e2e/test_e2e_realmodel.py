@@ -9,6 +9,13 @@ from e2e_harness import Daemon
 
 from basertd.client import AsyncClient
 
+PROMPTS = {
+    "The capital of France is the city of": "Paris",
+    "1, 2, 3, 4, 5,": "6",
+    "The opposite of hot is": "cold",
+    "Monday, Tuesday, Wednesday,": "Thursday",
+}
+
 
 @pytest.mark.realmodel
 @pytest.mark.slow
@@ -20,18 +27,20 @@ def test_default_model_serves_real_text(default_model):
 
         async def scenario():
             async with await AsyncClient.connect(d.socket) as c:
-                prompts = ["The capital of France is", "1, 2, 3, 4, 5,", "The color of the sky is"]
-                return await asyncio.gather(*(c.generate(p, max_tokens=12, temperature=0.0) for p in prompts))
+                return await asyncio.gather(*(c.generate(p, max_tokens=12, temperature=0.0) for p in PROMPTS))
 
-        paris, digits, sky = asyncio.run(scenario())
-        assert "Paris" in paris.text
-        assert "6" in digits.text
-        assert sky.usage.completion_tokens >= 1 and sky.text.strip()
-        for out in (paris, digits, sky):
-            assert out.timings.ttft_s > 0 and out.usage.completion_tokens <= 12
-        with d.client() as c:  # the same prompt again, alone: greedy gives the same text
-            again = c.generate("The capital of France is", max_tokens=12, temperature=0.0)
-        assert again.text == paris.text
+        outs = asyncio.run(scenario())
+        for (prompt, answer), out in zip(PROMPTS.items(), outs, strict=True):
+            assert answer in out.text, (prompt, out.text)
+            assert out.timings.ttft_s > 0 and out.usage.prompt_tokens > 1
+            assert (
+                out.usage.completion_tokens == 12
+                if out.finish_reason == "length"
+                else out.finish_reason == "eos"
+            )
+        with d.client() as c:  # served alone afterwards, with a stop string
+            alone = c.generate("1, 2, 3, 4, 5,", max_tokens=12, temperature=0.0, stop=[" 8"])
+        assert alone.finish_reason == "stop" and alone.text == " 6, 7,"
     except BaseException:
         d.kill()
         raise

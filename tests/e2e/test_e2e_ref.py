@@ -398,3 +398,32 @@ def test_worker_that_cannot_start_is_given_up_then_retried_on_the_next_request(t
         d.kill()
         raise
     d.stop()
+
+
+def test_rejected_plan_is_logged_and_replanned_never_a_crash():
+    # A 1024-token pool whose published prefixes may not be evicted inside a tick: after the first
+    # request retires and publishes, a long prompt no longer fits and the engine answers
+    # NEEDS_REPLAN (ABI rule 50); the daemon logs it, fails that request typed, and serves on.
+    ref = {"pool_bytes": 1024 * 64, "bytes_per_token": 64, "page_size_tokens": 16, "eos_period": 0}
+    cfg = ref_config(ref, extra="[cache]\npublish_on_retire = true\nevict_in_tick = false\n").replace(
+        f"context_length = {CONTEXT}", "context_length = 1024"
+    )
+    d = Daemon(cfg)
+    try:
+        with d.client() as c:
+            first = c.generate("a" * 600, max_tokens=100, temperature=0)
+            assert first.usage.completion_tokens == 100
+            d.wait_idle()
+            with pytest.raises(ClientError) as info:
+                c.generate("b" * 400, max_tokens=10, temperature=0)
+            assert info.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+            assert "KV pool" in info.value.message
+            small = c.generate("c" * 50, max_tokens=10, temperature=0)
+            assert small.usage.completion_tokens == 10
+        log = d.log_text()
+        assert '"plan_rejected"' in log and "NEEDS_REPLAN" in log
+        assert d.proc.poll() is None
+    except BaseException:
+        d.kill()
+        raise
+    d.stop()
