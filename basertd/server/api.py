@@ -144,6 +144,7 @@ class ApiServer:
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._inode: int | None = None
 
     async def start(self) -> None:
         """Bind and listen."""
@@ -161,6 +162,7 @@ class ApiServer:
             )
         finally:
             os.umask(old_umask)
+        self._inode = self.path.stat().st_ino
         os.chmod(self.path, self.mode)
         log.info("listening", socket=str(self.path), mode=f"{self.mode:04o}")
 
@@ -183,7 +185,8 @@ class ApiServer:
             self._server.close()
 
     async def stop(self) -> None:
-        """Close every connection, stop listening and remove the socket file. Idempotent."""
+        """Close every connection, stop listening and remove the socket file this server bound.
+        Idempotent."""
         self.stop_listening()
         for conn in list(self.connections):
             conn.close()
@@ -194,8 +197,10 @@ class ApiServer:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             self._server = None
         with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(self.path.lstat().st_mode):
-                self.path.unlink()
+            st = self.path.lstat()
+            if self._inode is not None and stat.S_ISSOCK(st.st_mode) and st.st_ino == self._inode:
+                self.path.unlink()  # ours only: never the socket of a daemon found running
+        self._inode = None
 
 
 async def _socket_alive(path: Path) -> bool:

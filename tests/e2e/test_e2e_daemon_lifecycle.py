@@ -1,0 +1,74 @@
+"""The daemon's process contract: socket mode, a socket in use, SIGINT, runtime files (issue 7)."""
+
+from __future__ import annotations
+
+import signal
+import stat
+import subprocess
+import sys
+
+from e2e_harness import Daemon, pid_alive
+
+REF_WORKER = (
+    '[[workers]]\nengine = "basert"\nlanes = 2\ncontext_length = 128\n'
+    "[workers.ref_config]\nvocab_size = 259\n"
+)
+
+
+def test_socket_mode_private_link_dir_and_a_second_daemon_on_the_same_socket():
+    d = Daemon('socket_mode = "0600"\n' + REF_WORKER)
+    try:
+        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o600
+        link_dirs = [p for p in d.runtime_dir.iterdir() if p.name.startswith("workers-")]
+        assert len(link_dirs) == 1 and stat.S_IMODE(link_dirs[0].stat().st_mode) == 0o700
+        endpoints = list(link_dirs[0].glob("*/link.sock"))
+        assert len(endpoints) == 1 and stat.S_IMODE(endpoints[0].parent.stat().st_mode) == 0o700
+        second = subprocess.run(
+            [sys.executable, "-m", "basertd.cli", "serve", "--config", str(d.config_path)],
+            capture_output=True,
+            timeout=60,
+        )
+        assert second.returncode == 1 and b"in use" in second.stderr
+        assert d.socket.exists()  # the running daemon's socket was not touched
+        with d.client() as c:
+            assert c.generate("still mine", max_tokens=3, temperature=0).usage.completion_tokens >= 1
+    except BaseException:
+        d.kill()
+        raise
+    d.stop()
+
+
+def test_sigint_stops_cleanly_and_fails_running_work_typed():
+    d = Daemon(
+        REF_WORKER.replace("vocab_size = 259\n", "vocab_size = 259\ntick_delay_us = 50000\neos_period = 0\n")
+    )
+    try:
+        c = d.client()
+        s = c.stream("long", max_tokens=100, temperature=0)
+        it = iter(s)
+        next(it)
+        kids = d.track_children()
+        d.proc.send_signal(signal.SIGINT)
+        try:
+            for _ in it:
+                pass
+            raise AssertionError("the stream should end with an error")
+        except Exception as exc:  # ClientError(SHUTTING_DOWN) or the connection closing
+            assert "shutting_down" in str(exc) or "lost" in str(exc), exc
+        c.close()
+        assert d.proc.wait(30) == 0
+        assert not any(pid_alive(p) for p in kids)
+        assert not d.socket.exists()
+    except BaseException:
+        d.kill()
+        raise
+    d.stop()
+
+
+def test_bad_config_is_refused_before_anything_starts(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[[workers]]\nengine = "basert"\nlanse = 2\n')
+    r = subprocess.run(
+        [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], capture_output=True, timeout=60
+    )
+    assert r.returncode == 2 and b"workers[0].lanse" in r.stderr
