@@ -15,11 +15,17 @@ Protocol, as this side plays it:
 3. Requests, in arrival order. TICK_SUBMIT runs the plan on this thread; with
    ``TickFlag.PARTIAL_EMITS`` the engine's partial emits are sent as TICK_EMIT frames from inside
    the tick (same thread, same socket; each token array is copied first, so no frame aliases ring
-   or engine memory). The result is TICK_RESULT (events, ``plan_seq`` echoed), TICK_REJECTED
+   or engine memory). They are coalesced: tokens are buffered per lane and flushed, one TICK_EMIT
+   per lane, by the first callback at least ``emit_window_s`` (default 2 ms, ``--emit-window-ms``;
+   0 sends every callback's tokens at once) after the tick started or the last flush; what is
+   still buffered when the tick returns is dropped, because the result follows at once and
+   carries it. So a lane's TICK_EMITs of one tick concatenate to a *prefix* of that tick's tokens
+   for it (all of them with a 0 window); a fast tick streams nothing, a slow one streams about
+   every window. The result is TICK_RESULT (events, ``plan_seq`` echoed), TICK_REJECTED
    (``PlanRejected``: the engine changed nothing) or ERROR. Requests that arrive mid-tick are
-   served after it, except PING: while a tick streams, each partial-emit callback answers every
-   PING received or queued so far (PONG ``tick_in_flight`` = True, stats of the previous tick:
-   the engine is never re-entered from its own callback).
+   served after it, except PING: at each flush the worker answers every PING received or queued
+   so far (PONG ``tick_in_flight`` = True, stats of the previous PONG: the engine is never
+   re-entered from its own callback).
 4. Async state ops (snapshot, restore, demote, promote) answer STATE_OP_ACCEPTED with the op
    handle; their end is reported as STATE_OP_DONE (``corr`` = the STATE_OP's seq; a DONE snapshot
    or demote carries the sealed bytes as a side frame) once ``op_poll`` sees it terminal. Pending
@@ -65,6 +71,8 @@ PARENT_CHECK_S = 0.5
 """Seconds between checks that the parent is still the coordinator (and the idle poll timeout)."""
 OP_POLL_S = 0.005
 """Idle poll timeout while async state ops are pending, seconds."""
+EMIT_WINDOW_S = 0.002
+"""Default coalescing window of partial emits, seconds (``--emit-window-ms``; module docstring)."""
 FLUSH_LINGER_MS = 2000
 """How long the socket may take to deliver the last frames (e.g. the result of the tick that was
 in flight when SIGTERM came) when the worker exits."""
@@ -151,8 +159,12 @@ class LinkServer:
         stop: StopSignals,
         log: Any,
         context: zmq.Context | None = None,
+        emit_window_s: float = EMIT_WINDOW_S,
     ) -> None:
         self.engine = engine
+        self.emit_window_s = emit_window_s
+        self._emit_buf: dict[int, list[np.ndarray]] = {}
+        self._last_flush = 0.0
         self.endpoint = endpoint
         self.worker_id = worker_id
         self.parent_pid = parent_pid
@@ -388,10 +400,20 @@ class LinkServer:
         if self._mid_tick_error is not None:
             return
         try:
-            toks = np.array(tokens, dtype=np.uint32, copy=True).reshape(-1)
-            self._send(
-                link.TickEmit(plan_seq=self._tick_plan_seq, lane_tag=lane_tag, tokens=toks), self._tick_seq
+            # A copy: the engine's array may alias memory it rewrites.
+            self._emit_buf.setdefault(lane_tag, []).append(
+                np.array(tokens, dtype=np.uint32, copy=True).reshape(-1)
             )
+            now = time.monotonic()
+            if now - self._last_flush < self.emit_window_s:
+                return
+            self._last_flush = now
+            for tag, parts in self._emit_buf.items():
+                toks = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                self._send(
+                    link.TickEmit(plan_seq=self._tick_plan_seq, lane_tag=tag, tokens=toks), self._tick_seq
+                )
+            self._emit_buf.clear()
             self._receive_ready(answer_pings=True)
             if self._queue and any(env.msg_type == MsgType.PING for env, _ in self._queue):
                 pings = [env.seq for env, _ in self._queue if env.msg_type == MsgType.PING]
@@ -415,12 +437,14 @@ class LinkServer:
         self._tick_seq = env.seq
         self._tick_plan_seq = plan.plan_seq
         self._mid_tick_error = None
+        self._last_flush = time.monotonic()
         try:
             events = self.engine.tick(plan, self._on_partial_emit if streaming else None)
         except PlanRejected as exc:
             return link.TickRejected(plan_seq=plan.plan_seq, status=int(exc.status), message=str(exc))
         finally:
             self._in_tick = False
+            self._emit_buf.clear()  # not yet streamed: the result carries them
         if self._mid_tick_error is not None:
             raise self._mid_tick_error
         self.ticks_run += 1

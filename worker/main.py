@@ -50,7 +50,7 @@ from basertd.worker.engines import (
     open_engine,
 )
 from basertd.worker.lifecycle import ExitCode, LifecycleError, StopSignals, die_with_parent
-from basertd.worker.link import InheritedRing, LinkServer
+from basertd.worker.link import EMIT_WINDOW_S, InheritedRing, LinkServer
 
 RING_KINDS: dict[str, tuple[RingKind, RingRole]] = {
     "prompt": (RingKind.TOKENS, RingRole.ENGINE_READS),
@@ -74,6 +74,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
@@ -124,6 +134,12 @@ def build_parser() -> _Parser:
     p.add_argument("--lanes", type=_positive, default=None, help="concurrent lanes")
     p.add_argument("--context-length", type=_positive, default=None, help="tokens per lane")
     p.add_argument("--threads", type=_positive, default=None, help="engine CPU threads")
+    p.add_argument(
+        "--emit-window-ms",
+        type=_non_negative_float,
+        default=EMIT_WINDOW_S * 1000,
+        help="coalesce partial emits over this many ms (0: one TICK_EMIT per engine callback)",
+    )
     p.add_argument("--log-level", default="info", choices=wlog.level_names())
     return p
 
@@ -252,6 +268,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             rings=rings,
             stop=stop,
             log=log,
+            emit_window_s=args.emit_window_ms / 1000,
         )
         rings = []  # the server owns and closes them now
         return server.run()

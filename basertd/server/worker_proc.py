@@ -141,7 +141,9 @@ class WorkerSpec:
     object or fd). ``start_timeout``: seconds for spawn + model load + handshake. ``env``: extra
     environment variables. ``command``: the program and leading arguments that run the worker
     (default ``[sys.executable, "-m", "basertd.worker.main"]``; e.g. behind ``taskset``); the
-    worker flags are appended."""
+    worker flags are appended. ``emit_window_ms``: coalescing window of partial emits (None: the
+    worker's default, 2 ms; 0: every engine callback is sent at once; see ``basertd.worker.link``:
+    a lane's TICK_EMITs of one tick concatenate to a prefix of that tick's tokens for it)."""
 
     worker_id: int = 0
     engine: str = "basert"
@@ -162,6 +164,7 @@ class WorkerSpec:
     env: Mapping[str, str] | None = None
     log_level: str = "info"
     command: Sequence[str] | None = None
+    emit_window_ms: float | None = None
 
     def geometry(self, ring_id: int) -> RingGeometry:
         """The geometry of ring ``ring_id`` (1 prompt, 2 emit, 3 logits)."""
@@ -211,6 +214,8 @@ class WorkerSpec:
         ):
             if value is not None:
                 args += [flag, str(value)]
+        if self.emit_window_ms is not None:
+            args += ["--emit-window-ms", repr(float(self.emit_window_ms))]
         return args + [str(a) for a in self.extra_args]
 
 

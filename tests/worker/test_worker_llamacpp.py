@@ -114,6 +114,7 @@ def test_llamacpp_worker_matches_in_process(make_spec, tiny_gguf):
         lanes=LANES,
         context_length=CONTEXT,
         threads=1,
+        emit_window_ms=0,
         logits_ring=RingGeometry.for_elems(8, vocab),
     )
     with SyncWorker(spec) as w:

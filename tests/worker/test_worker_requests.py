@@ -48,7 +48,7 @@ PAGE = 4
 
 @pytest.fixture
 def worker(make_spec):
-    with SyncWorker(make_spec(ref_config={"page_size_tokens": PAGE})) as w:
+    with SyncWorker(make_spec(ref_config={"page_size_tokens": PAGE}, emit_window_ms=0)) as w:
         yield w
 
 
@@ -160,6 +160,23 @@ def test_partial_emits_arrive_before_the_result(worker):
     assert [tok for _, part in seen for tok in part] == tokens
 
 
+def test_partial_emits_are_coalesced_within_the_window(make_spec):
+    # The reference engine draws a tick's tokens within microseconds: with a window longer than
+    # the tick nothing is streamed (the result carries every token); what is streamed is always a
+    # prefix of the lane's tokens.
+    with SyncWorker(make_spec(emit_window_ms=1000)) as w:
+        seen: list[int] = []
+        plan = with_flags(admit(w, 5, range(10, 22), decode=6), TickFlag.PARTIAL_EMITS)
+        events = w.tick(plan, on_emit=lambda e: seen.extend(e.tokens.tolist()))
+        assert seen == [] and events.emits[0].n_tokens == 6
+    with SyncWorker(make_spec(emit_window_ms=0.5, ref_config={"tick_delay_us": 5000})) as w:
+        seen = []
+        plan = with_flags(admit(w, 5, range(10, 22), decode=6), TickFlag.PARTIAL_EMITS)
+        events = w.tick(plan, on_emit=lambda e: seen.extend(e.tokens.tolist()))
+        tokens = w.proc.emit_ring.read(events.emits[0].token_ref).tolist()
+        assert tokens[: len(seen)] == seen
+
+
 def test_emit_callback_error_keeps_the_tick_and_the_link(worker):
     plan = admit(worker, 5, range(10, 14), decode=2)
     plan = TickPlan(
@@ -200,7 +217,7 @@ def test_one_tick_in_flight_and_timeouts(make_spec):
 
 
 def test_pong_reports_queue_depth_and_answers_mid_tick(make_spec):
-    with SyncWorker(make_spec()) as w:
+    with SyncWorker(make_spec(emit_window_ms=0)) as w:
 
         async def frozen(plan: TickPlan):
             # Freeze the worker so that the tick, a PING and three TOKENIZEs are all queued before

@@ -338,6 +338,10 @@ def open_engine(options: EngineOptions) -> BasertEngine:
     except FileNotFoundError as exc:
         raise EngineLoadError(str(exc)) from None
     except nabi.MissingSymbols as exc:
+        if lib_path is None:
+            raise EngineLoadError(
+                f"the reference engine library is out of date (run `make native`): {exc}"
+            ) from None
         if all(name.startswith("baseRT_ref_") for name in exc.missing):
             raise EngineLoadError(
                 f"{lib_path} exports the tick ABI but offers no way to create a bundle: a real libbaseRT "
