@@ -240,6 +240,46 @@ baseRT_status baseRT_ref_stats(baseRT_model_t bundle, BaseRTRefStats *out);
 /* Copies one lane's state into *out; UNKNOWN_LANE for a tag the engine does not hold. */
 baseRT_status baseRT_ref_lane_info(baseRT_model_t bundle, uint64_t lane_tag, BaseRTRefLaneInfo *out);
 
+/* ---- state ops (ops.c) and strategies (strategy.c) ---- */
+
+/* One (sequence, space) as the engine sees it (baseRT_ref_space_info). Tokens unless named. */
+typedef struct BaseRTRefSpaceInfo {
+    uint64_t struct_size;
+    uint64_t valid_len;      /* tokens of state the space holds */
+    uint64_t content_gen;    /* the sizing generation export_size reports (rule 96) */
+    uint64_t seq_len;        /* tokens the sequence holds (its longest space) */
+    uint32_t taint_bits;     /* BASERT_TAINT_* */
+    uint32_t n_boundaries;   /* recorded snapshot boundaries (blob kinds) */
+    uint32_t n_demoted;      /* ranges demoted and not yet promoted */
+    uint32_t claimed;        /* 1 while a state op holds the pair (rule 98) */
+    uint32_t ops_in_flight;  /* the sequence's claims + spaces with demoted ranges (rule 49) */
+    uint32_t tokens_known;   /* 0 after a blob-only restore, until seed_adopt names them */
+    uint32_t blocks;         /* pool blocks the sequence holds */
+    uint32_t lane_owned;
+    uint32_t leased;         /* held by a seed_adopt lease */
+    uint32_t _pad0;
+} BaseRTRefSpaceInfo; /* 72 */
+
+/* Copies one space of a sequence into *out (out->struct_size must be >= sizeof).
+ * UNKNOWN_HANDLE for an unknown sequence or space id; BAD_STRUCT for a NULL or short out. */
+baseRT_status baseRT_ref_space_info(baseRT_sequence_t seq, uint32_t space_id, BaseRTRefSpaceInfo *out);
+
+/* The checksum kind later exports carry: BASERT_CHECKSUM_FNV1A64 (the default) or
+ * BASERT_CHECKSUM_XXH3_64 (libxxhash.so.0 loaded at first use, or the library named by
+ * $BASERT_REF_XXHASH_LIB). BOUNDS for any other kind; OP_UNSUPPORTED when XXH3 cannot be loaded.
+ * Restore and promote verify both kinds whatever is set here (rule 103). */
+baseRT_status baseRT_ref_set_export_checksum(baseRT_model_t bundle, uint32_t checksum_kind);
+
+/* Certifies the combination (strategy_id, impl_hash[32], config_hash[32]) with `certs`
+ * (BaseRTExactnessCert records; cert_id ignored, admissible_host_identities copied): a later
+ * registration of exactly that combination is granted copies of them with fresh cert_ids; the same
+ * strategy_id with any other hash gets none (rule 117). Calling again for a strategy_id replaces
+ * its combination; an empty array removes it; strategies already registered keep their grant.
+ * BAD_STRUCT for a NULL or empty strategy_id or a NULL hash; the section-C array codes for a
+ * malformed array; BOUNDS for an exactness, sampling_modes, param_domain or flag out of range. */
+baseRT_status baseRT_ref_certify(baseRT_model_t bundle, const char *strategy_id, const uint8_t *impl_hash,
+                                 const uint8_t *config_hash, BaseRTArray certs);
+
 #ifdef __cplusplus
 }
 #endif
