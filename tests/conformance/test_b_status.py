@@ -10,7 +10,7 @@ import pytest
 from lanekit import D
 
 from basertd.native.abi import PLAN_REJECTION_RANGE, AbiError, EngineFatal, PlanRejected, error_for
-from basertd.native.ref import RefBundle, RefuseKind
+from basertd.native.ref import RefuseKind
 from basertd.schema import abi as schema_abi
 from basertd.schema.abi import AdmitStatus, Status
 from basertd.schema.tick import AdmitResult
@@ -156,18 +156,10 @@ def _admit_only(rig, tag: int, **fields):
     return rig.tick([rig.admit(tag, span, **fields)])
 
 
-def test_rule_14_cert_unmatched_is_an_admit_result_not_a_tick_status(make_rig, request):
+def test_rule_14_cert_unmatched_is_an_admit_result_not_a_tick_status(make_rig):
     # ABI rules 14 and 119: an admit requiring a certificate the engine does not hold is REJECTED
     # with -140 in admit_results; baseRT_tick itself returns OK and no lane is created.
     rig = make_rig()
-    if isinstance(rig.bundle, RefBundle):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="reference engine: certificates are not implemented yet (native/ref_engine/strategy.c "
-                "admits every strategy-less lane, ignoring required_cert_id); remove once section I lands",
-            )
-        )
     ev = _admit_only(rig, 1, required_cert_id=0x7777, allow_approximate=0)  # raises on any non-OK
     (res,) = ev.admit_results
     assert (res.lane_tag, res.status) == (1, AdmitStatus.REJECTED)
