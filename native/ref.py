@@ -5,7 +5,9 @@
 ``baseRT_ref_create_checked`` and returns a ``RefBundle``: an ``abi.Bundle`` - every tick-ABI call
 goes through exactly the binding a real libbaseRT uses - plus the reference-only calls
 ``force_finish``, ``inject_fault``, ``refuse_admits``, ``stats`` and ``lane_info``.
-``close()`` frees the bundle with ``baseRT_ref_free``.
+``close()`` frees the bundle with ``baseRT_ref_free``. For state ops and strategies it adds
+``space_info`` (a sequence's per-space state), ``set_export_checksum`` (FNV-1a-64 or XXH3-64 in
+exports) and ``certify`` (certified strategy combinations, ABI rule 117).
 
 What the engine does (plan validation, tick order, synthetic tokens, pool, cache, seeds, HOST
 lanes, replay) is documented in the header comment of ``basert_ref.h``.
@@ -20,8 +22,9 @@ from pathlib import Path
 
 from basertd.native import ref_engine_path
 from basertd.native._cdef import header_to_cdef
+from basertd.native._strategy import ExactnessCert
 from basertd.native.abi import ArgumentError, BasertLib, Bundle, error_for
-from basertd.schema.abi import SpaceKind
+from basertd.schema.abi import CertDomain, Exactness, SpaceKind
 
 REF_HEADER = Path(__file__).resolve().parent / "ref_engine" / "basert_ref.h"
 """The test-surface header (installed as package data next to the engine sources)."""
@@ -108,6 +111,49 @@ class LaneInfo:
     blocks: int  # pool blocks the lane's sequence references
 
 
+@dataclass(frozen=True)
+class SpaceInfo:
+    """One (sequence, space) as the reference engine holds it (BaseRTRefSpaceInfo); tokens unless
+    stated."""
+
+    valid_len: int  # tokens of state the space holds
+    content_gen: int  # sizing generation (ABI rule 96)
+    seq_len: int  # tokens the sequence holds (its longest space)
+    taint_bits: int  # Taint bits
+    n_boundaries: int  # recorded snapshot boundaries (blob kinds)
+    n_demoted: int  # ranges demoted and not promoted
+    claimed: int  # 1 while a state op holds the pair (rule 98)
+    ops_in_flight: int  # the sequence's claims + spaces with demoted ranges (rule 49)
+    tokens_known: int  # 0 after a blob-only restore until seed_adopt names the tokens
+    blocks: int  # pool blocks the sequence holds
+    lane_owned: int
+    leased: int  # held by a seed_adopt lease
+
+
+def cert(
+    exactness: int = Exactness.SEED_PATH_INVARIANT,
+    sampling_modes: int = 0b111,
+    param_domain: int = CertDomain.ANY,
+    *,
+    grammar_allowed: int = 0,
+    logit_bias_allowed: int = 0,
+    host_identities: Sequence[bytes] = (),
+    verification_shape_class: int = 1,
+) -> ExactnessCert:
+    """A certificate template for ``RefBundle.certify`` (its cert_id is given by the engine at
+    registration). ``sampling_modes`` are CertMode bits; identities are 32 bytes each."""
+    return ExactnessCert(
+        cert_id=0,
+        exactness=exactness,
+        sampling_modes=sampling_modes,
+        grammar_allowed=grammar_allowed,
+        logit_bias_allowed=logit_bias_allowed,
+        param_domain=param_domain,
+        verification_shape_class=verification_shape_class,
+        admissible_host_identities=tuple(host_identities),
+    )
+
+
 STAT_FIELDS = (
     "ticks",
     "last_plan_seq",
@@ -178,6 +224,70 @@ class RefBundle(Bundle):
         out = self.ffi.new("BaseRTRefLaneInfo *", {"struct_size": self.ffi.sizeof("BaseRTRefLaneInfo")})
         self._call("baseRT_ref_lane_info", self.handle, lane_tag, out)
         return LaneInfo(**{f.name: int(getattr(out, f.name)) for f in fields(LaneInfo)})
+
+    def space_info(self, seq: int, space_id: int) -> SpaceInfo:
+        """The engine's view of space ``space_id`` of sequence ``seq`` (an id of this Bundle).
+        AbiError(ERR_UNKNOWN_HANDLE) for an unknown sequence or space."""
+        out = self.ffi.new("BaseRTRefSpaceInfo *", {"struct_size": self.ffi.sizeof("BaseRTRefSpaceInfo")})
+        self._call("baseRT_ref_space_info", self._seq(seq, "space_info"), space_id, out)
+        return SpaceInfo(**{f.name: int(getattr(out, f.name)) for f in fields(SpaceInfo)})
+
+    def set_export_checksum(self, checksum_kind: int) -> None:
+        """Seal later exports with ``checksum_kind`` (ChecksumKind.FNV1A64, the default, or
+        XXH3_64). AbiError(REJECT_BOUNDS) for another kind, ERR_OP_UNSUPPORTED when libxxhash
+        cannot be loaded. Restores verify either kind regardless (ABI rule 103)."""
+        self._call("baseRT_ref_set_export_checksum", self.handle, checksum_kind)
+
+    def certify(
+        self, strategy_id: str, impl_hash: bytes, config_hash: bytes, certs: Sequence[ExactnessCert]
+    ) -> None:
+        """Certify the combination (``strategy_id``, 32-byte ``impl_hash``, 32-byte
+        ``config_hash``) with ``certs`` (their cert_id is ignored; see ``cert``): a registration of
+        exactly that combination made afterwards is granted them with fresh ids; any other hash
+        under the name gets none (ABI rule 117). An empty ``certs`` removes the combination.
+        Raises ArgumentError (hash not 32 bytes, identity not 32 bytes, NUL in the id) or AbiError
+        (REJECT_BOUNDS for a value out of range)."""
+        ffi = self.ffi
+        for name, h in (("impl_hash", impl_hash), ("config_hash", config_hash)):
+            if len(h) != 32:
+                raise ArgumentError(f"certify: {name} must be 32 bytes, got {len(h)}")
+        sid = strategy_id.encode()
+        if b"\0" in sid:
+            raise ArgumentError("certify: strategy_id contains a NUL byte")
+        keep = []
+        rows = []
+        for c in certs:
+            ids = list(c.admissible_host_identities)
+            if any(len(i) != 32 for i in ids):
+                raise ArgumentError("certify: every host identity must be 32 bytes")
+            arr = {"data": ffi.NULL, "count": 0, "elem_size": 32}
+            if ids:
+                buf = ffi.new("uint64_t[]", 4 * len(ids))  # 8-byte aligned (section C)
+                ffi.memmove(buf, b"".join(ids), 32 * len(ids))
+                keep.append(buf)
+                arr = {"data": buf, "count": len(ids), "elem_size": 32}
+            rows.append(
+                {
+                    "cert_id": 0,
+                    "exactness": c.exactness,
+                    "sampling_modes": c.sampling_modes,
+                    "grammar_allowed": c.grammar_allowed,
+                    "logit_bias_allowed": c.logit_bias_allowed,
+                    "param_domain": c.param_domain,
+                    "verification_shape_class": c.verification_shape_class,
+                    "admissible_host_identities": arr,
+                }
+            )
+        try:
+            recs = ffi.new("BaseRTExactnessCert[]", rows) if rows else ffi.NULL
+            array = ffi.new(
+                "BaseRTArray *",
+                {"data": recs, "count": len(rows), "elem_size": ffi.sizeof("BaseRTExactnessCert")},
+            )[0]
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ArgumentError(f"certify: {e}") from e
+        self._call("baseRT_ref_certify", self.handle, sid, impl_hash, config_hash, array)
+        del keep, recs
 
 
 def _space_rows(spaces: Sequence[RefSpace]) -> list[dict]:
@@ -274,6 +384,8 @@ __all__ = [
     "RefConfig",
     "RefSpace",
     "RefuseKind",
+    "SpaceInfo",
+    "cert",
     "create_ref_bundle",
     "open_ref_lib",
     "ref_cdef",
