@@ -425,17 +425,23 @@ class WorkerProcess:
     # -- teardown --------------------------------------------------------------------------------
 
     async def close(self, grace: float = 5.0, reason: str = "close") -> int | None:
-        """Orderly stop: SHUTDOWN, wait up to ``grace`` seconds, then SIGKILL; reap; release the
-        socket, endpoint, runtime directory, rings and segments. Returns the exit status.
-        Idempotent."""
+        """Orderly stop: SHUTDOWN (SIGTERM when the link is already down), wait up to ``grace``
+        seconds, then SIGKILL; reap; release the socket, endpoint, runtime directory, rings and
+        segments. Returns the exit status. Idempotent."""
         if self._closed:
             return self.returncode
         try:
             if self.returncode is None:
-                try:
-                    self.link.shutdown(reason)
-                except LinkError:
-                    pass
+                if self.link.alive:
+                    try:
+                        self.link.shutdown(reason)
+                    except LinkError:
+                        pass
+                else:
+                    # No link to say SHUTDOWN on (closed, or a protocol error): SIGTERM makes the
+                    # worker finish its tick in flight and exit 0.
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.pid, signal.SIGTERM)
                 try:
                     await asyncio.wait_for(self.wait(), grace)
                 except TimeoutError:

@@ -24,10 +24,12 @@ import numpy as np
 import pytest
 from worker_testutil import log_lines, process_gone
 
+from basertd.schema import link
 from basertd.schema.abi import Status, TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, TickPlan
 from basertd.server.link import WorkerDied, WorkerError
 from basertd.server.worker_proc import SyncWorker, WorkerProcess, WorkerSpec
+from basertd.worker.logging import CONTENT_KEYS, drop_content
 
 HERE = Path(__file__).resolve().parent
 
@@ -221,3 +223,45 @@ def _admit_plan_proc(w: WorkerProcess, seq: int) -> TickPlan:
         prefills=[LanePrefill(lane_tag=tag, token_offset=0, token_count=4)],
         decodes=[LaneDecode(lane_tag=tag, max_new_tokens=2)],
     )
+
+
+def test_close_after_the_link_was_closed_stops_the_worker_with_sigterm(make_spec):
+    w = SyncWorker(make_spec())
+    w.link.close()  # e.g. the supervisor restarting a misbehaving worker
+    t0 = time.monotonic()
+    assert w.close(grace=10) == 0  # SIGTERM, not the grace period and SIGKILL
+    assert time.monotonic() - t0 < 5
+
+
+def test_logs_are_json_and_content_free(make_spec, worker_log):
+    secret = b"SECRET-PROMPT-TEXT"
+    with SyncWorker(make_spec()) as w:
+        toks = w.request(link.Tokenize(text=secret, add_special=False)).tokens
+        ref = w.proc.prompt_ring.write(toks)
+        w.tick(
+            TickPlan(
+                plan_seq=1,
+                prefill_token_budget=64,
+                max_decode_lanes=1,
+                admits=[LaneAdmit(lane_tag=1, prompt=ref)],
+                prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=len(toks))],
+                decodes=[LaneDecode(lane_tag=1, max_new_tokens=2)],
+            )
+        )
+    text = worker_log.read_text()
+    assert "SECRET" not in text and str(toks.tolist()[:4])[1:-1] not in text
+    lines = log_lines(worker_log)
+    assert {line["event"] for line in lines} >= {
+        "engine_loaded",
+        "link_hello",
+        "rings_attached",
+        "worker_exit",
+    }
+    for line in lines:
+        assert line["worker_id"] == 0 and isinstance(line["pid"], int) and line["timestamp"].endswith("Z")
+        assert not CONTENT_KEYS & line.keys()
+
+
+def test_content_keys_are_redacted_whatever_the_call_site():
+    out = drop_content(None, "info", {"event": "x", "prompt": "hello", "tokens": [1, 2], "n": 3})
+    assert out == {"event": "x", "prompt": "<redacted>", "tokens": "<redacted>", "n": 3}
