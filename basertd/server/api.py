@@ -70,6 +70,9 @@ class ClientConnection:
         client that lets more than ``max_buffered_bytes`` pile up is dropped."""
         if self._closed:
             return
+        if self._writer.transport.is_closing():  # the client went away; the reader reports it
+            self._closed = True
+            return
         try:
             frame = self._codec.encode(msg)
         except FrameError as exc:  # a reply we cannot encode is our bug; the client gets a typed error

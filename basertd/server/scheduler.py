@@ -238,6 +238,10 @@ class Scheduler:
                 await self._serve(proc)
             except LinkError as exc:
                 self._worker_lost(proc, exc)
+            except Exception as exc:  # a bug of ours: never let it end the loop of this worker
+                log.exception("scheduler_error", worker_id=self.worker_id, error=repr(exc))
+                self._worker_lost(proc, LinkError(f"scheduler error: {exc!r}"))
+                self.slot.restart("scheduler error: engine state and ours may disagree")
             finally:
                 self._proc = None
 

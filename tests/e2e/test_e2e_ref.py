@@ -107,8 +107,8 @@ def test_generate_streams_text_token_exact(daemon, direct):
 
 
 def test_typed_admission_errors_change_nothing(daemon):
+    before = daemon.wait_idle()  # lanes of earlier tests retire in the plan after their Done
     with daemon.client() as c:
-        before = c.status()
         cases = [
             (dict(prompt=""), ErrorCode.EMPTY_PROMPT),
             (dict(prompt=None, prompt_tokens=[]), ErrorCode.EMPTY_PROMPT),
