@@ -34,6 +34,11 @@ Example (every key shown with its default)::
     evict_in_tick = true        # a tick may evict unpinned cache entries to fit its plan
     max_evict_bytes_per_tick = 0  # 0: no limit
 
+    [operators]                 # DESIGN.md "Operators" (issue 9)
+    operator_group = ""         # members may use control verbs (as root and the daemon's user always may)
+    drain_timeout_s = 30.0      # SIGTERM: seconds in-flight requests get to finish before they are cancelled
+    metrics_listen = ""         # "127.0.0.1:9464": also serve /metrics over HTTP (loopback addresses only)
+
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
 rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
 """
@@ -118,6 +123,44 @@ class CacheConfig(_Section):
     max_evict_bytes_per_tick: _NonNeg = 0
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+"""Hosts ``operators.metrics_listen`` may bind (the metrics carry no secrets, but stay local)."""
+
+
+class OperatorsConfig(_Section):
+    """Operator-facing knobs (DESIGN.md "Operators", issue 9).
+
+    ``operator_group``: name of the group whose members may use control verbs besides root and
+    the daemon's own user ("" = nobody else); ``drain_timeout_s``: seconds a SIGTERM drain lets
+    in-flight requests finish before cancelling them (keep it below the unit's TimeoutStopSec);
+    ``metrics_listen``: ``host:port`` on a loopback address (``127.0.0.1``, ``[::1]``,
+    ``localhost``) to also serve ``/metrics`` over HTTP ("" = only ``basertctl metrics``)."""
+
+    operator_group: str = ""
+    drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
+    metrics_listen: str = ""
+
+    def __post_init__(self) -> None:
+        if self.metrics_listen:
+            self.metrics_address()
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) of ``metrics_listen``, None when unset. Raises ValueError unless it is
+        ``host:port`` with a loopback host and a port in 0..65535."""
+        if not self.metrics_listen:
+            return None
+        m = re.fullmatch(r"\[([0-9a-fA-F:]+)\]:(\d+)|([^:\[\]]+):(\d+)", self.metrics_listen)
+        if not m:
+            raise ValueError(f"metrics_listen must be host:port, got {self.metrics_listen!r}")
+        host = m.group(1) or m.group(3)
+        port = int(m.group(2) or m.group(4))
+        if host not in LOOPBACK_HOSTS and not host.startswith("127."):
+            raise ValueError(f"metrics_listen must use a loopback address, got {host!r}")
+        if port > 65535:
+            raise ValueError(f"metrics_listen port must be within 0..65535, got {port}")
+        return host, port
+
+
 def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
@@ -136,6 +179,7 @@ class Config(_Section):
     )
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    operators: OperatorsConfig = msgspec.field(default_factory=OperatorsConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode
