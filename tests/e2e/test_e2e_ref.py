@@ -427,3 +427,22 @@ def test_rejected_plan_is_logged_and_replanned_never_a_crash():
         d.kill()
         raise
     d.stop()
+
+
+def test_one_connection_multiplexes_and_refuses_a_duplicate_live_request_id(daemon):
+    with daemon.client() as c:
+        c.send(api.Generate(request_id="dup", prompt="first", max_tokens=30, temperature=0))
+        c.send(api.Generate(request_id="dup", prompt="second", max_tokens=30, temperature=0))
+        c.send(api.Generate(request_id="other", prompt="third", max_tokens=5, temperature=0))
+        replies: dict[str, list] = {"dup": [], "other": []}
+        while not any(isinstance(m, api.Done) for m in replies["dup"]) or not any(
+            isinstance(m, api.Done) for m in replies["other"]
+        ):
+            m = c._recv()
+            replies[m.request_id].append(m)
+        dup = replies["dup"]
+        assert isinstance(dup[0], api.Accepted)
+        errors = [m for m in dup if isinstance(m, api.Error)]
+        assert len(errors) == 1 and errors[0].code == ErrorCode.INVALID_REQUEST  # the second one only
+        assert sum(isinstance(m, api.Done) for m in dup) == 1
+        assert sum(len(m.ids) for m in replies["other"] if isinstance(m, api.Tokens)) == 5
