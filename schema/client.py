@@ -119,10 +119,13 @@ class Health(_Msg, tag="health"):
 
 
 class Accepted(_Msg, tag="accepted"):
-    """Generate ``request_id`` passed admission; ``prompt_tokens`` is its prompt length (tokens)."""
+    """Generate ``request_id`` passed admission; ``prompt_tokens`` is its prompt length (tokens);
+    ``seed`` the sampling seed in effect (the request's, or the one drawn for it, so a sampled
+    generation can be reproduced; None from daemons that do not report it)."""
 
     request_id: str
     prompt_tokens: int
+    seed: int | None = None
 
 
 class TopLogprob(_Rec):
