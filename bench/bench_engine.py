@@ -3,15 +3,18 @@
 Both run the same model with the same threads and context parameters in this process. The baseline
 is the tightest loop the low-level API allows: one reused ``llama_batch`` with one token per lane,
 one ``llama_decode`` per step, an in-place ``argmax`` of each lane's logits row. The adapter runs
-one tick per step (every lane decodes one token; tokens go out through the emit ring), the way the
-coordinator drives it. Repetitions alternate baseline and adapter (and which goes first) so load
-from other processes on the machine hits both alike. Per lane count it reports tokens/s from the
-summed times and, as the ratio, the median over repetitions of (baseline time / adapter time) of
-back-to-back pairs, which a burst of foreign load in one repetition cannot move much.
+one tick per step (a plan built, validated, every lane decoding one token, tokens written to the
+emit ring, events built), the way the coordinator drives it.
+
+The two run in lockstep: each decode step of the baseline is immediately followed (or preceded,
+alternating) by the same step of the adapter, so load from other processes on this shared machine
+falls on both alike. Per lane count it reports tokens/s from the summed times and, as the ratio,
+the median over all steps of (baseline step time / adapter step time), which bursts of foreign load
+cannot move much; both lanes sets are reset every ``--steps`` steps so contexts stay short.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--threads 2] [--steps 32] [--reps 5]
 
-Prints one row per lane count: tokens/s of each and adapter / baseline (target >= 0.95).
+Prints one row per lane count: tokens/s of each and the ratio (target >= 0.95).
 """
 
 from __future__ import annotations
@@ -37,9 +40,8 @@ PROMPT_LEN = 16
 def prompts_for(n_lanes: int, vocab: int) -> list[np.ndarray]:
     """Distinct deterministic prompts of PROMPT_LEN tokens (BOS 2 for Gemma, then ordinary ids)."""
     rng = np.random.default_rng(1234)
-    return [
-        np.concatenate([[2], rng.integers(1000, min(vocab, 200_000), PROMPT_LEN - 1)]) for _ in range(n_lanes)
-    ]
+    top = min(vocab, 200_000)
+    return [np.concatenate([[2], rng.integers(1000, top, PROMPT_LEN - 1)]) for _ in range(n_lanes)]
 
 
 class Baseline:
@@ -55,12 +57,13 @@ class Baseline:
         self.mem = L.llama_get_memory(self.ctx)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(params["n_batch"], 0, 1)
+        self.toks: list[int] = []
+        self.pos = 0
 
-    def run(self, prompts: list[np.ndarray], steps: int) -> float:
-        """Prefill all prompts, then time ``steps`` decode steps; returns seconds."""
+    def start(self, prompts: list[np.ndarray]) -> None:
+        """Clear the cache, prefill every prompt in one batch, take each lane's first token."""
         L.llama_memory_clear(self.mem, True)
-        b, n = self.batch, 0
-        last = []
+        b, n, last = self.batch, 0, []
         for s, p in enumerate(prompts):
             for i, t in enumerate(p):
                 b.token[n], b.pos[n], b.n_seq_id[n], b.logits[n] = int(t), i, 1, int(i == len(p) - 1)
@@ -70,21 +73,24 @@ class Baseline:
         b.n_tokens = n
         assert L.llama_decode(self.ctx, b) == 0
         nv = self.n_vocab
-        toks = [
+        self.toks = [
             int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), (nv,)))) for i in last
         ]
-        t0 = time.perf_counter()
-        for step in range(steps):
-            for s, tok in enumerate(toks):
-                b.token[s], b.pos[s], b.n_seq_id[s], b.logits[s] = tok, PROMPT_LEN + step, 1, 1
-                b.seq_id[s][0] = s
-            b.n_tokens = len(toks)
-            assert L.llama_decode(self.ctx, b) == 0
-            toks = [
-                int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, s), (nv,))))
-                for s in range(len(toks))
-            ]
-        return time.perf_counter() - t0
+        self.pos = PROMPT_LEN
+
+    def step(self) -> None:
+        """One decode step of every lane."""
+        b, nv = self.batch, self.n_vocab
+        for s, tok in enumerate(self.toks):
+            b.token[s], b.pos[s], b.n_seq_id[s], b.logits[s] = tok, self.pos, 1, 1
+            b.seq_id[s][0] = s
+        b.n_tokens = len(self.toks)
+        assert L.llama_decode(self.ctx, b) == 0
+        self.toks = [
+            int(np.argmax(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, s), (nv,))))
+            for s in range(len(self.toks))
+        ]
+        self.pos += 1
 
     def close(self) -> None:
         L.llama_batch_free(self.batch)
@@ -119,6 +125,7 @@ class Adapter:
             )
         self.engine.attach_rings(maps)
         self.seq = 0
+        self.tags: list[int] = []
 
     def _tick(self, **kw):
         self.seq += 1
@@ -127,27 +134,24 @@ class Adapter:
         )
         return self.engine.tick(plan)
 
-    def run(self, prompts: list[np.ndarray], steps: int) -> float:
-        """Admit + prefill + first token in one tick, then time ``steps`` one-token decode ticks."""
+    def start(self, prompts: list[np.ndarray]) -> None:
+        """Retire the previous lanes; admit + prefill + first token of every prompt in one tick."""
+        if self.tags:
+            self._tick(retires=[LaneRetire(lane_tag=t) for t in self.tags])
         params = SamplingParams(flags=SamplingFlag.IGNORE_EOS)
-        tags = list(range(1, len(prompts) + 1))
+        self.tags = list(range(1, len(prompts) + 1))
+        pairs = list(zip(self.tags, prompts, strict=True))
         admits = [
             LaneAdmit(lane_tag=t, prompt=self.prompts.write(p.astype(np.uint32)), params=params)
-            for t, p in zip(tags, prompts, strict=True)
+            for t, p in pairs
         ]
-        prefills = [
-            LanePrefill(lane_tag=t, token_offset=0, token_count=len(p))
-            for t, p in zip(tags, prompts, strict=True)
-        ]
-        decodes = [LaneDecode(lane_tag=t, max_new_tokens=1) for t in tags]
-        self._tick(admits=admits, prefills=prefills, decodes=decodes)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            ev = self._tick(decodes=decodes)
-        dt = time.perf_counter() - t0
-        assert sum(e.n_tokens for e in ev.emits) == len(tags)
-        self._tick(retires=[LaneRetire(lane_tag=t) for t in tags])
-        return dt
+        prefills = [LanePrefill(lane_tag=t, token_offset=0, token_count=len(p)) for t, p in pairs]
+        self._tick(admits=admits, prefills=prefills, decodes=[LaneDecode(lane_tag=t) for t in self.tags])
+
+    def step(self) -> None:
+        """One decode tick of every lane (one token each)."""
+        ev = self._tick(decodes=[LaneDecode(lane_tag=t) for t in self.tags])
+        assert len(ev.emits) == len(self.tags) and all(e.n_tokens == 1 for e in ev.emits)
 
     def close(self) -> None:
         self.engine.close()
@@ -157,11 +161,41 @@ class Adapter:
             s.close()
 
 
+def measure(
+    base: Baseline, adapter: Adapter, prompts, steps: int, reps: int
+) -> tuple[list[float], list[float]]:
+    """Per-step times (seconds) of both, in lockstep, alternating which goes first."""
+    tb: list[float] = []
+    ta: list[float] = []
+    clock = time.perf_counter
+    for _ in range(reps):
+        base.start(prompts)
+        adapter.start(prompts)
+        for s in range(steps):
+            if s % 2 == 0:
+                t0 = clock()
+                base.step()
+                t1 = clock()
+                adapter.step()
+                t2 = clock()
+                tb.append(t1 - t0)
+                ta.append(t2 - t1)
+            else:
+                t0 = clock()
+                adapter.step()
+                t1 = clock()
+                base.step()
+                t2 = clock()
+                ta.append(t1 - t0)
+                tb.append(t2 - t1)
+    return tb, ta
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: the default model)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per repetition")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lanes", type=int, nargs="+", default=[1, 4, 8, 16])
     args = ap.parse_args(argv)
@@ -171,31 +205,19 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = default_model_path()
     ctx_len = PROMPT_LEN + args.steps + 16
-    print(
-        f"model {args.model.name}, threads {args.threads}, {args.steps} steps x {args.reps} reps, interleaved"
-    )
+    print(f"model {args.model.name}, threads {args.threads}, {args.steps} steps x {args.reps} reps, lockstep")
     print(f"{'lanes':>5} {'baseline tok/s':>15} {'adapter tok/s':>14} {'ratio':>7}")
     worst = float("inf")
     for n in args.lanes:
         adapter = Adapter(args.model, n, args.threads, ctx_len)
         base = Baseline(args.model, adapter.engine.context_params())
         prompts = prompts_for(n, adapter.engine.n_vocab)
-        base.run(prompts, 2)  # warm both
-        adapter.run(prompts, 2)
-        tb: list[float] = []
-        ta: list[float] = []
-        for rep in range(args.reps):
-            if rep % 2 == 0:
-                tb.append(base.run(prompts, args.steps))
-                ta.append(adapter.run(prompts, args.steps))
-            else:
-                ta.append(adapter.run(prompts, args.steps))
-                tb.append(base.run(prompts, args.steps))
-        tokens = n * args.steps * args.reps
-        t_base, t_adapt = sum(tb), sum(ta)
-        ratio = float(np.median([b / a for b, a in zip(tb, ta, strict=True)]))
+        measure(base, adapter, prompts, 4, 1)  # warm both
+        tb, ta = measure(base, adapter, prompts, args.steps, args.reps)
+        ratio = float(np.median(np.array(tb) / np.array(ta)))
         worst = min(worst, ratio)
-        print(f"{n:>5} {tokens / t_base:>15.1f} {tokens / t_adapt:>14.1f} {ratio:>7.3f}", flush=True)
+        tokens = n * len(tb)
+        print(f"{n:>5} {tokens / sum(tb):>15.1f} {tokens / sum(ta):>14.1f} {ratio:>7.3f}", flush=True)
         base.close()
         adapter.close()
     print(f"worst ratio {worst:.3f} (target >= 0.95)")
