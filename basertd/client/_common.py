@@ -35,9 +35,11 @@ class ConnectionLost(ClientError):
 @dataclass
 class Completion:
     """A whole generation: the text and token ids delivered, the finish reason ("stop", "length",
-    "eos"), usage (prompt / cached / completion tokens) and timings (seconds, tokens/s)."""
+    "eos"), usage (prompt / cached / completion tokens), timings (seconds, tokens/s) and the
+    sampling seed in effect (reuse it to reproduce a sampled generation)."""
 
     request_id: str
+    seed: int | None = None
     text: str = ""
     ids: list[int] = field(default_factory=list)
     finish_reason: str = ""

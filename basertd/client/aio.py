@@ -159,12 +159,12 @@ class AsyncClient:
         if isinstance(reply, api.Error):
             self._routes.pop(gen.request_id, None)
             raise ClientError(reply.code, reply.message, reply.request_id)
-        return AsyncStream(self, gen.request_id, q, reply.prompt_tokens)
+        return AsyncStream(self, gen.request_id, q, reply.prompt_tokens, reply.seed)
 
     async def generate(self, prompt: str | None = None, **params: Any) -> Completion:
         """Run one Generate to the end; errors as ``stream``."""
         s = await self.stream(prompt, **params)
-        out = Completion(request_id=s.request_id)
+        out = Completion(request_id=s.request_id, seed=s.seed)
         texts = []
         async for t in s:
             out.ids.extend(t.ids)

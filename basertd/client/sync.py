@@ -16,13 +16,15 @@ from ._common import ClientError, Completion, ConnectionLost, generate_message, 
 
 class Stream:
     """The replies of one Generate as they arrive: iterate for ``api.Tokens`` messages; afterwards
-    ``done`` holds the ``api.Done``. Iteration raises ``ClientError`` for an ``Error`` reply
-    (``CANCELLED`` after ``cancel()``) and ``ConnectionLost`` if the daemon goes away."""
+    ``done`` holds the ``api.Done``. ``prompt_tokens`` and ``seed`` come from ``api.Accepted``.
+    Iteration raises ``ClientError`` for an ``Error`` reply (``CANCELLED`` after ``cancel()``) and
+    ``ConnectionLost`` if the daemon goes away."""
 
-    def __init__(self, client: Client, request_id: str, prompt_tokens: int) -> None:
+    def __init__(self, client: Client, request_id: str, prompt_tokens: int, seed: int | None = None) -> None:
         self._client = client
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.seed = seed
         self.done: api.Done | None = None
 
     def __iter__(self) -> Iterator[api.Tokens]:
@@ -119,12 +121,12 @@ class Client:
             raise ClientError(reply.code, reply.message, reply.request_id)
         if not isinstance(reply, api.Accepted):
             raise ConnectionLost(f"expected Accepted, got {type(reply).__name__}", gen.request_id)
-        return Stream(self, gen.request_id, reply.prompt_tokens)
+        return Stream(self, gen.request_id, reply.prompt_tokens, reply.seed)
 
     def generate(self, prompt: str | None = None, **params: Any) -> Completion:
         """Run one Generate to the end and return its ``Completion``; errors as ``stream``."""
         s = self.stream(prompt, **params)
-        out = Completion(request_id=s.request_id)
+        out = Completion(request_id=s.request_id, seed=s.seed)
         texts = []
         for t in s:
             out.ids.extend(t.ids)

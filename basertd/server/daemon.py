@@ -334,7 +334,7 @@ class Daemon:
         )
         conn.generations[rid] = req
         self.requests_total += 1
-        conn.send(api.Accepted(request_id=rid, prompt_tokens=len(prompt)))
+        conn.send(api.Accepted(request_id=rid, prompt_tokens=len(prompt), seed=req.sampler.seed))
         sched.submit(req)
 
     def connection_lost(self, conn: ClientConnection) -> None:

@@ -104,6 +104,10 @@ def test_generate_streams_text_token_exact(daemon, direct):
             assert done.usage.completion_tokens == len(ids) <= 40
             assert done.finish_reason == ("length" if len(ids) == 40 else "eos")
             assert done.timings.ttft_s > 0 and done.timings.total_s >= done.timings.ttft_s
+            assert s.seed == gen.seed or (gen.seed is None and s.seed is not None)
+        drawn = c.generate("Hello, basertd!", max_tokens=20, temperature=0.8)  # the daemon draws a seed
+        gen = api.Generate(request_id="g4", prompt="", max_tokens=20, temperature=0.8, seed=drawn.seed)
+        assert drawn.seed is not None and drawn.ids == direct.run(prompt_ids, gen)  # reported, reproducible
 
 
 def test_typed_admission_errors_change_nothing(daemon):
