@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ import structlog
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.schema.codec import ClientCodec, FrameError, read_message
+from basertd.server.peercred import peer_credentials
 
 log = structlog.get_logger("basertd.api")
 
@@ -47,7 +49,9 @@ class Service(Protocol):
 class ClientConnection:
     """One client. ``send(msg)`` queues one reply frame without blocking (a no-op once closed);
     ``closed`` turns True when the client went away or was dropped; ``generations`` maps the
-    client's live ``request_id`` to the daemon's request object; ``peer`` is (pid, uid, gid)."""
+    client's live ``request_id`` to the daemon's request object; ``credentials`` is the kernel's
+    record of the peer (``basertd.server.peercred.PeerCredentials``: SO_PEERCRED and
+    SO_PEERGROUPS) and ``peer`` its (pid, uid, gid)."""
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, codec: ClientCodec
@@ -57,7 +61,8 @@ class ClientConnection:
         self._codec = codec
         self._closed = False
         self.generations: dict[str, Any] = {}
-        self.peer = _peer_credentials(writer)
+        self.credentials = peer_credentials(writer.get_extra_info("socket"))
+        self.peer = (self.credentials.pid, self.credentials.uid, self.credentials.gid)
         self.max_buffered_bytes = MAX_BUFFERED_BYTES
 
     @property
@@ -120,29 +125,21 @@ class ClientConnection:
             service.connection_lost(self)
 
 
-def _peer_credentials(writer: asyncio.StreamWriter) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the peer (SO_PEERCRED), or (0, -1, -1) when unavailable."""
-    import socket
-    import struct
-
-    sock = writer.get_extra_info("socket")
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        return struct.unpack("3i", raw)
-    except (OSError, AttributeError):
-        return (0, -1, -1)
-
-
 class ApiServer:
     """The Unix-socket server. ``start()`` binds ``path`` (a stale socket file left by a dead
     daemon is replaced; a live one is an error) and sets ``mode``; ``stop()`` closes every
     connection, stops listening and removes the socket file. Raises ``OSError`` when the path is
-    in use by a live daemon or cannot be bound."""
+    in use by a live daemon or cannot be bound.
 
-    def __init__(self, path: Path, mode: int, service: Service) -> None:
+    With ``sock`` (a listening socket passed by systemd, ``basertd.server.notify.adopt_listener``)
+    nothing is bound: the server accepts on ``sock``, leaves its mode and owner to the socket unit
+    and never removes its file (systemd keeps listening while the daemon restarts)."""
+
+    def __init__(self, path: Path, mode: int, service: Service, *, sock: socket.socket | None = None) -> None:
         self.path = Path(path)
         self.mode = mode
         self.service = service
+        self.sock = sock
         self.codec = ClientCodec("server")
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -150,7 +147,11 @@ class ApiServer:
         self._inode: int | None = None
 
     async def start(self) -> None:
-        """Bind and listen."""
+        """Bind and listen (or, with ``sock``, start accepting on it)."""
+        if self.sock is not None:
+            self._server = await asyncio.start_unix_server(self._on_client, sock=self.sock, limit=1 << 16)
+            log.info("listening", socket=str(self.path), inherited=True)
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() or self.path.is_symlink():
             if not stat.S_ISSOCK(self.path.lstat().st_mode):

@@ -48,6 +48,8 @@ from basertd.schema.tick import (
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.lanes import Lane, RequestQueues, candidate, reservation
 from basertd.server.link import EmitCallbackError, LinkError, PlanRejected
+from basertd.server.metrics import NULL_METRICS, Metrics
+from basertd.server.notify import Heartbeat
 from basertd.server.plan import PlanDraft, PlanLimits, TickRates, build_plan
 from basertd.server.requests import QOS_CLASSES, AdmissionError, GenerationRequest, RequestState
 from basertd.server.supervisor import WorkerSlot
@@ -113,12 +115,24 @@ class Scheduler:
     """The scheduler of one worker (module docstring). The daemon calls ``check_admission`` and
     ``submit`` for each accepted Generate, ``cancel`` for Cancel and gone clients, and runs
     ``run()`` as a task. State for operators and tests: ``lanes`` (tag -> ``Lane``), ``queues``
-    (``RequestQueues``), ``limits``, ``ticks_run``, ``plans_rejected``, counters."""
+    (``RequestQueues``), ``limits``, ``ticks_run``, ``plans_rejected``, counters.
+
+    Operators (issue 9): ``metrics`` receives each tick's wall time; ``heartbeat`` beats on every
+    loop turn and every second of a bounded wait, so the systemd watchdog stops when this loop
+    hangs (``basertd.server.notify.Watchdog``)."""
 
     def __init__(
-        self, slot: WorkerSlot, limits: WorkerLimits, config: SchedulerConfig, cache: CacheConfig
+        self,
+        slot: WorkerSlot,
+        limits: WorkerLimits,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        *,
+        metrics: Metrics | None = None,
     ) -> None:
         self.slot = slot
+        self.metrics = metrics if metrics is not None else NULL_METRICS
+        self.heartbeat = Heartbeat(f"scheduler-{slot.worker_id}")
         self.worker_id = slot.worker_id
         self.limits = limits
         self.config = config
@@ -228,7 +242,7 @@ class Scheduler:
         """Serve forever: wait for a live worker, tick it while there is work, and when it dies
         fail its lanes and wait for the next incarnation. Ends only by cancellation."""
         while True:
-            proc = await self.slot.ready()
+            proc = await self.heartbeat.wait(self.slot.ready())
             self._proc = proc
             self.limits = WorkerLimits.from_worker(proc)
             self.rates = TickRates(
@@ -262,11 +276,16 @@ class Scheduler:
                 if dead.done():
                     raise dead.result()
                 self._wake.clear()
+                self.heartbeat.beat()
                 draft, requests = self._plan()
                 if draft.empty:
                     waiter = asyncio.ensure_future(self._wake.wait())
                     try:
-                        await asyncio.wait({waiter, dead}, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(
+                            {waiter, dead},
+                            timeout=self.heartbeat.interval,
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
                     finally:
                         waiter.cancel()
                     continue
@@ -356,8 +375,11 @@ class Scheduler:
             self.lanes[tag] = Lane(
                 tag=tag, request=req, prompt_len=cand.prompt_len, reserved=cand.reserve, admitted_at=now
             )
+        t_tick = time.monotonic()
         try:
-            events = await proc.link.tick(plan, on_emit=self._on_emit, timeout=TICK_TIMEOUT_S)
+            events = await self.heartbeat.wait(
+                proc.link.tick(plan, on_emit=self._on_emit, timeout=TICK_TIMEOUT_S)
+            )
         except PlanRejected as exc:
             self._rejected(draft, requests, exc)
             return
@@ -369,6 +391,7 @@ class Scheduler:
         self._rejections = 0
         self._max_admits = None
         self._prefill_cap = None
+        self.metrics.tick(self.worker_id, time.monotonic() - t_tick)
         self.ticks_run += 1
         self.slot.progress()
         self._apply(proc, draft, events)
