@@ -17,13 +17,24 @@ Semantics this engine fixes where the ABI leaves a choice:
   (rule 65); a committed end-of-generation token finishes the lane with an EOS emit.
 - Internal work the coordinator did not plan (the cold prefill after a lost sliding window, the
   re-decode of a fully cached prompt's last token) is not charged to the prefill budget.
-- KV feasibility is exact against a cell ledger (``pool``); NEEDS_REPLAN when retires and the shed
-  envelope's evictions cannot make room (rule 50). Lanes are never shed.
+- KV feasibility is checked against a cell ledger (``pool``) that mirrors llama.cpp's cells and
+  sharing exactly; every committed token is charged a cell when committed (its KV follows at the
+  next decode unit). NEEDS_REPLAN when retires and the shed envelope's evictions cannot make room
+  (rules 50-52). Lanes are never shed; a decode grant of 0 is ILLEGAL_COMBINATION and grants that
+  could overflow the emit ring are BOUNDS, as in the reference engine.
+- A lane's sequence holds the KV of every committed token but the last sampled one (computed by the
+  next decode); forks of a lane carry that token as pending, so lengths agree with the reference
+  engine's committed count.
 - Publishing when ``cache_sequences`` entries exist first evicts the least recently used unpinned
   entry the plan's shed envelope allows; if none, the retire publishes nothing.
 - State ops complete at the next tick or ``op_poll`` and are reported in a tick's op_completions.
 
-Test hooks (not part of the Engine protocol): ``inject_fault(lane_tag, code)``.
+Output depends on batch composition and, through the order of llama.cpp's sums over KV cells, on
+where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
+loop from an empty cache, and elsewhere allow divergence only at a near-tie of the reference).
+
+Test hooks (not part of the Engine protocol): ``inject_fault(lane_tag, code)``,
+``force_finish(lane_tag, finish)``, as the reference engine's ``baseRT_ref_*`` ones.
 """
 
 from __future__ import annotations
