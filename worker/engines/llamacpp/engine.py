@@ -235,9 +235,10 @@ class LlamaCppEngine:
         self.seed_ttl = seed_lease_ticks
         self.cache_sequences = cache_sequences
         self.spare_sequences = spare_sequences
-        self.identity = compat_identity(
-            self.model.model_id, "kv-f16", "unified", swa_full, self.n_cells, L.__version__
-        )
+        # What decides whether a sequence blob loads: the weights, KV types, one unified stream,
+        # the sliding-window cache layout and llama.cpp's state format (its version). Not the pool
+        # size, so a respawned worker with another pool still restores.
+        self.identity = compat_identity(self.model.model_id, "kv-f16", "unified", swa_full, L.__version__)
         # llama.cpp sequence ids: the highest is the scratch sequence (prefix exports).
         self.scratch_seq = n_seq_max - 1
         self._free_seqs = list(range(n_seq_max - 1))
