@@ -19,15 +19,22 @@ _CLOSED = object()
 
 class AsyncStream:
     """Replies of one Generate: ``async for`` yields ``api.Tokens``; ``done`` holds the
-    ``api.Done`` afterwards. Raises ``ClientError`` for an ``Error`` reply, ``ConnectionLost``."""
+    ``api.Done`` afterwards; ``prompt_tokens`` and ``seed`` come from ``api.Accepted``. Raises
+    ``ClientError`` for an ``Error`` reply, ``ConnectionLost``."""
 
     def __init__(
-        self, client: AsyncClient, request_id: str, queue: asyncio.Queue, prompt_tokens: int
+        self,
+        client: AsyncClient,
+        request_id: str,
+        queue: asyncio.Queue,
+        prompt_tokens: int,
+        seed: int | None = None,
     ) -> None:
         self._client = client
         self._queue = queue
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        self.seed = seed
         self.done: api.Done | None = None
 
     async def __aiter__(self) -> AsyncIterator[api.Tokens]:

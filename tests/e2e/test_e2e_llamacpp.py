@@ -81,6 +81,7 @@ def test_concurrent_requests_cancel_and_typed_errors(daemon):
 
     outs = asyncio.run(scenario())
     for i, out in enumerate(outs):
+        assert out.seed == i  # the asyncio client reports the seed in effect
         assert out.finish_reason in ("length", "eos")
         assert 1 <= out.usage.completion_tokens <= 8 + 3 * i
         if out.finish_reason == "length":
