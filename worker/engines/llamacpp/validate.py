@@ -42,7 +42,6 @@ unless allow_approximate (ABI rules 14, 119, 122); records naming such a lane ar
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -138,10 +137,13 @@ class TickWork:
 
 
 def _dupes(tags: list[int]) -> int | None:
-    c = Counter(tags)
-    for t, n in c.items():
-        if n > 1:
+    if len(tags) < 2 or len(set(tags)) == len(tags):
+        return None
+    seen: set[int] = set()
+    for t in tags:
+        if t in seen:
             return t
+        seen.add(t)
     return None
 
 
