@@ -1,9 +1,9 @@
 """``basertd``: the coordinator daemon's command line (issue 7).
 
-``basertd serve [--config FILE]`` runs the daemon in the foreground until SIGTERM or SIGINT
-(``basertd.server.daemon``). Exit status: 0 after a clean stop, 2 for a bad command line or
-configuration (the message names the key), 1 when the daemon cannot start (socket in use,
-model unavailable, ...). The operators issue adds more subcommands under the same group.
+``basertd serve [--config FILE]`` runs the daemon in the foreground until SIGTERM (drain, then
+stop) or SIGINT (stop now); SIGHUP reloads FILE (``basertd.server.daemon``). Exit status: 0 after a
+clean stop, 2 for a bad command line or configuration (the message names the key), 1 when the
+daemon cannot start (socket in use, model unavailable, ...).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def cli() -> None:
     help="TOML configuration file (default: every key at its default).",
 )
 def serve(config_path: str | None) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    """Run the daemon in the foreground: SIGTERM drains then stops, SIGINT stops now, SIGHUP
+    reloads the configuration file."""
     try:
         config = load_config(config_path)
     except ConfigError as exc:
@@ -41,7 +42,7 @@ def serve(config_path: str | None) -> None:
 
     configure_logging(config.log_level)
     try:
-        code = asyncio.run(run(config))
+        code = asyncio.run(run(config, config_path=config_path))
     except (OSError, ModelUnavailable, ConfigError, TokenizerError) as exc:
         click.echo(f"basertd: cannot start: {exc}", err=True)
         sys.exit(1)

@@ -6,10 +6,18 @@ private 0700 ``workers/`` directory holding each worker's ``ipc://`` endpoint), 
 tokenizers, and the ``ApiServer``. It is the API's ``Service``: it validates and tokenizes each
 Generate, routes it to the least busy worker, and answers the client and control requests.
 
-``run(config)`` starts it, stops on SIGTERM/SIGINT, and on every exit path fails what is still
+``run(config)`` starts it and serves until told to stop; on every exit path it fails what is still
 queued or running with SHUTTING_DOWN, closes every worker (SHUTDOWN, then SIGKILL after a grace
-period; reaped), and removes the socket and the runtime files it created. The operators issue adds
-drain, reload, systemd notification and metrics on top.
+period; reaped), and removes the socket and the runtime files it created.
+
+Operators (issue 9, DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.drain``: new
+requests refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are
+cancelled typed) and then stops, exit status 0; a second SIGTERM, or SIGINT, stops at once. SIGHUP
+reloads the configuration file (``basertd.server.reload``). Control verbs are answered by
+``basertd.server.control`` behind the peer-credential guard; every accepted request is observed
+for metrics and the access log (``basertd.server.access``); systemd gets READY=1 once every worker
+has handshaken, STATUS= lines and watchdog pings, and the client socket may come from
+``LISTEN_FDS`` (``basertd.server.notify``).
 """
 
 from __future__ import annotations
@@ -28,12 +36,30 @@ from typing import Any
 import structlog
 
 from basertd.schema import client as api
-from basertd.schema import control
 from basertd.schema.client import ErrorCode
+from basertd.server.access import ObservedSink
 from basertd.server.api import ApiServer, ClientConnection
-from basertd.server.config import Config, WorkerConfig, resolve_runtime_dir, socket_path
-from basertd.server.link import LinkError
-from basertd.server.requests import AdmissionError, GenerationRequest, sampler_for, validate_generate
+from basertd.server.config import (
+    Config,
+    ConfigError,
+    WorkerConfig,
+    load_config,
+    resolve_runtime_dir,
+    socket_path,
+)
+from basertd.server.control import CacheControl, ControlService, EngineCache
+from basertd.server.drain import Drainer
+from basertd.server.metrics import Metrics, live_state
+from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
+from basertd.server.peercred import OperatorPolicy
+from basertd.server.reload import apply_reload
+from basertd.server.requests import (
+    QOS_CLASSES,
+    AdmissionError,
+    GenerationRequest,
+    sampler_for,
+    validate_generate,
+)
 from basertd.server.scheduler import Scheduler, WorkerLimits
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
@@ -43,6 +69,8 @@ log = structlog.get_logger("basertd.daemon")
 
 VERSION = "0.1.0"
 WORKER_CLOSE_GRACE_S = 5.0
+STATUS_INTERVAL_S = 2.0
+"""Seconds between systemd STATUS= updates (sent only when the line changed)."""
 
 
 def configure_logging(level: str = "info") -> None:
@@ -69,31 +97,30 @@ def model_path(worker: WorkerConfig) -> str:
     return str(default_model_path())
 
 
-class _Sink:
-    """Routes one generation's replies to its connection and forgets the request id once it ends."""
-
-    __slots__ = ("conn", "request_id")
-
-    def __init__(self, conn: ClientConnection, request_id: str) -> None:
-        self.conn = conn
-        self.request_id = request_id
-
-    @property
-    def closed(self) -> bool:
-        return self.conn.closed
-
-    def send(self, msg: object) -> None:
-        self.conn.send(msg)
-        if isinstance(msg, (api.Done, api.Error)):
-            self.conn.generations.pop(self.request_id, None)
-
-
 class Daemon:
     """The coordinator (module docstring). ``start()`` then ``stop()``; ``stopped`` is set once
-    ``request_stop()`` was called (a signal, or a test)."""
+    ``request_stop()`` was called (a signal, or a test). ``config_path`` is the file a reload
+    (SIGHUP) reads again (None: nothing to reload).
 
-    def __init__(self, config: Config) -> None:
+    Operator state: ``metrics`` (the registry), ``drainer`` (drain state, in-flight requests),
+    ``operators`` (who may use control verbs), ``control`` (the verbs), ``cache_control`` (the
+    prefix-cache verbs' backend: ``EngineCache`` until a prefix-cache policy replaces it) and
+    ``notifier`` (systemd)."""
+
+    def __init__(self, config: Config, *, config_path: str | os.PathLike[str] | None = None) -> None:
         self.config = config
+        self.config_path = config_path
+        self.version = VERSION
+        self.metrics = Metrics()
+        self.drainer = Drainer(self._cancel)
+        self.operators = OperatorPolicy(config.operators.operator_group)
+        self.control = ControlService(self)
+        self.cache_control: CacheControl = EngineCache(self)
+        self.notifier = Notifier.from_env()
+        self._watchdog_interval = watchdog_interval()
+        self._listen_fds = listen_fds()
+        self._shutdown: asyncio.Task | None = None
+        self._status_line = ""
         self.runtime_dir: Path | None = None
         self.socket: Path | None = None
         self.workers_dir: Path | None = None
@@ -128,6 +155,9 @@ class Daemon:
         self.runtime_dir = resolve_runtime_dir(cfg)
         self._created_runtime_dir = bool(cfg.runtime_dir) and not existed
         self.socket = socket_path(cfg, self.runtime_dir)
+        inherited = adopt_listener(self._listen_fds)
+        if inherited is not None:
+            self.socket = Path(inherited.getsockname())
         self.workers_dir = self.runtime_dir / f"workers-{os.getpid()}"
         self.workers_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.workers_dir, 0o700)
@@ -152,7 +182,7 @@ class Daemon:
                 kv_tokens=wcfg.lanes * wcfg.context_length,
                 max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
             )
-            sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache)
+            sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics)
             sched_holder.append(sched)
             self.slots.append(slot)
             self.schedulers.append(sched)
@@ -161,16 +191,75 @@ class Daemon:
             self._tasks.append(
                 asyncio.get_running_loop().create_task(sched.run(), name=f"scheduler-{slot.worker_id}")
             )
-        self.api = ApiServer(self.socket, int(cfg.socket_mode), self)
+        self.api = ApiServer(self.socket, int(cfg.socket_mode), self, sock=inherited)
         await self.api.start()
+        self.metrics.bind(lambda: live_state(self), VERSION)
+        address = cfg.operators.metrics_address()
+        if address is not None:
+            self.metrics.serve_http(*address)
         self.state = "ready"
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._notify_ready(), name="sd-notify"))
+        if self._watchdog_interval is not None:
+            watchdog = Watchdog(
+                self.notifier, self._watchdog_interval, lambda: [s.heartbeat for s in self.schedulers]
+            )
+            for sched in self.schedulers:
+                sched.heartbeat.interval = min(sched.heartbeat.interval, self._watchdog_interval / 4)
+            self._tasks.append(loop.create_task(watchdog.run(), name="sd-watchdog"))
         log.info(
             "daemon_started",
             socket=str(self.socket),
+            socket_inherited=inherited is not None,
             workers=len(self.slots),
             version=VERSION,
             pid=os.getpid(),
+            uid=os.geteuid(),
+            operator_group=cfg.operators.operator_group,
+            watchdog_s=self._watchdog_interval,
         )
+
+    async def _notify_ready(self) -> None:
+        """READY=1 once every worker has handshaken, then a STATUS= line whenever it changes."""
+        while not all(slot.state == "ready" for slot in self.slots):
+            self.publish_status()
+            waits = [asyncio.ensure_future(slot.ready()) for slot in self.slots]
+            try:
+                await asyncio.wait(waits, timeout=STATUS_INTERVAL_S)
+            finally:
+                for w in waits:
+                    w.cancel()
+        self._status_line = self.status_line()
+        self.notifier.ready(self._status_line)
+        log.info("daemon_ready", workers=len(self.slots))
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            self.publish_status()
+
+    def status_line(self) -> str:
+        """The one-line summary systemd shows (``systemctl status``): state, workers, lanes, queue."""
+        ready = sum(1 for s in self.slots if s.state == "ready")
+        busy = sum(s.busy_lanes for s in self.schedulers)
+        lanes = sum(s.limits.max_lanes for s in self.schedulers)
+        queued = {q: sum(s.queues.depth(q) for s in self.schedulers) for q in QOS_CLASSES}
+        per_class = ", ".join(f"{q} {n}" for q, n in queued.items())
+        return (
+            f"{self.public_state()}: workers {ready}/{len(self.slots)}, lanes {busy}/{lanes} busy, "
+            f"queued {sum(queued.values())} ({per_class}), in flight {self.drainer.in_flight}"
+        )
+
+    def publish_status(self) -> None:
+        """Send the STATUS= line to systemd if it changed."""
+        line = self.status_line()
+        if line != self._status_line:
+            self._status_line = line
+            self.notifier.status(line)
+
+    def public_state(self) -> str:
+        """``starting``, ``ready``, ``draining``, ``stopping`` or ``stopped`` (Status and Health)."""
+        if self.state == "ready" and self.drainer.draining:
+            return "draining"
+        return self.state
 
     def _spec(self, worker_id: int, w: WorkerConfig) -> tuple[WorkerSpec, tuple[str, str], str]:
         """The worker spec, the tokenizer it implies (kind, path) and the model's served name."""
@@ -194,8 +283,62 @@ class Daemon:
         return WorkerSpec(engine="basert", lib=lib, ref_config=ref, **common), ("bytes", ""), name
 
     def request_stop(self) -> None:
-        """Ask ``run`` to stop (signal handlers call this)."""
+        """Ask ``run`` to stop now (what is in flight fails with SHUTTING_DOWN)."""
         self._stop.set()
+
+    def request_shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop, draining first for ``timeout_s`` seconds (default ``[operators] drain_timeout_s``)
+        when ``drain``. A second request while a drain runs stops at once."""
+        if not drain or self._shutdown is not None or self.state != "ready":
+            if self._shutdown is not None:
+                log.warning("shutdown_forced", note="second stop request while draining")
+            self.request_stop()
+            return
+        timeout = self.config.operators.drain_timeout_s if timeout_s is None else timeout_s
+        self._shutdown = asyncio.get_running_loop().create_task(self._drain_then_stop(timeout))
+
+    async def _drain_then_stop(self, timeout_s: float) -> None:
+        self.notifier.stopping(f"draining for up to {timeout_s:g} s")
+        log.info("shutdown_draining", timeout_s=timeout_s, in_flight=self.drainer.in_flight)
+        try:
+            outcome = await self.drainer.drain(timeout_s, ErrorCode.SHUTTING_DOWN)
+            log.info(
+                "shutdown_drained",
+                drained=outcome.drained,
+                cancelled=outcome.cancelled,
+                waited_s=round(outcome.waited_s, 3),
+            )
+        finally:
+            self.request_stop()
+
+    def reload(self) -> None:
+        """Re-read the configuration file and apply what can change at run time
+        (``basertd.server.reload``); a file that does not validate changes nothing (logged)."""
+        if self.config_path is None:
+            log.warning("reload_skipped", reason="started without a configuration file")
+            return
+        self.notifier.reloading()
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload_failed", error=str(exc), note="the running configuration is unchanged")
+            self.notifier.ready(self.status_line())
+            return
+        report = apply_reload(self, new)
+        self.operators.operator_group = self.config.operators.operator_group
+        self.metrics.reloads.inc()
+        log.info(
+            "reloaded",
+            config=str(self.config_path),
+            applied=report.applied,
+            not_reloaded=report.needs_restart,
+            note="keys in not_reloaded need a restart" if report.needs_restart else "",
+        )
+        self.notifier.ready(self.status_line())
+
+    def _cancel(self, req: GenerationRequest, code: ErrorCode, message: str) -> None:
+        if req.worker_id is not None:
+            self.schedulers[req.worker_id].cancel(req, code=code, message=message)
 
     async def wait_stopped(self) -> None:
         """Wait until ``request_stop`` is called."""
@@ -207,6 +350,9 @@ class Daemon:
             return
         self.state = "stopping"
         self._stop.set()
+        self.notifier.stopping("stopping")
+        if self._shutdown is not None and self._shutdown is not asyncio.current_task():
+            self._shutdown.cancel()
         if self.api is not None:
             self.api.stop_listening()
         for sched in self.schedulers:
@@ -224,6 +370,8 @@ class Daemon:
             close = getattr(tok, "close", None)
             if close is not None:
                 close()
+        self.metrics.close()
+        self.notifier.close()
         if self.workers_dir is not None:
             shutil.rmtree(self.workers_dir, ignore_errors=True)
         if self._created_runtime_dir and self.runtime_dir is not None:
@@ -243,7 +391,7 @@ class Daemon:
         alive = [i for i in ids if not self.slots[i].given_up] or ids
         return min(alive, key=lambda i: self.schedulers[i].load())
 
-    def _add_bos(self, worker_id: int) -> bool:
+    def add_bos(self, worker_id: int) -> bool:
         """Whether prompts for this worker start with BOS: the capability record of its current (or
         last) incarnation, else what the vocabulary itself says."""
         proc = self.slots[worker_id].proc
@@ -265,13 +413,13 @@ class Daemon:
                     self.schedulers[req.worker_id].cancel(req)
             elif isinstance(msg, api.Tokenize):
                 wid = self._route(msg.model)
-                tokens = self.tokenizers[wid].encode(msg.text, add_bos=msg.add_special and self._add_bos(wid))
+                tokens = self.tokenizers[wid].encode(msg.text, add_bos=msg.add_special and self.add_bos(wid))
                 conn.send(api.TokenizeResult(request_id=msg.request_id, tokens=tokens))
             elif isinstance(msg, api.Models):
                 conn.send(api.ModelsResult(request_id=msg.request_id, models=self._models()))
             elif isinstance(msg, api.Health):
                 ready = sum(1 for s in self.slots if s.state == "ready")
-                status = self.state
+                status = self.public_state()
                 if status == "ready":
                     status = "ok" if ready == len(self.slots) else ("degraded" if ready else "starting")
                 conn.send(
@@ -284,8 +432,10 @@ class Daemon:
                     )
                 )
             else:
-                await self._control(conn, msg)
+                await self.control.handle(conn, msg)
         except AdmissionError as exc:
+            if isinstance(msg, api.Generate):
+                self.metrics.admission_error(exc.code)
             conn.send(
                 api.Error(code=exc.code, request_id=getattr(msg, "request_id", ""), message=exc.message)
             )
@@ -302,6 +452,9 @@ class Daemon:
         rid = gen.request_id
         if self.state != "ready":
             raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        refusal = self.drainer.refusal()
+        if refusal is not None:
+            raise AdmissionError(*refusal)
         if rid in conn.generations:
             raise AdmissionError(
                 ErrorCode.INVALID_REQUEST, f"request id {rid!r} is already running on this connection"
@@ -310,7 +463,7 @@ class Daemon:
         wid = self._route(gen.model)
         tok = self.tokenizers[wid]
         if gen.prompt is not None:
-            prompt = tok.encode(gen.prompt, add_bos=self._add_bos(wid))
+            prompt = tok.encode(gen.prompt, add_bos=self.add_bos(wid))
         else:
             prompt = list(gen.prompt_tokens or [])
             bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
@@ -321,12 +474,13 @@ class Daemon:
                 )
         sched = self.schedulers[wid]
         sched.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        sink = ObservedSink(conn, rid, self.metrics, self.drainer)
         req = GenerationRequest(
             request_id=rid,
             prompt=prompt,
             max_tokens=gen.max_tokens,
             sampler=sampler_for(gen),
-            sink=_Sink(conn, rid),
+            sink=sink,
             tokenizer=tok,
             stop=list(gen.stop),
             qos=gen.qos,
@@ -334,6 +488,7 @@ class Daemon:
         )
         conn.generations[rid] = req
         self.requests_total += 1
+        sink.attach(req)
         conn.send(api.Accepted(request_id=rid, prompt_tokens=len(prompt), seed=req.sampler.seed))
         sched.submit(req)
 
@@ -359,119 +514,27 @@ class Daemon:
             info.workers += 1
         return list(out.values())
 
-    # --- control -----------------------------------------------------------------------------
 
-    async def _pong(self, i: int) -> Any:
-        proc = self.slots[i].proc
-        if proc is None or not proc.link.alive:
-            return None
-        try:
-            return await proc.link.ping(timeout=1.0)
-        except LinkError:
-            return None
-
-    async def _control(self, conn: ClientConnection, msg: Any) -> None:
-        rid = getattr(msg, "request_id", "")
-        now = time.monotonic()
-        if isinstance(msg, control.Status):
-            conn.send(
-                control.StatusResult(
-                    request_id=rid,
-                    version=VERSION,
-                    state=self.state,
-                    uptime_s=now - self.started_at,
-                    workers_ready=sum(1 for s in self.slots if s.state == "ready"),
-                    workers_total=len(self.slots),
-                    lanes_busy=sum(s.busy_lanes for s in self.schedulers),
-                    lanes_max=sum(s.limits.max_lanes for s in self.schedulers),
-                    queued=sum(len(s.queues) for s in self.schedulers),
-                    requests_total=self.requests_total,
-                )
-            )
-        elif isinstance(msg, control.Workers):
-            pongs = await asyncio.gather(*(self._pong(i) for i in range(len(self.slots))))
-            rows = []
-            for i, (slot, sched, pong) in enumerate(zip(self.slots, self.schedulers, pongs, strict=True)):
-                stats = getattr(pong, "stats", None) or {}
-                rows.append(
-                    control.WorkerRow(
-                        worker_id=i,
-                        engine=self.config.workers[i].engine,
-                        model=self.model_names[i],
-                        state=slot.state,
-                        pid=slot.proc.pid if slot.proc is not None else 0,
-                        lanes_busy=sched.busy_lanes,
-                        lanes_max=sched.limits.max_lanes,
-                        queue_depth=len(sched.queues),
-                        respawns=slot.respawns,
-                        pool_used_bytes=int(stats.get("pool_bytes_used", 0)),
-                        pool_total_bytes=int(stats.get("pool_bytes_total", 0)),
-                        ticks_run=sched.ticks_run,
-                        engine_lanes=int(stats.get("live_lanes", 0)),
-                        seed_leases=int(stats.get("live_seed_leases", 0)),
-                    )
-                )
-            conn.send(control.WorkersResult(request_id=rid, workers=rows))
-        elif isinstance(msg, control.Lanes):
-            rows = [
-                control.LaneRow(
-                    worker_id=sched.worker_id,
-                    lane_tag=lane.tag,
-                    request_id=lane.request.request_id,
-                    qos=lane.request.qos,
-                    state=lane.phase,
-                    prompt_tokens=lane.prompt_len,
-                    generated_tokens=len(lane.request.generated),
-                    cached_tokens=lane.request.cached_tokens,
-                    age_s=now - lane.admitted_at,
-                )
-                for sched in self.schedulers
-                if msg.worker_id in (None, sched.worker_id)
-                for lane in sched.lanes.values()
-            ]
-            conn.send(control.LanesResult(request_id=rid, lanes=rows))
-        elif isinstance(msg, control.Queue):
-            totals: dict[str, list[float]] = {}
-            for sched in self.schedulers:
-                for qos, depth, wait in sched.queue_rows(now):
-                    t = totals.setdefault(qos, [0, 0.0])
-                    t[0] += depth
-                    t[1] = max(t[1], wait)
-            rows = [control.QueueRow(qos=q, depth=int(d), oldest_wait_s=w) for q, (d, w) in totals.items()]
-            conn.send(control.QueueResult(request_id=rid, classes=rows))
-        elif isinstance(msg, control.CacheStats):
-            pongs = await asyncio.gather(*(self._pong(i) for i in range(len(self.slots))))
-            rows = []
-            for i, pong in enumerate(pongs):
-                stats = getattr(pong, "stats", None) or {}
-                rows.append(
-                    control.CacheStatsRow(
-                        worker_id=i,
-                        entries=int(stats.get("cache_entries", 0)),
-                        bytes=int(stats.get("cache_bytes", 0)),
-                        evictions=int(stats.get("evictions_total", 0)),
-                    )
-                )
-            conn.send(control.CacheStatsResult(request_id=rid, workers=rows))
-        else:
-            verb = type(msg).__name__
-            conn.send(
-                api.Error(
-                    code=ErrorCode.INVALID_REQUEST,
-                    request_id=rid,
-                    message=f"control verb {verb!r} is not served by this version (see the operators issue)",
-                )
-            )
-
-
-async def run(config: Config, *, ready: asyncio.Event | None = None) -> int:
-    """Run the daemon until SIGTERM/SIGINT (or ``request_stop``); returns the exit status (0)."""
-    daemon = Daemon(config)
+async def run(
+    config: Config,
+    *,
+    ready: asyncio.Event | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+) -> int:
+    """Run the daemon until it is told to stop; returns the exit status (0). Signals (issue 9):
+    SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
+    once); SIGINT stops at once; SIGHUP reloads ``config_path``."""
+    daemon = Daemon(config, config_path=config_path)
     loop = asyncio.get_running_loop()
     installed = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    handlers = {
+        signal.SIGTERM: lambda: daemon.request_shutdown(drain=True),
+        signal.SIGINT: daemon.request_stop,
+        signal.SIGHUP: daemon.reload,
+    }
+    for sig, handler in handlers.items():
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, daemon.request_stop)
+            loop.add_signal_handler(sig, handler)
             installed.append(sig)
     try:
         await daemon.start()

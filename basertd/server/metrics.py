@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -215,6 +223,7 @@ class Metrics:
     loop; ``exposition()`` returns the text format (version 0.0.4)."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # no ``*_created`` series: they double the text and nobody graphs them
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ns = NAMESPACE

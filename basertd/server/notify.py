@@ -39,7 +39,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 """Seconds between heartbeats of a loop that is waiting (idle, a worker starting, a tick running)."""
 
 
-class SocketActivationError(RuntimeError):
+class SocketActivationError(OSError):
     """``$LISTEN_FDS`` named descriptors, but none is a listening ``AF_UNIX`` stream socket."""
 
 

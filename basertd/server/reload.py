@@ -1,0 +1,92 @@
+"""What a reload (SIGHUP) can change at run time, and applying it (issue 9, DESIGN.md "Operators").
+
+Reloadable: ``log_level`` (the coordinator's; workers keep theirs until they respawn), every
+``[scheduler]`` and ``[cache]`` knob (applied to each scheduler before its next plan), and
+``[operators] operator_group`` / ``drain_timeout_s``. Everything else (``runtime_dir``,
+``socket``, ``socket_mode``, ``[[workers]]``, ``[operators] metrics_listen``) needs a restart:
+a reload keeps the running values and names those keys in its report and log line.
+
+``config_changes(old, new)`` is the pure comparison (also used by ``basertctl config check``
+through the ConfigCheck verb); ``apply_reload(daemon, new)`` applies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from basertd.server.config import Config
+
+RELOADABLE_SECTIONS = ("scheduler", "cache")
+RELOADABLE_KEYS = ("log_level", "operators.operator_group", "operators.drain_timeout_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadReport:
+    """Dotted keys that changed and were applied, and those that changed but need a restart."""
+
+    applied: list[str]
+    needs_restart: list[str]
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            key = f"{prefix}.{k}" if prefix else k
+            if k == "workers" and not prefix:
+                out[key] = v  # the worker list is one unit: any change means a restart
+            else:
+                out.update(_flat(v, key))
+        return out
+    return {prefix: data}
+
+
+def _reloadable(key: str) -> bool:
+    return key in RELOADABLE_KEYS or key.split(".", 1)[0] in RELOADABLE_SECTIONS
+
+
+def config_changes(old: Config, new: Config) -> ReloadReport:
+    """Compare two configurations: the changed keys a reload applies, and those it cannot."""
+    a, b = _flat(msgspec.to_builtins(old)), _flat(msgspec.to_builtins(new))
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return ReloadReport(
+        applied=[k for k in changed if _reloadable(k)],
+        needs_restart=[k for k in changed if not _reloadable(k)],
+    )
+
+
+def effective_config(old: Config, new: Config) -> Config:
+    """The configuration a reload leaves running: ``new``'s reloadable keys, ``old``'s others."""
+    ops = msgspec.structs.replace(new.operators, metrics_listen=old.operators.metrics_listen)
+    return msgspec.structs.replace(
+        new,
+        runtime_dir=old.runtime_dir,
+        socket=old.socket,
+        socket_mode=old.socket_mode,
+        workers=old.workers,
+        operators=ops,
+    )
+
+
+def apply_reload(daemon: Any, new: Config) -> ReloadReport:
+    """Apply ``new`` to a running ``basertd.server.daemon.Daemon``: its config becomes
+    ``effective_config``, each scheduler gets the new ``[scheduler]`` / ``[cache]`` knobs (its
+    measured tick rates are kept, their caps updated) and the log level changes. Returns what was
+    applied and what needs a restart."""
+    from basertd.server.daemon import configure_logging
+
+    report = config_changes(daemon.config, new)
+    running = effective_config(daemon.config, new)
+    daemon.config = running
+    for sched in daemon.schedulers:
+        sched.config = running.scheduler
+        sched.cache = running.cache
+        rates = sched.rates
+        rates.tick_target_s = running.scheduler.tick_target_s
+        rates.max_prefill = running.scheduler.prefill_budget
+        rates.max_grant = running.scheduler.decode_grant
+    configure_logging(running.log_level)
+    return report
