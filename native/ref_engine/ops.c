@@ -441,26 +441,25 @@ static void complete(ref_bundle *b, ref_op *op) {
 /* Hooks (ref_internal.h)                                                                   */
 /* ---------------------------------------------------------------------------------------- */
 
-/* Completes every RUNNING op (all were submitted before this tick), then drops the demoted
- * ranges of faulted lanes: their state is gone, so nothing is left to promote and the lane can
- * be retired (rule 61) by the next plan. */
+/* Completes every RUNNING op: all were submitted before this tick (rule 69). */
 void ref_ops_pump(ref_bundle *b) {
     ref_ops *o = b->ops;
-    if (!o)
-        return;
-    while (o->n_running)
+    while (o && o->n_running)
         complete(b, o->running[0]); /* op_finish removes it from running */
-    for (uint32_t i = 0; i < b->n_lanes; i++) {
-        ref_seq *s = b->lanes[i]->seq;
-        if (b->lanes[i]->state != REF_LANE_FAULTED || !s || !s->ops_in_flight)
-            continue;
-        for (uint32_t k = 0; k < b->n_spaces; k++) {
-            ref_space_ext *x = s->sp[k].ext;
-            if (x)
-                x->n_demoted = 0;
+}
+
+/* The sequence was emptied (its lane faulted): demoted ranges and restored blob states are gone
+ * with it, so nothing is left to promote and its lane can be retired at once (rules 61, 62). A
+ * RUNNING op keeps its claim until it completes, FAILED, at the next tick. */
+void ref_ops_seq_cleared(ref_bundle *b, ref_seq *s) {
+    for (uint32_t k = 0; k < b->n_spaces; k++) {
+        ref_space_ext *x = s->sp[k].ext;
+        if (x) {
+            x->n_demoted = 0;
+            x->has_key = 0;
         }
-        recount(b, s);
     }
+    recount(b, s);
 }
 
 uint32_t ref_ops_pending(const ref_bundle *b) {
