@@ -498,6 +498,8 @@ void ref_ops_pump(ref_bundle *b);
 uint32_t ref_ops_pending(const ref_bundle *b);
 uint32_t ref_ops_drain(ref_bundle *b, BaseRTOpComplete *dst, uint32_t cap);
 void ref_ops_space_free(ref_bundle *b, ref_space_state *sp);
+/* ops.c: the sequence was emptied (ref_seq_clear): drop its demoted ranges and restored states. */
+void ref_ops_seq_cleared(ref_bundle *b, ref_seq *s);
 void ref_ops_free_all(ref_bundle *b);
 
 /* strategy.c: is slot registered; may a HOST lane use it (rule 37); the admission outcome of

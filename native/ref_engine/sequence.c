@@ -57,6 +57,7 @@ void ref_seq_clear(ref_bundle *b, ref_seq *s) {
         s->sp[i].n_boundaries = 0;
         s->sp[i].content_gen++;
     }
+    ref_ops_seq_cleared(b, s);
 }
 
 void ref_seq_destroy(ref_bundle *b, ref_seq *s) {
