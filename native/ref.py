@@ -7,7 +7,8 @@ goes through exactly the binding a real libbaseRT uses - plus the reference-only
 ``force_finish``, ``inject_fault``, ``refuse_admits``, ``stats`` and ``lane_info``.
 ``close()`` frees the bundle with ``baseRT_ref_free``. For state ops and strategies it adds
 ``space_info`` (a sequence's per-space state), ``set_export_checksum`` (FNV-1a-64 or XXH3-64 in
-exports) and ``certify`` (certified strategy combinations, ABI rule 117).
+exports), ``certify`` (certified strategy combinations, ABI rule 117) and ``media_tower`` (a
+synthetic vision tower for the media calls).
 
 What the engine does (plan validation, tick order, synthetic tokens, pool, cache, seeds, HOST
 lanes, replay) is documented in the header comment of ``basert_ref.h``.
@@ -237,6 +238,22 @@ class RefBundle(Bundle):
         XXH3_64). AbiError(REJECT_BOUNDS) for another kind, ERR_OP_UNSUPPORTED when libxxhash
         cannot be loaded. Restores verify either kind regardless (ABI rule 103)."""
         self._call("baseRT_ref_set_export_checksum", self.handle, checksum_kind)
+
+    def media_tower(
+        self, image_token_id: int, tokens_per_image: int, boi_token_id: int = 0, eoi_token_id: int = 0
+    ) -> None:
+        """Give the bundle a synthetic vision tower: every image (keyed by path) becomes
+        ``tokens_per_image`` placeholders of ``image_token_id`` (token ids; 0 wrappers = none).
+        Without one, media_probe / media_encode raise AbiError(ERR_OP_UNSUPPORTED).
+        AbiError(REJECT_BOUNDS) for 0 tokens or an id outside the vocabulary."""
+        self._call(
+            "baseRT_ref_media_tower",
+            self.handle,
+            image_token_id,
+            tokens_per_image,
+            boi_token_id,
+            eoi_token_id,
+        )
 
     def certify(
         self, strategy_id: str, impl_hash: bytes, config_hash: bytes, certs: Sequence[ExactnessCert]

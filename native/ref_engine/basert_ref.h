@@ -280,6 +280,13 @@ baseRT_status baseRT_ref_set_export_checksum(baseRT_model_t bundle, uint32_t che
 baseRT_status baseRT_ref_certify(baseRT_model_t bundle, const char *strategy_id, const uint8_t *impl_hash,
                                  const uint8_t *config_hash, BaseRTArray certs);
 
+/* Gives the bundle a synthetic vision tower (media.c): from now on baseRT_media_probe / encode
+ * answer that every image (keyed by its path, never opened) expands to tokens_per_image
+ * placeholders of image_token_id, wrapped by boi_token_id / eoi_token_id (0 = none). Without it
+ * probe and encode are OP_UNSUPPORTED. BOUNDS for tokens_per_image 0 or a token id >= vocab_size. */
+baseRT_status baseRT_ref_media_tower(baseRT_model_t bundle, uint32_t image_token_id, uint32_t tokens_per_image,
+                                     uint32_t boi_token_id, uint32_t eoi_token_id);
+
 #ifdef __cplusplus
 }
 #endif
