@@ -662,8 +662,9 @@ static baseRT_status take_blocks(ref_bundle *b, uint32_t n, uint32_t **out) {
     return BASERT_STATUS_OK;
 }
 
+/* Returns blocks taken by take_blocks (none when it failed: blocks is NULL then). */
 static void give_back(ref_bundle *b, uint32_t *blocks, uint32_t n) {
-    for (uint32_t i = 0; i < n; i++)
+    for (uint32_t i = 0; blocks && i < n; i++)
         ref_pool_unref(&b->pool, blocks[i]);
     free(blocks);
 }
