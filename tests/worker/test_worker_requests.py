@@ -23,7 +23,7 @@ from worker_plans import (
 
 from basertd.native.ref import RefConfig
 from basertd.schema import link
-from basertd.schema.abi import AdmitStatus, Status, TickFlag
+from basertd.schema.abi import AdmitStatus, OpState, Status, TickFlag
 from basertd.schema.tick import (
     LaneAdmit,
     LaneDecode,
@@ -331,34 +331,39 @@ def test_sequences_and_state_ops(worker):
     assert worker.call(worker.link.state_op(link.OpLaneSequence(lane_tag=404))).value == 0
     bare = worker.call(worker.link.state_op(link.OpSequenceCreate())).value
     assert bare > 0 and bare != lane_seq
+    sized = worker.call(
+        worker.link.state_op(link.OpExportSize(seq=lane_seq, space_id=0, range=TokenRange(start=0, end=8)))
+    )
+    assert sized.op == 0 and sized.value > 136 and sized.sizing_gen > 0
+    accepted = worker.call(
+        worker.link.state_op(
+            link.OpSnapshot(
+                seq=lane_seq, space_id=0, boundary_pos=8, sizing_gen=sized.sizing_gen, dst_bytes=sized.value
+            )
+        )
+    )
+    assert accepted.op
+    worker.tick(TickPlan(plan_seq=2))  # ops complete across ticks (ABI rule 69)
+    done = worker.call(worker.link.op_done(accepted.op, timeout=5))
+    assert done.state == OpState.DONE and done.error == 0
+    assert done.data is not None and len(done.data) == sized.value  # the sealed export (rule 95)
+    assert bytes(done.data[:8]) == b"BRTSTATE"
+    restored = worker.call(worker.link.state_op(link.OpRestore(seq=bare, space_id=0, data=done.data)))
+    assert restored.op and restored.op != accepted.op
+    worker.tick(TickPlan(plan_seq=3))
+    assert worker.call(worker.link.op_done(restored.op, timeout=5)).state == OpState.DONE
+    # A flipped payload byte is refused by the checksum (rule 103): FAILED, carried back typed.
+    bad = np.array(done.data, copy=True)
+    bad[-1] ^= 0xFF
+    other = worker.call(worker.link.state_op(link.OpSequenceCreate())).value
     try:
-        sized = worker.call(
-            worker.link.state_op(
-                link.OpExportSize(seq=lane_seq, space_id=0, range=TokenRange(start=0, end=8))
-            )
-        )
+        refused = worker.call(worker.link.state_op(link.OpRestore(seq=other, space_id=0, data=bad)))
     except WorkerError as exc:
-        # The reference engine refuses state ops until its state-op work lands (ops.c).
-        assert exc.status == Status.ERR_OP_UNSUPPORTED
+        assert exc.status == Status.ERR_CHECKSUM
     else:
-        accepted = worker.call(
-            worker.link.state_op(
-                link.OpSnapshot(
-                    seq=lane_seq,
-                    space_id=0,
-                    boundary_pos=8,
-                    sizing_gen=sized.sizing_gen,
-                    dst_bytes=sized.value,
-                )
-            )
-        )
-        assert accepted.op
-        worker.tick(TickPlan(plan_seq=2))
-        done = worker.call(worker.link.op_done(accepted.op, timeout=5))
-        assert done.state == 2 and done.data is not None and len(done.data) == sized.value
-        restored = worker.call(worker.link.state_op(link.OpRestore(seq=bare, space_id=0, data=done.data)))
-        worker.tick(TickPlan(plan_seq=3))
-        assert worker.call(worker.link.op_done(restored.op, timeout=5)).state == 2
+        worker.tick(TickPlan(plan_seq=4))
+        end = worker.call(worker.link.op_done(refused.op, timeout=5))
+        assert end.state == OpState.FAILED and end.error == Status.ERR_CHECKSUM
     assert worker.call(worker.link.state_op(link.OpSequenceFree(seq=bare))) == link.StateOpAccepted()
     with pytest.raises(WorkerError) as err:
         worker.call(worker.link.state_op(link.OpSequenceFree(seq=bare)))  # ABI rule 112
