@@ -81,6 +81,23 @@
  * whose generation is the nonce [65]; the host answers with a commit quoting that nonce [41],
  * which appends the token (not re-emitted) and advances the counter [66, 67].
  *
+ * State ops (ops.c, envelope.c) [rules 92-113]. Every refusal is synchronous (no handle, no byte
+ * written); an accepted snapshot / demote / restore / promote is RUNNING until the next accepted
+ * tick completes it and reports it in op_completions [69]; op_cancel ends a RUNNING op at once.
+ * A (sequence, space) with an op in flight or a demoted range counts in the sequence's claims:
+ * plans on its lane are TRANSFER_LOCKED [49], fork / trim / free / publish / adopt EBUSY [98].
+ * Exports are 136-byte BRTSTATE envelopes + payloads that are a deterministic function of the
+ * tokens (a paged record per token carrying its id, a blob of the history hash), so a restore into
+ * a fresh sequence rebuilds the exact state and an adopted, admitted restore continues with the
+ * original's tokens. FNV-1a-64 by default, XXH3-64 via baseRT_ref_set_export_checksum (libxxhash
+ * dlopen'ed); checksum kind 0 / unknown is CHECKSUM [103]. Paged demote frees whole blocks of the
+ * range when it completes [108]; lossy demote taints on promote [107]. Restore and trim change
+ * caller-owned sequences only (a lane-owned one is UNKNOWN_HANDLE).
+ *
+ * Strategies (strategy.c) [rules 114-122] register fail-closed; certificates exist only for
+ * combinations certified with baseRT_ref_certify; slot 0 decodes the model's own path
+ * (SEED_PATH_INVARIANT). Media (media.c): OP_UNSUPPORTED until baseRT_ref_media_tower.
+ *
  * Events are engine-owned and double-buffered: those of one tick stay readable until the
  * next accepted tick after it or baseRT_ref_free [70]. Logprob records are written for GPU
  * lanes admitted with want_logprobs (1 + n_top); HOST lanes get none (the host has the row).
