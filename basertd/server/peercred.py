@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 """Linux's socket option for the peer's supplementary groups (59 on the generic ABI)."""
-MAX_PEER_GROUPS = 1024
+MAX_PEER_GROUPS = 256
+"""Supplementary groups read per peer (Python's getsockopt buffer is at most 1024 bytes); a peer in
+more groups is judged by its uid and primary gid only."""
 
 
 @dataclass(frozen=True)
