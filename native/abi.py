@@ -393,7 +393,9 @@ class Bundle:
             if len(b) != 32:
                 raise ArgumentError(f"{what}: each entry must be 32 bytes, got {len(b)}")
         if not items:
-            return self._struct("BaseRTArray", {"data": self.ffi.NULL, "count": 0, "elem_size": 32}), None
+            # The empty array of rule 21: count 0, NULL data, elem_size 0 (a nonzero elem_size
+            # below the record's min prefix would be BAD_STRIDE, rule 24).
+            return self._struct("BaseRTArray", {"data": self.ffi.NULL, "count": 0, "elem_size": 0}), None
         buf = self.ffi.new("uint64_t[]", 4 * len(items))
         self.ffi.memmove(buf, b"".join(items), 32 * len(items))
         arr = self._struct("BaseRTArray", {"data": buf, "count": len(items), "elem_size": 32})

@@ -286,3 +286,15 @@ def test_state_op_wrappers(engine):
     b.op_cancel(op3)
     with pytest.raises(AbiError):
         b.promote(seq, 0, TokenRange(start=16, end=32), data)
+
+
+def test_empty_key_and_media_arrays_are_the_rule_21_empty_array():
+    """An empty ``cache_evict_entries`` list is marshalled as (NULL, 0, 0), which every engine
+    must accept (ABI rule 21), not as a zero-count array with a stride (BAD_STRIDE, rule 24)."""
+    from basertd.native.ref import RefConfig, create_ref_bundle
+
+    bundle = create_ref_bundle(RefConfig())
+    try:
+        bundle.cache_evict_entries([])
+    finally:
+        bundle.close()

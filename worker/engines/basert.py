@@ -198,10 +198,8 @@ class BasertEngine:
         return self._call(self.bundle.cache_evict, policy, bytes_target)
 
     def cache_evict_entries(self, keys: Sequence[CacheKey]) -> None:
-        """``baseRT_cache_evict_entries``. An empty list evicts nothing and is not sent: the
-        binding marshals it at elem_size 32, which the reference engine reads as BAD_STRIDE."""
-        if keys:
-            self._call(self.bundle.cache_evict_entries, keys)
+        """``baseRT_cache_evict_entries``; an empty list is the empty array of ABI rule 21."""
+        self._call(self.bundle.cache_evict_entries, keys)
 
     # -- sequences and state ops -----------------------------------------------------------------
 
