@@ -327,13 +327,15 @@ class Daemon:
         report = apply_reload(self, new)
         self.operators.operator_group = self.config.operators.operator_group
         self.metrics.reloads.inc()
-        log.info(
+        # a reload that left keys unapplied is worth a warning: the file and the daemon disagree
+        (log.warning if report.needs_restart else log.info)(
             "reloaded",
             config=str(self.config_path),
             applied=report.applied,
             not_reloaded=report.needs_restart,
             note="keys in not_reloaded need a restart" if report.needs_restart else "",
         )
+        configure_logging(self.config.log_level)
         self.notifier.ready(self.status_line())
 
     def _cancel(self, req: GenerationRequest, code: ErrorCode, message: str) -> None:

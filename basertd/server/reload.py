@@ -73,11 +73,10 @@ def effective_config(old: Config, new: Config) -> Config:
 
 def apply_reload(daemon: Any, new: Config) -> ReloadReport:
     """Apply ``new`` to a running ``basertd.server.daemon.Daemon``: its config becomes
-    ``effective_config``, each scheduler gets the new ``[scheduler]`` / ``[cache]`` knobs (its
-    measured tick rates are kept, their caps updated) and the log level changes. Returns what was
-    applied and what needs a restart."""
-    from basertd.server.daemon import configure_logging
-
+    ``effective_config`` and each scheduler gets the new ``[scheduler]`` / ``[cache]`` knobs (its
+    measured tick rates are kept, their caps updated). The caller switches the log level (after
+    logging the report, so the report is written at the level it was asked under). Returns what
+    was applied and what needs a restart."""
     report = config_changes(daemon.config, new)
     running = effective_config(daemon.config, new)
     daemon.config = running
@@ -88,5 +87,4 @@ def apply_reload(daemon: Any, new: Config) -> ReloadReport:
         rates.tick_target_s = running.scheduler.tick_target_s
         rates.max_prefill = running.scheduler.prefill_budget
         rates.max_grant = running.scheduler.decode_grant
-    configure_logging(running.log_level)
     return report
