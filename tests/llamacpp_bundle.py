@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from basertd.native.abi import AbiError, EngineFatal, PlanRejected, RingSpec
+from basertd.native.abi import AbiError, ArgumentError, EngineFatal, PlanRejected, RingSpec
 from basertd.schema.abi import RingKind, RingRole, Status
 from basertd.schema.tick import TickEvents, TickPlan
 from basertd.worker.engines import base
@@ -147,6 +147,14 @@ class LlamaCppBundle:
             self.engine.attach_rings(maps)
         except base.EngineError as exc:
             raise _abi("baseRT_rings_attach", exc) from exc
+
+    def op_output(self, op: int) -> bytes:
+        """As the binding: no output held for ``op`` (unknown, cancelled, already taken, not DONE)
+        is the binding's own ArgumentError."""
+        try:
+            return self.engine.op_output(op)
+        except base.EngineError as exc:
+            raise ArgumentError(f"op {op}: {exc}") from exc
 
     def close(self) -> None:
         self.engine.close()

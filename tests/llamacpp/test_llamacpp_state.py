@@ -43,12 +43,15 @@ def rng(end, start=0):
     return TokenRange(start=start, end=end)
 
 
-def snapshot_lane(eng, tag):
-    """Sealed export of a lane's whole KV."""
+def snapshot_lane(eng, coord, tag):
+    """Sealed export of a lane's whole KV (the op runs at the next tick)."""
     seq = eng.lane_sequence(tag)
     n = eng.lanes[tag].kv_len
     size, gen = eng.export_size(seq, SPACE, rng(n), Encoding.LOSSLESS)
     op = eng.snapshot(seq, SPACE, n, gen, size)
+    assert eng.op_poll(op).state == OpState.RUNNING
+    err(Status.EBUSY, eng.op_output, op)
+    coord.tick()
     assert eng.op_poll(op).state == OpState.DONE
     data = eng.op_output(op)
     assert len(data) == size  # ABI rule 95
@@ -80,7 +83,7 @@ def test_a_snapshot_restored_in_a_fresh_engine_continues_exactly(make_engine, sa
     prompt = make_prompt(1, 20)
     eng_a, coord_a = make_engine()
     first = run_lane(coord_a, 1, prompt, 6, rng_counter_base=base, **kw)
-    data = snapshot_lane(eng_a, 1)
+    data = snapshot_lane(eng_a, coord_a, 1)
     env = StateEnvelope.unpack(data)
     assert (env.magic, env.space_kind, env.range.end) == (STATE_ENVELOPE_MAGIC, SpaceKind.PAGED_TOKEN_KV, 25)
     assert env.checksum_kind == ChecksumKind.XXH3_64 and env.payload_len == len(data) - ENVELOPE_BYTES
@@ -122,7 +125,7 @@ def test_envelope_refusals_change_nothing(lc, make_engine, tiny_gemma3_gguf):
     # ABI rules 101-104
     eng, coord = lc
     run_lane(coord, 1, make_prompt(2, 12), 1)
-    data = snapshot_lane(eng, 1)
+    data = snapshot_lane(eng, coord, 1)
     seq = eng.sequence_create()
     bad_env = Status.ERR_ENVELOPE_MISMATCH
 
@@ -148,6 +151,7 @@ def test_envelope_refusals_change_nothing(lc, make_engine, tiny_gemma3_gguf):
     # a well-sealed payload llama.cpp cannot read: the op fails, the target stays empty [104]
     junk = seal(b"\x01" * 64, identity=eng.identity, provenance=bytes(32), taint=0, n_tokens=4)
     op = eng.restore(seq, SPACE, junk)
+    coord.tick()
     st = eng.op_poll(op)
     assert st.state == OpState.FAILED and st.error != 0
     assert eng.ledger.length(eng.ops.bare[seq].seq) == 0
@@ -179,13 +183,13 @@ def test_export_sizing_and_op_lifecycle(lc):
     err(Status.ERR_UNKNOWN_HANDLE, eng.op_output, op1)
     op2 = eng.snapshot(seq, SPACE, 8, gen, size)  # the claim was released; a prefix export
     assert op2 > op1  # handles are never reused [99]
+    ev = coord.tick()
     assert eng.op_poll(op2).state == OpState.DONE
     eng.op_cancel(op2)
     assert eng.op_poll(op2).state == OpState.DONE
     assert StateEnvelope.unpack(eng.op_output(op2)).range.end == 8
     err(Status.ERR_UNKNOWN_HANDLE, eng.op_output, op2)  # handed over once
     err(Status.ERR_UNKNOWN_HANDLE, eng.op_poll, 12345)
-    ev = coord.tick()
     assert [(c.op, c.state) for c in ev.op_completions] == [(op1, OpState.CANCELLED), (op2, OpState.DONE)]
     err(Status.ERR_OP_UNSUPPORTED, eng.demote, seq, SPACE, rng(8), 0, gen, size)
     err(Status.ERR_OP_UNSUPPORTED, eng.promote, seq, SPACE, rng(8), b"")
@@ -195,7 +199,7 @@ def test_bare_sequences(lc):
     # ABI rules 86, 91, 109, 111, 112
     eng, coord = lc
     run_lane(coord, 1, make_prompt(4, 40), 1)
-    data = snapshot_lane(eng, 1)
+    data = snapshot_lane(eng, coord, 1)
     lane_seq = eng.lane_sequence(1)
     err(Status.ERR_UNKNOWN_HANDLE, eng.sequence_free, lane_seq)
     err(Status.ERR_UNKNOWN_HANDLE, eng.sequence_free, 4242)
@@ -216,8 +220,9 @@ def test_bare_sequences(lc):
     assert eng.ledger.used == used
 
     seq = eng.sequence_create()
-    eng.restore(seq, SPACE, data)
-    eng.op_poll(eng.ops._next_op - 1)
+    op = eng.restore(seq, SPACE, data)
+    coord.tick()
+    assert eng.op_poll(op).state == OpState.DONE
     err(Status.ERR_SEED_UNSERVABLE, eng.seed_adopt, seq, coord.prompt(make_prompt(4, 39)))
     err(Status.ERR_OUT_OF_BOUNDARY, eng.sequence_publish, seq, make_prompt(4, 41))
     eng.sequence_publish(seq, make_prompt(4, 40))  # consumed; 32 tokens published
@@ -252,7 +257,7 @@ def test_taint_travels_with_the_state(lc):
     eng, coord = lc
     prompt = make_prompt(5, 32)
     run_lane(coord, 1, prompt, 1)
-    clean = snapshot_lane(eng, 1)
+    clean = snapshot_lane(eng, coord, 1)
     env = StateEnvelope.unpack(clean)
     tainted = seal(
         clean[ENVELOPE_BYTES:],
@@ -263,6 +268,7 @@ def test_taint_travels_with_the_state(lc):
     )
     seq = eng.sequence_create()
     op = eng.restore(seq, SPACE, tainted)
+    coord.tick()
     assert eng.op_poll(op).state == OpState.DONE
     eng.sequence_publish(seq, prompt)
     span = coord.prompt([*prompt, 7, 7])
@@ -273,5 +279,5 @@ def test_taint_travels_with_the_state(lc):
         prefills=[LanePrefill(lane_tag=2, token_offset=32, token_count=2)],
     )
     assert eng.lanes[2].taint == Taint.QUANTIZED_DEMOTION
-    assert StateEnvelope.unpack(snapshot_lane(eng, 2)).taint_bits == Taint.QUANTIZED_DEMOTION
+    assert StateEnvelope.unpack(snapshot_lane(eng, coord, 2)).taint_bits == Taint.QUANTIZED_DEMOTION
     coord.tick(retires=[LaneRetire(lane_tag=2)])

@@ -27,7 +27,8 @@ Semantics this engine fixes where the ABI leaves a choice:
   engine's committed count.
 - Publishing when ``cache_sequences`` entries exist first evicts the least recently used unpinned
   entry the plan's shed envelope allows; if none, the retire publishes nothing.
-- State ops complete at the next tick or ``op_poll`` and are reported in a tick's op_completions.
+- State ops complete at the start of the next accepted tick and are reported in its
+  op_completions, as in the reference engine.
 
 Output depends on batch composition and, through the order of llama.cpp's sums over KV cells, on
 where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
@@ -1036,17 +1037,16 @@ class LlamaCppEngine:
     def demote(
         self, seq: int, space_id: int, rng: TokenRange, encoding: int, sizing_gen: int, dst_bytes: int
     ) -> int:
-        """Not served: EngineError(ERR_OP_UNSUPPORTED) (there is no host tier for llama.cpp KV)."""
-        self._space_ok(space_id)
-        raise EngineError(Status.ERR_OP_UNSUPPORTED, "demote is not supported by the llama.cpp engine")
+        """Not served: EngineError(ERR_OP_UNSUPPORTED) (there is no host tier for llama.cpp KV),
+        after the checks every op makes (unknown space or sequence, EBUSY during an op)."""
+        self.ops.unsupported(seq, space_id, "demote")
 
     def promote(self, seq: int, space_id: int, rng: TokenRange, data: bytes) -> int:
-        """Not served: EngineError(ERR_OP_UNSUPPORTED)."""
-        self._space_ok(space_id)
-        raise EngineError(Status.ERR_OP_UNSUPPORTED, "promote is not supported by the llama.cpp engine")
+        """Not served: EngineError(ERR_OP_UNSUPPORTED), after the common checks (see ``demote``)."""
+        self.ops.unsupported(seq, space_id, "promote")
 
     def op_poll(self, op: int) -> OpStatus:
-        """State of an op (a running op completes here if no tick ran since)."""
+        """State of an op; it completes at the next accepted tick (ABI rules 69, 99)."""
         return self.ops.poll(op)
 
     def op_cancel(self, op: int) -> None:
@@ -1054,7 +1054,7 @@ class LlamaCppEngine:
         self.ops.cancel(op)
 
     def op_output(self, op: int) -> bytes:
-        """The sealed bytes of a DONE snapshot."""
+        """The sealed bytes of a DONE snapshot, handed over once (EBUSY while it runs)."""
         return self.ops.output(op)
 
     # ------------------------------------------------------------------ grammar, bias, vocabulary

@@ -11,8 +11,8 @@ restore never re-shares cells with a resident prefix). A restored sequence re-en
 
 Ops are asynchronous in the ABI: submission validates and claims the sequence (plans naming its
 lane are TRANSFER_LOCKED, rule 49; a second op EBUSY, rule 98), the work runs at the start of the
-next tick or at the first ``poll``, and completion is reported in a tick's op_completions (rule 69).
-Op handles are never reused (rule 99).
+next accepted tick (after that tick's validation) and is reported in its op_completions (rule 69),
+as in the reference engine; ``poll`` only reports. Op handles are never reused (rule 99).
 """
 
 from __future__ import annotations
@@ -292,6 +292,15 @@ class StateOps:
         self.e.locked.add(op.handle)
         return op.op
 
+    def unsupported(self, handle: int, space_id: int, what: str) -> None:
+        """Refuse an op this engine does not serve (demote, promote), after the checks every op
+        makes: ERR_UNKNOWN_HANDLE (space or sequence), EBUSY during another op (rule 98), then
+        ERR_OP_UNSUPPORTED."""
+        self._space(space_id)
+        self._resolve(handle)
+        self._idle(handle)
+        raise EngineError(Status.ERR_OP_UNSUPPORTED, f"{what} is not supported by the llama.cpp engine")
+
     def snapshot_boundary(self, handle: int, space_id: int, cap: int) -> int:
         """The longest whole-page length <= ``cap`` (and <= the valid length) whose prefix a seed
         could serve with its sliding window intact, 0 when none (ABI rule 111)."""
@@ -382,13 +391,11 @@ class StateOps:
                 self._run(op)
 
     def poll(self, op_handle: int) -> OpStatus:
-        """State of an op, completing it first if it is still running; ERR_UNKNOWN_HANDLE for a
+        """State of an op (RUNNING until the next accepted tick runs it); ERR_UNKNOWN_HANDLE for a
         handle this engine never returned (ABI rule 99)."""
         op = self.ops.get(op_handle)
         if op is None:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no op {op_handle}")
-        if op.state == OpState.RUNNING:
-            self._run(op)
         return OpStatus(state=op.state, error=op.error, bytes_moved=op.bytes_moved)
 
     def cancel(self, op_handle: int) -> None:
@@ -410,7 +417,7 @@ class StateOps:
         if op is None or op.kind != "snapshot":
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no snapshot op {op_handle}")
         if op.state == OpState.RUNNING:
-            self._run(op)
+            raise EngineError(Status.EBUSY, f"op {op_handle} is still running")
         if op.output is None:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"op {op_handle} has no output ({op.state.name})")
         out, op.output = op.output, None
