@@ -87,8 +87,8 @@ def test_units_carry_the_operators_options_and_agree_with_the_daemon():
         assert one[f"Service.{key}"] == "yes", key
     assert one["Service.ProtectSystem"] == "strict"
     assert one["Service.DevicePolicy"] == "closed"
-    assert (
-        any("nvidia" in d for d in svc["Service.DeviceAllow"]) and "/dev/kfd rw" in svc["Service.DeviceAllow"]
+    assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-kfd rw", "char-drm rw"} <= set(
+        svc["Service.DeviceAllow"]
     )
     assert one["Service.ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert "--config /etc/basertd/basertd.toml" in one["Service.ExecStart"]
