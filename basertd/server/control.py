@@ -427,6 +427,7 @@ class ControlService:
     async def _Drain(self, msg: control.Drain) -> control.DrainResult:
         timeout = _timeout(msg.timeout_s)
         self._check_running()
+        self.d.drainer.begin(ErrorCode.DRAINING)
         self.d.publish_status()
         outcome = await self.d.drainer.drain(timeout, ErrorCode.DRAINING)
         self.d.publish_status()
