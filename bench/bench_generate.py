@@ -2,19 +2,23 @@
 
 Baseline, in the same process and minute: the same engine worker driven directly over Link W (no
 coordinator: one lane, whole prompt prefilled in the admit tick, decode grants of 8), on the same
-model, threads and prompt. Then a real daemon (default configuration apart from the runtime
-directory) serves 1 request, then 8 concurrent ones, all greedy with ``ignore_eos`` so every
-request generates exactly ``--tokens`` tokens. Prints tokens/s and the ratios daemon/direct.
+model, threads and prompt. A real daemon (default configuration apart from the runtime directory)
+serves 1 request, then 8 concurrent ones, all greedy with ``ignore_eos`` so every request generates
+exactly ``--tokens`` tokens. The three measurements alternate for ``--rounds`` rounds, so a noisy
+neighbour on a shared box hits each alike; prints medians of tokens/s and of the ratios
+daemon/direct.
 
-    .venv/bin/python bench/bench_generate.py [--tokens 64] [--model PATH] [--threads 2]
+    .venv/bin/python bench/bench_generate.py [--tokens 64] [--rounds 3] [--model PATH] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,50 +36,62 @@ from basertd.server.worker_proc import SyncWorker, WorkerSpec
 PROMPTS = [f"Story number {i}: once upon a time, in a land far away," for i in range(8)]
 
 
-def direct_rate(model: str, threads: int, tokens: int) -> float:
-    """Tokens/s of one lane driven directly (grant 8 per tick), after a warm-up run."""
-    rundir = tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp")
-    tok = GgufTokenizer(model)
-    prompt = np.asarray(tok.encode(PROMPTS[0], add_bos=tok.add_bos), dtype=np.uint32)
-    worker = SyncWorker(
-        WorkerSpec(
-            engine="llamacpp", model=model, lanes=8, context_length=2048, threads=threads, runtime_dir=rundir
+class DirectLane:
+    """The baseline: one lane driven directly over Link W (whole prompt prefilled in the admit
+    tick, decode grants of 8), on its own worker."""
+
+    def __init__(self, model: str, threads: int) -> None:
+        self.rundir = tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp")
+        self.tok = GgufTokenizer(model)
+        self.prompt = np.asarray(self.tok.encode(PROMPTS[0], add_bos=self.tok.add_bos), dtype=np.uint32)
+        self.worker = SyncWorker(
+            WorkerSpec(
+                engine="llamacpp",
+                model=model,
+                lanes=8,
+                context_length=2048,
+                threads=threads,
+                runtime_dir=self.rundir,
+            )
         )
-    )
-    seq = 0
-    try:
-        rate = 0.0
-        for tag in (1, 2):  # the first run warms up
-            ref = worker.proc.prompt_ring.write(prompt)
-            greedy = SamplingParams(flags=int(SamplingFlag.IGNORE_EOS))
-            admit = LaneAdmit(lane_tag=tag, prompt=ref, sampling=int(Sampling.GPU_GREEDY), params=greedy)
-            n, first, t0 = 0, True, time.perf_counter()
-            while n < tokens:
-                seq += 1
-                ev = worker.tick(
-                    TickPlan(
-                        plan_seq=seq,
-                        prefill_token_budget=len(prompt) if first else 0,
-                        max_decode_lanes=1,
-                        admits=[admit] if first else [],
-                        prefills=[LanePrefill(lane_tag=tag, token_offset=0, token_count=len(prompt))]
-                        if first
-                        else [],
-                        decodes=[LaneDecode(lane_tag=tag, max_new_tokens=min(8, tokens - n))],
-                    )
+        self.seq = 0
+        self.tag = 0
+
+    def rate(self, tokens: int) -> float:
+        """Tokens/s of one greedy generation of ``tokens`` tokens."""
+        self.tag += 1
+        tag, prompt = self.tag, self.prompt
+        ref = self.worker.proc.prompt_ring.write(prompt)
+        greedy = SamplingParams(flags=int(SamplingFlag.IGNORE_EOS))
+        admit = LaneAdmit(lane_tag=tag, prompt=ref, sampling=int(Sampling.GPU_GREEDY), params=greedy)
+        n, first, t0 = 0, True, time.perf_counter()
+        while n < tokens:
+            self.seq += 1
+            ev = self.worker.tick(
+                TickPlan(
+                    plan_seq=self.seq,
+                    prefill_token_budget=len(prompt) if first else 0,
+                    max_decode_lanes=1,
+                    admits=[admit] if first else [],
+                    prefills=[LanePrefill(lane_tag=tag, token_offset=0, token_count=len(prompt))]
+                    if first
+                    else [],
+                    decodes=[LaneDecode(lane_tag=tag, max_new_tokens=min(8, tokens - n))],
                 )
-                first = False
-                n += ev.emits[0].n_tokens
-                if ev.emits[0].finish != Finish.NONE:
-                    break
-            rate = n / (time.perf_counter() - t0)
-            seq += 1
-            worker.tick(TickPlan(plan_seq=seq, retires=[LaneRetire(lane_tag=tag)]))
+            )
+            first = False
+            n += ev.emits[0].n_tokens
+            if ev.emits[0].finish != Finish.NONE:
+                break
+        rate = n / (time.perf_counter() - t0)
+        self.seq += 1
+        self.worker.tick(TickPlan(plan_seq=self.seq, retires=[LaneRetire(lane_tag=tag)]))
         return rate
-    finally:
-        worker.close()
-        tok.close()
-        shutil.rmtree(rundir, ignore_errors=True)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.tok.close()
+        shutil.rmtree(self.rundir, ignore_errors=True)
 
 
 async def _concurrent(sock: Path, n: int, tokens: int) -> float:
@@ -88,42 +104,48 @@ async def _concurrent(sock: Path, n: int, tokens: int) -> float:
     return sum(o.usage.completion_tokens for o in outs) / wall
 
 
-def daemon_rates(model: str, threads: int, tokens: int) -> tuple[float, float]:
-    """(tokens/s at 1 request, aggregate tokens/s at 8 concurrent) through a real daemon."""
-    base = Path(tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp"))
-    cfg = base / "basertd.toml"
-    worker = f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nthreads = {threads}\n'
-    cfg.write_text(f'runtime_dir = "{base / "rt"}"\n' + worker)
-    sock = base / "rt" / "basertd.sock"
-    with open(base / "daemon.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], stdout=log, stderr=log
-        )
-    try:
+class DaemonUnderTest:
+    """A real ``basertd serve`` on the model (default configuration but the runtime directory)."""
+
+    def __init__(self, model: str, threads: int) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp"))
+        cfg = self.base / "basertd.toml"
+        worker = f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nthreads = {threads}\n'
+        cfg.write_text(f'runtime_dir = "{self.base / "rt"}"\n' + worker)
+        self.sock = self.base / "rt" / "basertd.sock"
+        with open(self.base / "daemon.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], stdout=log, stderr=log
+            )
         deadline = time.monotonic() + 300
         while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((base / "daemon.log").read_text()[-3000:])
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("basertd did not start")
             try:
-                with Client(sock, timeout=5) as c:
+                with Client(self.sock, timeout=5) as c:
                     if c.health().status == "ok":
                         break
             except OSError:
                 pass
             time.sleep(0.1)
-        asyncio.run(_concurrent(sock, 1, 8))  # warm-up
-        one = asyncio.run(_concurrent(sock, 1, tokens))
-        eight = asyncio.run(_concurrent(sock, 8, tokens))
-        return one, eight
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        shutil.rmtree(base, ignore_errors=True)
+        asyncio.run(_concurrent(self.sock, 1, 8))  # warm-up
+
+    def rate(self, n: int, tokens: int) -> float:
+        """Aggregate tokens/s of ``n`` concurrent greedy requests of ``tokens`` tokens."""
+        return asyncio.run(_concurrent(self.sock, n, tokens))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        shutil.rmtree(self.base, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (medians are printed)")
     ap.add_argument("--model", default=None, help="GGUF path (default: the default model)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -131,12 +153,31 @@ def main() -> None:
         from basertd.models import default_model_path
 
         args.model = str(default_model_path())
-    base = direct_rate(args.model, args.threads, args.tokens)
-    one, eight = daemon_rates(args.model, args.threads, args.tokens)
-    print(f"model {Path(args.model).name}, {args.threads} threads, {args.tokens} tokens per request (greedy)")
+    direct = DirectLane(args.model, args.threads)
+    try:
+        direct.rate(8)  # warm-up
+        daemon = DaemonUnderTest(args.model, args.threads)
+        try:
+            rows = []
+            for _ in range(args.rounds):  # alternate, so a noisy neighbour hits every column alike
+                rows.append(
+                    (direct.rate(args.tokens), daemon.rate(1, args.tokens), daemon.rate(8, args.tokens))
+                )
+        finally:
+            daemon.close()
+    finally:
+        direct.close()
+    base, one, eight = (statistics.median(col) for col in zip(*rows, strict=True))
+    r1 = statistics.median(r[1] / r[0] for r in rows)
+    r8 = statistics.median(r[2] / r[0] for r in rows)
+    print(
+        f"model {Path(args.model).name}, {args.threads} threads, {args.tokens} tokens per request (greedy), ",
+        end="",
+    )
+    print(f"median of {args.rounds} alternating rounds; load average {os.getloadavg()[0]:.2f}")
     print(f"direct engine, 1 lane      : {base:7.1f} tok/s   (baseline)")
-    print(f"basertd, 1 request         : {one:7.1f} tok/s   ratio {one / base:5.2f}")
-    print(f"basertd, 8 concurrent      : {eight:7.1f} tok/s   ratio {eight / base:5.2f} (aggregate)")
+    print(f"basertd, 1 request         : {one:7.1f} tok/s   ratio {r1:5.2f}")
+    print(f"basertd, 8 concurrent      : {eight:7.1f} tok/s   ratio {r8:5.2f} (aggregate)")
 
 
 if __name__ == "__main__":
