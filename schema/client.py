@@ -174,8 +174,9 @@ class Timings(_Rec):
 
 
 class Done(_Msg, tag="done"):
-    """Generate ``request_id`` finished: ``finish_reason`` is "stop" (EOS or a stop string),
-    "length" (max_tokens or context), "grammar" or "cancelled"; usage and timings."""
+    """Generate ``request_id`` finished: ``finish_reason`` is "stop" (a stop string, or the end
+    of a grammar), "eos" (the model's end-of-generation token), or "length" (max_tokens or the
+    context); usage and timings. A cancelled or failed generation ends with ``Error`` instead."""
 
     request_id: str
     finish_reason: str
