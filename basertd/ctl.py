@@ -182,6 +182,7 @@ def cli(ctx: click.Context, socket_path: str | None, as_json: bool) -> None:
     help="QoS class",
 )
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable)")
+@json_flag
 @click.argument("prompt")
 @click.pass_context
 def generate(
@@ -191,9 +192,28 @@ def generate(
     seed: int | None,
     qos: str,
     stops: tuple,
+    as_json: bool,
     prompt: str,
 ) -> None:
-    """Generate a continuation of PROMPT and stream it to stdout (open to every socket user)."""
+    """Generate a continuation of PROMPT and stream it to stdout (open to every socket user).
+
+    With --json nothing streams: one JSON document with the text, token ids, finish reason,
+    usage, timings and seed is printed when the generation ends."""
+    if as_json or ctx.obj.get("json"):
+        with _connect(ctx) as client:
+            try:
+                done = client.generate(
+                    prompt,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    seed=seed,
+                    qos=qos,
+                    stop=list(stops),
+                )
+            except ClientError as exc:
+                _client_error(ctx, exc)
+        click.echo(json.dumps(_plain(done), indent=2, sort_keys=True))
+        return
     with _connect(ctx) as client:
         try:
             stream = client.stream(

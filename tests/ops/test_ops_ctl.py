@@ -73,6 +73,25 @@ def test_every_view_prints_a_table_and_json_that_parses(daemon):
             assert exc.code == ErrorCode.CANCELLED
 
 
+def test_generate_json_prints_one_document_with_the_whole_completion(daemon):
+    """``generate --json`` (after or before the verb) streams nothing and prints one JSON document
+    whose text and ids are the same greedy generation the streaming form prints."""
+    d = daemon
+    streamed = d.ctl("generate", "--max-tokens", "6", "--temperature", "0", "same prompt")
+    assert streamed.returncode == 0, streamed.stderr
+    for argv in (
+        ["generate", "--max-tokens", "6", "--temperature", "0", "--json", "same prompt"],
+        ["--json", "generate", "--max-tokens", "6", "--temperature", "0", "same prompt"],
+    ):
+        r = d.ctl(*argv)
+        assert r.returncode == 0, (argv, r.stderr)
+        doc = json.loads(r.stdout)
+        assert doc["text"] + "\n" == streamed.stdout, (doc, streamed.stdout)
+        assert len(doc["ids"]) == doc["usage"]["completion_tokens"] <= 6
+        assert doc["finish_reason"] in ("length", "eos", "stop")
+        assert doc["usage"]["prompt_tokens"] > 0 and doc["timings"]["ttft_s"] > 0
+
+
 def test_generate_refusals_and_an_absent_daemon_give_one_line(daemon, tmp_path):
     d = daemon
     r = d.ctl("generate", "--max-tokens", "5", "--temperature", "0", "--qos", "batch", "hello")
