@@ -151,9 +151,11 @@ class Daemon:
 
     async def _start(self) -> None:
         cfg = self.config
-        existed = bool(cfg.runtime_dir) and Path(cfg.runtime_dir).expanduser().is_dir()
+        planned = resolve_runtime_dir(cfg, create=False)
+        existed = planned.is_dir()
         self.runtime_dir = resolve_runtime_dir(cfg)
-        self._created_runtime_dir = bool(cfg.runtime_dir) and not existed
+        # Remove at exit only a directory this daemon created (an empty one, see stop()).
+        self._created_runtime_dir = not existed and self.runtime_dir == planned
         self.socket = socket_path(cfg, self.runtime_dir)
         inherited = adopt_listener(self._listen_fds)
         if inherited is not None:

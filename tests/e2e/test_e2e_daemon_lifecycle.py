@@ -72,3 +72,40 @@ def test_bad_config_is_refused_before_anything_starts(tmp_path):
         [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], capture_output=True, timeout=60
     )
     assert r.returncode == 2 and b"workers[0].lanse" in r.stderr
+
+
+def test_a_runtime_directory_the_daemon_created_is_removed_at_exit(tmp_path):
+    """With no runtime_dir key the daemon uses $RUNTIME_DIRECTORY; a directory it had to create
+    is removed when it stops, and one that existed before is left in place."""
+    import os
+    import time
+
+    config = tmp_path / "basertd.toml"
+    config.write_text(REF_WORKER)
+    for pre_existing in (False, True):
+        rt = tmp_path / f"rt-{pre_existing}"
+        if pre_existing:
+            rt.mkdir()
+        env = {**os.environ, "RUNTIME_DIRECTORY": str(rt)}
+        env.pop("BASERTD_SOCKET", None)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "basertd.cli", "serve", "--config", str(config)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not (rt / "basertd.sock").exists():
+                assert proc.poll() is None, proc.stderr.read().decode(errors="replace")
+                assert time.monotonic() < deadline, "no socket within 60 s"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert rt.exists() == pre_existing, (pre_existing, rt.exists())
+        if pre_existing:
+            assert not any(rt.iterdir())
