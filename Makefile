@@ -17,7 +17,7 @@ all: $(VENV)/.stamp-native
 # Dependencies (including the llamacpp extra, which compiles llama.cpp once; pip caches the wheel).
 $(VENV)/.stamp-deps: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade "pip>=24" "setuptools>=68" wheel "cffi>=1.16"
+	$(PIP) install --quiet --upgrade "pip>=24" "setuptools>=77" wheel "cffi>=1.16"
 	$(PIP) install --quiet -e '.[dev,llamacpp]'
 	touch $@
 

@@ -90,10 +90,14 @@ def _cffi_modules() -> list[str]:
 
 
 packages, package_dir = _packages()
+# The reference engine's header is read at run time (basertd.native.ref cdefs it), so its folder
+# ships as a data-only package.
+packages.append("basertd.native.ref_engine")
+package_dir["basertd.native.ref_engine"] = os.path.join("native", "ref_engine")
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"basertd.native": ["*.h", "ref_engine/*.h", "ref_engine/*.c", "*.c"]},
+    package_data={"basertd.native": ["*.h"], "basertd.native.ref_engine": ["*.h"]},
     ext_modules=_ref_engine(),
     cffi_modules=_cffi_modules(),
     cmdclass={"build_ext": SharedLibBuild},
