@@ -332,7 +332,7 @@ def lanes(ctx: click.Context, worker_id: int | None, as_json: bool) -> None:
 
     def human(rows: list[dict]) -> None:
         _table(
-            ["worker", "lane", "request", "qos", "state", "prompt", "generated", "cached", "age s"],
+            ["worker", "lane tag", "request", "qos", "state", "prompt", "generated", "cached", "age s"],
             [
                 [
                     r["worker_id"],
