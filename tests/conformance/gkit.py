@@ -3,8 +3,7 @@ state-space configs with blob spaces, and a tainted cache entry made through rea
 
 from __future__ import annotations
 
-import pytest
-from lanekit import R
+from lanekit import R, xfail_unless_reference
 
 from basertd.native.abi import AbiError
 from basertd.native.ref import RefSpace
@@ -64,7 +63,9 @@ def publish_tainted(rig, tag: int, tokens) -> None:
         op = rig.bundle.demote(seq, 0, rng, Encoding.Q8, gen, size)
     except AbiError as e:
         if e.status == Status.ERR_OP_UNSUPPORTED:
-            pytest.xfail("state ops (RULES.md section H) are not implemented by this engine yet")
+            xfail_unless_reference(
+                rig.bundle, "state ops (RULES.md section H): lossy demote is how a variant gets tainted"
+            )
         raise
     assert wait_op(rig, op) == OpState.DONE
     data = rig.bundle.op_output(op)

@@ -9,7 +9,7 @@ a fitting budget) the neighbour is run too, so a check that refused everything w
 from __future__ import annotations
 
 import pytest
-from lanekit import ALL_EVICTABLE, C, D, P, R
+from lanekit import ALL_EVICTABLE, C, D, P, R, xfail_unless_reference
 
 from basertd.native.abi import AbiError, CapabilityReq, StrategyRegistration
 from basertd.schema.abi import (
@@ -159,7 +159,7 @@ def test_rule_037_host_lane_needs_host_compatible_strategy(rig):
         grant = rig.bundle.strategy_register(reg)
     except AbiError as e:
         if e.status == Status.ERR_REGISTRATION_REFUSED:
-            pytest.xfail("strategy registration (RULES.md section I) is not implemented by this engine yet")
+            xfail_unless_reference(rig.bundle, "strategy registration (RULES.md section I)")
         raise
     span = rig.put([5, 6, 7])
     bad = rig.admit(2, span, sampling=HOST, strategy_slot=grant.strategy_slot, allow_approximate=1)
@@ -295,7 +295,7 @@ def test_rule_049_record_on_lane_with_op_in_flight(rig):
         op = rig.bundle.snapshot(seq, 0, 32, gen, size)
     except AbiError as e:
         if e.status == Status.ERR_OP_UNSUPPORTED:
-            pytest.xfail("state ops (RULES.md section H) are not implemented by this engine yet")
+            xfail_unless_reference(rig.bundle, "state ops (RULES.md section H)")
         raise
     assert op
     for records in (dict(decodes=[D(1, 1)]), dict(retires=[R(1)])):

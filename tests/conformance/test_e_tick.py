@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from lanekit import ALL_EVICTABLE, C, D, P, R
+from lanekit import ALL_EVICTABLE, C, D, P, R, xfail_unless_reference
 
 from basertd.native.abi import AbiError, PlanRejected
 from basertd.schema.abi import (
@@ -300,7 +300,7 @@ def test_rule_069_op_completion_is_reported_in_a_later_tick(rig):
         op = rig.bundle.snapshot(seq, 0, 32, gen, size)
     except AbiError as e:
         if e.status == Status.ERR_OP_UNSUPPORTED:
-            pytest.xfail("state ops (RULES.md section H) are not implemented by this engine yet")
+            xfail_unless_reference(rig.bundle, "state ops (RULES.md section H)")
         raise
     seen = []
     for _ in range(4):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from gkit import FLAGGED, PAGED, blob, candidates, publish, publish_tainted
-from lanekit import ALL_EVICTABLE, D, P, R
+from lanekit import ALL_EVICTABLE, D, P, R, xfail_unless_reference
 
 from basertd.native.abi import AbiError
 from basertd.schema.abi import AdmitStatus, DeterminismClass, Encoding, Status, Taint
@@ -181,7 +181,7 @@ def test_rule_086_seed_adopt_refusals(rig, case):
             rig.bundle.snapshot(child, 0, 16, gen, size)
         except AbiError as e:
             if e.status == Status.ERR_OP_UNSUPPORTED:
-                pytest.xfail("state ops (RULES.md section H) are not implemented by this engine yet")
+                xfail_unless_reference(rig.bundle, "state ops (RULES.md section H)")
             raise
         assert _status(rig.bundle.seed_adopt, child, rig.put(history)) == Status.EBUSY
         return
