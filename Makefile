@@ -46,28 +46,31 @@ demo: $(VENV)/.stamp-native
 # loaded into an uninstrumented Python with LD_PRELOAD (the engine is preloaded too, so it stays
 # mapped and symbolized when LeakSanitizer runs at exit).
 # Any sanitizer error, and any leak whose allocation stack passes through the engine, fails the
-# target (CPython's and the C compiler's own leftovers at exit are not the engine's). The normal
-# build is restored afterwards, also on failure. Reports: build/memcheck/.
+# target (CPython's and the C compiler's own leftovers at exit are not the engine's). The sanitizer
+# build goes to build/memcheck/lib and is selected with $$BASERT_REF_ENGINE, so the normal in-place
+# library is never replaced (tests running meanwhile are not disturbed). Reports: build/memcheck/.
 MEMCHECK_DIR    := build/memcheck
+MEMCHECK_LIB    := $(CURDIR)/$(MEMCHECK_DIR)/lib/basertd/native/libbasert_ref.so
 MEMCHECK_CFLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1
-MEMCHECK_ENV    := LD_PRELOAD="$(shell gcc -print-file-name=libasan.so) $(CURDIR)/native/libbasert_ref.so" PYTHONMALLOC=malloc \
-	ASAN_OPTIONS=detect_leaks=1:exitcode=0:halt_on_error=1:detect_stack_use_after_return=1:log_path=$(CURDIR)/$(MEMCHECK_DIR)/asan \
-	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(CURDIR)/$(MEMCHECK_DIR)/ubsan
+MEMCHECK_ENV    := BASERT_REF_ENGINE=$(MEMCHECK_LIB) \
+	LD_PRELOAD="$(shell gcc -print-file-name=libasan.so) $(MEMCHECK_LIB)" PYTHONMALLOC=malloc \
+	ASAN_OPTIONS=detect_leaks=1:exitcode=0:halt_on_error=1:detect_stack_use_after_return=1:log_path=$(CURDIR)/$(MEMCHECK_DIR)/reports/asan \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$(CURDIR)/$(MEMCHECK_DIR)/reports/ubsan
 
 memcheck: $(VENV)/.stamp-native
-	rm -rf $(MEMCHECK_DIR) && mkdir -p $(MEMCHECK_DIR)
+	rm -rf $(MEMCHECK_DIR) && mkdir -p $(MEMCHECK_DIR)/reports
 	BASERT_REF_CFLAGS="$(MEMCHECK_CFLAGS)" BASERT_REF_LDFLAGS="-fsanitize=address,undefined" \
-		$(PY) setup.py --quiet build_ext --inplace --force
+		$(PY) setup.py --quiet build_ext --build-lib $(MEMCHECK_DIR)/lib --build-temp $(MEMCHECK_DIR)/tmp --force
 	@status=0; \
 	$(MEMCHECK_ENV) $(VENV)/bin/pytest tests/conformance -q -p no:cacheprovider -k "not llamacpp and not libbasert" \
 		|| status=$$?; \
-	$(PY) setup.py --quiet build_ext --inplace --force && touch $(VENV)/.stamp-native || status=1; \
-	if grep -l "ERROR: AddressSanitizer\|runtime error:" $(MEMCHECK_DIR)/* 2>/dev/null; then \
+	if grep -l "ERROR: AddressSanitizer\|runtime error:" $(MEMCHECK_DIR)/reports/* 2>/dev/null; then \
 		echo "memcheck: sanitizer errors, see the files above"; status=1; fi; \
 	if ! awk 'BEGIN { RS = "" } /leak of/ && /libbasert_ref|native\/ref_engine\// { print; n++ } \
-		END { exit n > 0 }' /dev/null $(MEMCHECK_DIR)/*; then \
+		END { exit n > 0 }' /dev/null $(MEMCHECK_DIR)/reports/*; then \
 		echo "memcheck: the reference engine leaked (blocks above)"; status=1; fi; \
-	test $$status -eq 0 && echo "memcheck: clean (ASan+UBSan, engine-scoped leak check; reports in $(MEMCHECK_DIR))"; \
+	ls $(MEMCHECK_DIR)/reports/asan.* >/dev/null 2>&1 || { echo "memcheck: no ASan report: was the sanitizer build loaded?"; status=1; }; \
+	test $$status -eq 0 && echo "memcheck: clean (ASan+UBSan, engine-scoped leak check; reports in $(MEMCHECK_DIR)/reports)"; \
 	exit $$status
 
 bench: $(VENV)/.stamp-native

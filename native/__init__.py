@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -19,9 +20,11 @@ def ref_engine_path() -> str:
     """Path of the built C reference engine (``libbasert_ref.so`` in the basertd.native package).
 
     The library exports the tick ABI and is opened by path like a real libbaseRT
-    (DESIGN.md "Engines"). Raises FileNotFoundError, saying to run ``make native``, when it has
+    (DESIGN.md "Engines"). ``$BASERT_REF_ENGINE`` names another build of it (``make memcheck``
+    uses a sanitizer build that way). Raises FileNotFoundError, saying to run ``make native``, when it has
     not been built."""
-    path = _HERE / REF_ENGINE_LIBRARY
+    override = os.environ.get("BASERT_REF_ENGINE")
+    path = Path(override) if override else _HERE / REF_ENGINE_LIBRARY
     if not path.is_file():
         raise FileNotFoundError(
             f"reference engine not built: {path} is missing; run `make native` "
