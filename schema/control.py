@@ -163,7 +163,9 @@ class WorkerRow(_Rec):
     """One worker: ``state`` "starting", "ready", "draining", "restarting" or "dead"; pid (0 when
     none); lanes busy / max; requests queued for it; respawn count; KV pool bytes used / total;
     ticks run; lanes and unconsumed seed leases the engine itself reports (its ``stats``; with
-    the coordinator idle both are 0, anything else is a leak)."""
+    the coordinator idle both are 0 but for one lease per held ``cache pin``, anything else is a
+    leak); ``engine_stats``: every counter the engine reports (PONG stats: prefill_tokens_total,
+    decode_tokens_total, cache_entries, ...)."""
 
     worker_id: int
     engine: str = ""
@@ -179,6 +181,7 @@ class WorkerRow(_Rec):
     ticks_run: int = 0
     engine_lanes: int = 0
     seed_leases: int = 0
+    engine_stats: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class WorkersResult(_Msg, tag="workers_result"):
