@@ -329,6 +329,7 @@ class ControlService:
                     ticks_run=sched.ticks_run,
                     engine_lanes=int(stats.get("live_lanes", 0)),
                     seed_leases=int(stats.get("live_seed_leases", 0)),
+                    engine_stats={k: int(v) for k, v in stats.items()},
                 )
             )
         return control.WorkersResult(workers=rows)
