@@ -28,11 +28,21 @@ Example (every key shown with its default)::
     queue_limit = 256           # queued requests per QoS class
     max_queued_tokens = 1048576 # prompt tokens queued in all, per worker
     partial_emits = true        # stream tokens mid-tick (TICK_EMIT, ABI rule 64)
+    preempt = true              # a waiting interactive request preempts a lower-class lane
+    aging_s = 10.0              # a queued request moves up one class per aging_s seconds (0: off)
+    lane_caps = {}              # most lanes per class, e.g. {background = 2} (absent or 0: no cap)
 
     [cache]                     # DESIGN.md "Prefix cache policy"
     publish_on_retire = true    # finished lanes publish their KV to the engine's prefix cache
+    enabled = true              # seed admits from cached prefixes, coalesce shared prefixes, pins
+    coalesce_min_tokens = 64    # requests sharing this many uncached tokens prefill them once (0: off)
     evict_in_tick = true        # a tick may evict unpinned cache entries to fit its plan
     max_evict_bytes_per_tick = 0  # 0: no limit
+    high_watermark = 0.9        # pool occupancy above which unpinned prefixes are evicted (0: off)
+    low_watermark = 0.75        # ... down to this occupancy
+    index_entries = 1024        # published prefixes the coordinator remembers per worker
+    route_slack = 1.0           # route to the worker holding the longest prefix unless its load
+                                # (queued + running per lane) exceeds the least loaded one's by more
 
     [operators]                 # DESIGN.md "Operators" (issue 9)
     operator_group = ""         # members may use control verbs (as root and the daemon's user always may)
@@ -100,7 +110,12 @@ class SchedulerConfig(_Section):
     tokens one lane decodes in one tick (tokens, <= 65535, a u16 in LaneDecode); ``tick_target_s``:
     the tick length (seconds) the adaptive budget aims at while requests wait; ``queue_limit``:
     queued requests per QoS class and worker; ``max_queued_tokens``: queued prompt tokens per
-    worker; ``partial_emits``: ask the worker for mid-tick token deltas (ABI rule 64)."""
+    worker; ``partial_emits``: ask the worker for mid-tick token deltas (ABI rule 64).
+
+    QoS (``basertd.server.qos``): ``preempt``: an interactive request that finds no lane preempts
+    the lowest-class lane (it resumes exactly, ABI rules 71-73); ``aging_s``: seconds after which a
+    queued request competes one class higher (0: strict class order); ``lane_caps``: most live
+    lanes per class (0 or absent: no cap)."""
 
     prefill_budget: _Pos = 512
     decode_grant: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8
@@ -108,6 +123,11 @@ class SchedulerConfig(_Section):
     queue_limit: _Pos = 256
     max_queued_tokens: _Pos = 1 << 20
     partial_emits: bool = True
+    preempt: bool = True
+    aging_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 10.0
+    lane_caps: dict[Literal["interactive", "batch", "background"], _NonNeg] = msgspec.field(
+        default_factory=dict
+    )
 
 
 class CacheConfig(_Section):
@@ -116,11 +136,32 @@ class CacheConfig(_Section):
     ``publish_on_retire``: retire finished lanes with ``publish_to_cache`` so later prompts sharing
     their prefix prefill less; ``evict_in_tick``: let a tick evict unpinned cache entries to fit its
     plan (the plan's ShedPolicy); ``max_evict_bytes_per_tick``: cap of that eviction (bytes, 0 = no
-    cap)."""
+    cap).
+
+    The policy (``basertd.server.cache_policy``): ``enabled``: admit requests seeded from cached
+    prefixes, coalesce shared prefixes and hold pins (needs ``publish_on_retire``);
+    ``coalesce_min_tokens``: queued requests sharing at least this many uncached prompt tokens with
+    a prefilling lane or an earlier request wait for it and prefill them once (0: off);
+    ``high_watermark`` / ``low_watermark``: pool occupancy fractions between which eviction keeps
+    the pool (0: no watermark eviction); ``index_entries``: published prefixes remembered per worker;
+    ``route_slack``: load difference (requests per lane) up to which a request still goes to the
+    worker holding its longest prefix."""
 
     publish_on_retire: bool = True
     evict_in_tick: bool = True
     max_evict_bytes_per_tick: _NonNeg = 0
+    enabled: bool = True
+    coalesce_min_tokens: _NonNeg = 64
+    high_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.9
+    low_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.75
+    index_entries: _Pos = 1024
+    route_slack: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+
+    def __post_init__(self) -> None:
+        if self.high_watermark and self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must not exceed high_watermark ({self.high_watermark})"
+            )
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")

@@ -1,17 +1,20 @@
-"""The scheduler's state records: live lanes and the per-class request queues (issue 7).
+"""The scheduler's state records: live lanes and the per-class request queues (issues 7, 8).
 
-Both are plain, inspectable data so the scheduler's state can be examined and extended (the
-preemption issue requeues running requests at the head of their class and resumes them with
-their generated tokens; the prefix-cache policy attaches seeds to admits).
+Both are plain, inspectable data. A preempted or checkpointed lane's request goes back to the head
+of its class and is admitted again with its generated tokens appended to its prompt as
+``decode_replay`` (ABI rules 71-73); the prefix-cache policy seeds admits from cached prefixes
+(rule 45), so a lane may start with part of its prompt already prefilled.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from basertd.server.plan import Candidate, LaneView
+from basertd.server.qos import admission_order
+from basertd.server.qos import qos_rank as _rank
 from basertd.server.requests import QOS_CLASSES, GenerationRequest
 
 
@@ -20,12 +23,21 @@ class Lane:
     """One live lane of one worker incarnation.
 
     ``tag``: the lane tag (unique per scheduler, never reused). ``request``: the generation it
-    serves. ``prompt_len``: tokens admitted as its prompt; ``prefilled``: prompt tokens the engine
-    has prefilled (confirmed by events); ``reserved``: KV tokens reserved for it (prompt +
+    serves. ``prompt_len``: its prefill end in tokens (the admitted prompt less the replayed
+    tokens); ``prefilled``: prompt tokens the engine has prefilled or seeded (confirmed by events;
+    a seed may reach into the replayed tokens); ``reserved``: KV tokens reserved for it (prompt +
     max_tokens, rounded up to whole pages). ``retire``/``publish``: retire it in the next plan, and
     whether to publish its KV to the prefix cache. ``tick_tokens``: tokens delivered by partial
     emits (TICK_EMIT) during the tick in flight; the terminal emit delivers only what follows them.
-    ``admitted_at``: monotonic seconds."""
+    ``admitted_at``: monotonic seconds.
+
+    Issue 8: ``admitted``: the admitted prompt (the request's prompt plus the tokens it generated
+    before a preemption) and ``hashes`` its page hash path; ``seed``: tokens its seed covered;
+    ``replay_left``: replayed tokens its decode units must still feed (ABI rule 72); ``emitted``:
+    tokens the engine emitted on this lane (all of them, delivered or not); ``checkpoint``: 0, or
+    where its prefill stops for it to publish its prefix and be requeued (prefix coalescing);
+    ``preemptible``: an interactive request may preempt it; ``requeue``: once retired, its request
+    goes back to the head of its class (preemption, checkpoint)."""
 
     tag: int
     request: GenerationRequest
@@ -36,6 +48,15 @@ class Lane:
     retire: bool = False
     publish: bool = False
     tick_tokens: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    seed: int = 0
+    replay_left: int = 0
+    replayed: int = 0
+    emitted: list[int] = field(default_factory=list)
+    checkpoint: int = 0
+    preemptible: bool = False
+    requeue: bool = False
 
     @property
     def phase(self) -> str:
@@ -56,20 +77,35 @@ class Lane:
             qos_rank=qos_rank(self.request.qos),
             retire=done,
             publish=self.publish,
+            replay=self.replay_left,
+            checkpoint=self.checkpoint,
+            preemptible=self.preemptible and not done and not self.checkpoint,
         )
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens whose KV the engine surely holds: seeded, prefilled and replayed ones, and every
+        emitted token but the last (whose KV the next decode unit would compute)."""
+        fed = max(self.prefilled, self.seed) + self.replayed
+        return fed + max(0, len(self.emitted) - 1)
+
+    def published_tokens(self) -> list[int]:
+        """The tokens a publishing retire leaves in the cache (then cut to whole pages)."""
+        return (self.admitted + self.emitted)[: self.kv_tokens]
 
 
 def qos_rank(qos: str) -> int:
     """0 for interactive, 1 batch, 2 background."""
-    return QOS_CLASSES.index(qos)
+    return _rank(qos)
 
 
 class RequestQueues:
-    """One FIFO per QoS class (DESIGN.md "Scheduling"), served in strict class order for now.
+    """One FIFO per QoS class (DESIGN.md "Scheduling"), served in class order with aging
+    (``ordered``, ``basertd.server.qos.admission_order``).
 
     ``push`` appends, ``push_front`` puts a request back at the head of its class (a transient
-    admit refusal; later, preemption). Requests that finished while queued (cancel, disconnect)
-    are skipped and dropped lazily; ``remove`` drops one at once."""
+    admit refusal, a preemption, a checkpoint). Requests that finished while queued (cancel,
+    disconnect) are skipped and dropped lazily; ``remove`` drops one at once."""
 
     def __init__(self) -> None:
         self.classes: dict[str, deque[GenerationRequest]] = {q: deque() for q in QOS_CLASSES}
@@ -117,6 +153,18 @@ class RequestQueues:
                 self.tokens -= len(q.popleft().prompt)
             yield from (r for r in list(q) if not r.finished)
 
+    def ordered(
+        self, now: float, aging_s: float, skip: Callable[[GenerationRequest], bool] | None = None
+    ) -> Iterator[GenerationRequest]:
+        """Queued requests in admission order with aging (``aging_s`` seconds per class, 0: strict
+        class order), dropping finished ones first; ``skip(req)`` leaves a request out of this
+        order without dequeuing it (a request waiting for a shared prefix)."""
+        for q in self.classes.values():
+            while q and q[0].finished:
+                self.tokens -= len(q.popleft().prompt)
+        snapshot = {name: [r for r in q if not r.finished] for name, q in self.classes.items()}
+        return admission_order(snapshot, now, aging_s, skip=skip)
+
     def drain(self) -> list[GenerationRequest]:
         """Take every queued request out (admission order)."""
         out = [r for q in self.classes.values() for r in q]
@@ -131,15 +179,30 @@ class RequestQueues:
         return now - q[0].t_received if q else 0.0
 
 
-def candidate(req: GenerationRequest, page_tokens: int) -> Candidate:
+def candidate(
+    req: GenerationRequest,
+    page_tokens: int,
+    *,
+    seed: int = 0,
+    urgent: bool = False,
+    checkpoint: int = 0,
+) -> Candidate:
     """The plan builder's view of a queued request: its KV reservation is prompt + max_tokens
-    rounded up to whole pages of ``page_tokens`` tokens."""
+    rounded up to whole pages of ``page_tokens`` tokens. A request resumed after a preemption is
+    admitted with its generated tokens appended (``replay`` of them, ABI rules 71-73); ``seed``:
+    tokens a cached prefix covers (rule 45); ``urgent``: it may preempt; ``checkpoint``: as
+    ``Candidate.checkpoint``."""
+    k = len(req.generated)
     return Candidate(
         key=req.key,
         prompt_len=len(req.prompt),
         reserve=reservation(len(req.prompt) + req.max_tokens, page_tokens),
         remaining=req.remaining,
         qos_rank=qos_rank(req.qos),
+        prefilled=seed,
+        replay=k,
+        urgent=urgent,
+        checkpoint=checkpoint,
     )
 
 

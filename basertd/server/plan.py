@@ -3,18 +3,27 @@
 ``build_plan(lanes, queue, limits, next_tag)`` decides one tick, in the order the engine runs it
 (ABI rule 53):
 
-1. **retires**: every lane marked to retire (finished, stopped, cancelled, disconnected, faulted);
-2. **admits**: queued candidates in the order given (highest class first, FIFO within a class;
-   the caller orders them), while a lane is free, the KV reservation (prompt + max_tokens tokens)
-   fits, and the plan's admit count and prompt-ring tokens allow; the first that does not fit
-   stops admission (strict order: a large request is never overtaken forever);
-3. **prefills**: the prefill budget (tokens) shared among prefilling lanes, highest class first,
-   then shortest remaining prompt first, each lane's chunk contiguous with what it has prefilled
-   (ABI rule 45);
+1. **retires**: every lane marked to retire (finished, stopped, cancelled, disconnected, faulted,
+   or checkpointed for the prefix cache);
+2. **admits**: queued candidates in the order given (the caller orders them: QoS classes with
+   aging, ``basertd.server.qos``), while a lane is free, the KV reservation (prompt + max_tokens
+   tokens) fits, and the plan's admit count and prompt-ring tokens allow; the first that does not
+   fit stops admission (strict order: a large request is never overtaken forever). A candidate of
+   a class at its lane cap is skipped. An *urgent* (interactive) candidate that does not fit
+   preempts lower-class lanes (``qos.choose_victim``): they retire in this very plan with
+   ``publish_to_cache`` and are listed in ``PlanDraft.preempted`` for the scheduler to requeue;
+3. **prefills**: first every interactive lane whose remaining prompt fits what is left of
+   ``urgent_prefill_budget`` prefills it whole (so a short interactive request gets its first token
+   in the tick that admits it, whatever else waits); then the prefill budget (tokens) is shared
+   among the prefilling lanes, highest class first, then shortest remaining prompt first. Each
+   chunk is contiguous with what the lane has prefilled (ABI rule 45; a seeded lane starts at its
+   seed length) and ends at the lane's prefill end (its prompt less the replayed tokens, ABI rule
+   46) or at its checkpoint;
 4. **decodes**: every decoding lane, plus every lane whose prefill completes in this very tick
    (admit + prefill + decode in one tick, ABI rule 54), with
-   ``grant = min(decode_grant, tokens the request may still generate)``, so max_tokens is exact
-   (at most ``max_decode_lanes`` lanes, ABI rule 30).
+   ``grant = min(decode_grant, replay tokens left + tokens the request may still generate)``, so
+   max_tokens is exact (replay units emit nothing, ABI rule 72; at most ``max_decode_lanes``
+   lanes, rule 30). A lane holding for a checkpoint gets no decode.
 
 ``TickRates`` turns measured tick timings into the budgets: ticks stay near ``tick_target_s``
 while anything waits, and use the full configured budgets when nothing does.
@@ -28,16 +37,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from basertd.server.qos import INTERACTIVE, LaneCaps, VictimPool
+
 
 @dataclass(frozen=True)
 class LaneView:
     """What the plan builder needs of one live lane.
 
-    ``prompt_len``: tokens the lane must prefill in total; ``prefilled``: tokens already prefilled
-    (confirmed by tick events); ``remaining``: tokens the request may still generate (max_tokens
-    minus delivered); ``reserved``: KV tokens the lane holds a reservation for; ``qos_rank``: 0
-    interactive, 1 batch, 2 background; ``retire``/``publish``: retire it in this plan, and
-    whether to publish its KV to the prefix cache."""
+    ``prompt_len``: tokens the lane must prefill in total (its prefill end: the admitted prompt
+    less ``decode_replay``); ``prefilled``: tokens already prefilled or seeded (confirmed by tick
+    events); ``remaining``: tokens the request may still generate (max_tokens minus delivered);
+    ``replay``: replayed tokens the lane's decode units must still feed (ABI rule 72);
+    ``reserved``: KV tokens the lane holds a reservation for; ``qos_rank``: 0 interactive, 1 batch,
+    2 background; ``retire``/``publish``: retire it in this plan, and whether to publish its KV to
+    the prefix cache; ``checkpoint``: 0, or the token count at which the lane's prefill stops so it
+    can retire with publish (prefix coalescing, ``basertd.server.cache_policy``), with no decode;
+    ``preemptible``: an urgent request may preempt it (``basertd.server.qos``)."""
 
     tag: int
     prompt_len: int
@@ -47,6 +62,9 @@ class LaneView:
     qos_rank: int = 0
     retire: bool = False
     publish: bool = False
+    replay: int = 0
+    checkpoint: int = 0
+    preemptible: bool = False
 
     @property
     def decoding(self) -> bool:
@@ -56,14 +74,29 @@ class LaneView:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A queued request the builder may admit: ``key`` (the request's key), prompt length and KV
-    reservation in tokens, ``remaining`` (max_tokens for a fresh request), ``qos_rank``."""
+    """A queued request the builder may admit: ``key`` (the request's key), ``prompt_len`` its
+    prefill end and ``reserve`` its KV reservation in tokens, ``remaining`` (max_tokens for a fresh
+    request), ``qos_rank``. A resumed request (preempted earlier) carries its generated tokens at
+    the end of its admitted prompt: ``replay`` of them (ABI rules 71-73). ``prefilled``: tokens its
+    seed covers (ABI rule 45; may exceed ``prompt_len`` into the replayed tokens); ``urgent``: it
+    may preempt lower-class lanes; ``checkpoint``: as ``LaneView.checkpoint``; ``ring_tokens``:
+    prompt tokens its admit writes into the prompt ring (0: ``prompt_len + replay``)."""
 
     key: int
     prompt_len: int
     reserve: int
     remaining: int
     qos_rank: int = 0
+    prefilled: int = 0
+    replay: int = 0
+    urgent: bool = False
+    checkpoint: int = 0
+    ring_tokens: int = 0
+
+    @property
+    def admit_tokens(self) -> int:
+        """Prompt-ring tokens of this admit."""
+        return self.ring_tokens or self.prompt_len + self.replay
 
 
 @dataclass(frozen=True)
@@ -72,7 +105,11 @@ class PlanLimits:
     (<= the engine's max_batch_size, ABI rule 31). Tokens: ``kv_tokens`` KV capacity the lanes'
     reservations must fit; ``prefill_budget`` prompt tokens this tick; ``decode_grant`` most new
     tokens per lane this tick; ``max_admit_tokens`` prompt tokens all admits of one plan may write
-    into the prompt ring. ``max_admits`` admits in one plan (lowered after NEEDS_REPLAN)."""
+    into the prompt ring. ``max_admits`` admits in one plan (lowered after NEEDS_REPLAN).
+    ``urgent_prefill_budget``: prompt tokens that interactive lanes whose whole remaining prompt
+    fits may prefill on top of ``prefill_budget`` (their prefill goes first, DESIGN.md
+    "Scheduling"); ``lane_caps``: most lanes per class; ``preempt``: urgent candidates may preempt
+    lower-class lanes, which retire with ``publish_to_cache`` = ``preempt_publish``."""
 
     max_lanes: int
     max_decode_lanes: int
@@ -81,17 +118,24 @@ class PlanLimits:
     decode_grant: int
     max_admit_tokens: int
     max_admits: int = 1 << 30
+    urgent_prefill_budget: int = 0
+    lane_caps: LaneCaps = field(default_factory=LaneCaps)
+    preempt: bool = False
+    preempt_publish: bool = True
 
 
 @dataclass
 class PlanDraft:
     """One tick's decisions. ``retires``: (tag, publish); ``admits``: (new tag, candidate);
-    ``prefills``: (tag, token_offset, token_count); ``decodes``: (tag, max_new_tokens)."""
+    ``prefills``: (tag, token_offset, token_count); ``decodes``: (tag, max_new_tokens);
+    ``preempted``: tags among ``retires`` that were preempted for an urgent admit (the scheduler
+    requeues their requests once the plan is accepted)."""
 
     retires: list[tuple[int, bool]] = field(default_factory=list)
     admits: list[tuple[int, Candidate]] = field(default_factory=list)
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
     decodes: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -121,51 +165,91 @@ def build_plan(
 
     free_lanes = limits.max_lanes - len(live)
     kv_free = limits.kv_tokens - sum(lane.reserved for lane in live)
+    per_class = [0, 0, 0]
+    for lane in live:
+        per_class[lane.qos_rank] += 1
+    victims = VictimPool.of(live) if limits.preempt else VictimPool()
     admit_tokens = 0
     tag = next_tag
     for cand in queue:
+        if not limits.lane_caps.allows(cand.qos_rank, per_class):
+            continue  # its class is at its cap: the classes after it go on
         if (
-            free_lanes <= 0
-            or len(draft.admits) >= limits.max_admits
-            or cand.reserve > kv_free
-            or admit_tokens + cand.prompt_len > limits.max_admit_tokens
+            len(draft.admits) >= limits.max_admits
+            or admit_tokens + cand.admit_tokens > limits.max_admit_tokens
         ):
             break
+        taken: list[LaneView] = []
+        while cand.urgent and (free_lanes <= 0 or cand.reserve > kv_free):
+            victim = victims.take(cand.qos_rank)
+            if victim is None:
+                break
+            assert isinstance(victim, LaneView)
+            taken.append(victim)
+            free_lanes += 1
+            kv_free += victim.reserved
+        if free_lanes <= 0 or cand.reserve > kv_free:
+            for victim in taken:  # preempting them would not make room: keep them running
+                free_lanes -= 1
+                kv_free -= victim.reserved
+            victims.put_back(taken)
+            break
+        for victim in taken:
+            live.remove(victim)
+            per_class[victim.qos_rank] -= 1
+            draft.retires.append((victim.tag, limits.preempt_publish))
+            draft.preempted.append(victim.tag)
         draft.admits.append((tag, cand))
         live.append(
             LaneView(
                 tag=tag,
                 prompt_len=cand.prompt_len,
-                prefilled=0,
+                prefilled=cand.prefilled,
                 remaining=cand.remaining,
                 reserved=cand.reserve,
                 qos_rank=cand.qos_rank,
+                replay=max(0, cand.prompt_len + cand.replay - max(cand.prefilled, cand.prompt_len)),
+                checkpoint=cand.checkpoint,
             )
         )
+        per_class[cand.qos_rank] += 1
         tag += 1
         free_lanes -= 1
         kv_free -= cand.reserve
-        admit_tokens += cand.prompt_len
+        admit_tokens += cand.admit_tokens
 
     budget = limits.prefill_budget
+    urgent = limits.urgent_prefill_budget
     completes: set[int] = set()
     prefilling = sorted(
         (lane for lane in live if not lane.decoding),
         key=lambda lane: (lane.qos_rank, lane.prompt_len - lane.prefilled, lane.tag),
     )
     for lane in prefilling:
-        if budget <= 0:
-            break
-        count = min(lane.prompt_len - lane.prefilled, budget)
+        target = min(lane.checkpoint, lane.prompt_len) if lane.checkpoint else lane.prompt_len
+        need = target - lane.prefilled
+        if need <= 0:
+            continue
+        if lane.qos_rank == INTERACTIVE and need <= urgent:
+            count = need  # a short interactive prompt prefills whole, ahead of everything else
+            urgent -= need
+        elif budget > 0:
+            count = min(need, budget)
+            budget -= count
+        else:
+            continue
         draft.prefills.append((lane.tag, lane.prefilled, count))
-        budget -= count
-        if lane.prefilled + count >= lane.prompt_len:
+        if lane.prefilled + count >= lane.prompt_len and not lane.checkpoint:
             completes.add(lane.tag)
 
-    decoders = [lane for lane in live if (lane.decoding or lane.tag in completes) and lane.remaining > 0]
+    decoders = [
+        lane
+        for lane in live
+        if (lane.decoding or lane.tag in completes) and lane.remaining > 0 and not lane.checkpoint
+    ]
     decoders.sort(key=lambda lane: (lane.qos_rank, lane.tag))
     for lane in decoders[: limits.max_decode_lanes]:
-        draft.decodes.append((lane.tag, min(limits.decode_grant, lane.remaining, 0xFFFF)))
+        draft.decodes.append((lane.tag, min(limits.decode_grant, lane.remaining + lane.replay, 0xFFFF)))
     return draft
 
 
@@ -179,7 +263,8 @@ class TickRates:
     prefill token and per decode step. ``budgets`` returns ``(prefill_budget, decode_grant)``:
     the configured maxima when nothing waits; otherwise decode steps limited to half the target,
     and the prefill budget to what the rest of the target allows at the measured rate (at least
-    ``min_prefill`` tokens, so prompts always progress)."""
+    ``min_prefill`` tokens, so prompts always progress). With no lane decoding the whole target
+    goes to prefill."""
 
     tick_target_s: float
     max_prefill: int
@@ -200,13 +285,14 @@ class TickRates:
             d = self.decode_s_per_step
             self.decode_s_per_step = x if d is None else d + self.alpha * (x - d)
 
-    def budgets(self, waiting: bool) -> tuple[int, int]:
-        """``(prefill_budget tokens, decode_grant tokens)`` for the next tick."""
+    def budgets(self, waiting: bool, decoding: bool = True) -> tuple[int, int]:
+        """``(prefill_budget tokens, decode_grant tokens)`` for the next tick; ``decoding``: some
+        lane will decode in it."""
         if not waiting:
             return self.max_prefill, self.max_grant
         grant = self.max_grant
         decode_s = 0.0
-        if self.decode_s_per_step:
+        if self.decode_s_per_step and decoding:
             grant = max(1, min(self.max_grant, int(0.5 * self.tick_target_s / self.decode_s_per_step)))
             decode_s = grant * self.decode_s_per_step
         prefill = self.max_prefill

@@ -155,8 +155,15 @@ class GenerationRequest:
     ``sink``, ``t_received`` (monotonic seconds). Moving state: ``state``, ``worker_id`` and
     ``lane_tag`` while running, ``generated`` (ids delivered to the client, in order; the record
     a resume after preemption replays), ``cached_tokens`` (prompt tokens served from the prefix
-    cache), timings, ``finish_reason`` once finished, ``cancelled`` once the client cancelled or
-    went away."""
+    cache at its first admission: a re-admission after a preemption or checkpoint never counts),
+    timings, ``finish_reason`` once finished, ``cancelled`` once the client cancelled or went away.
+
+    Issue 8: ``admissions`` (times admitted into a lane), ``preemptions`` (times preempted for an
+    interactive request), ``checkpointed`` (it led a prefix checkpoint, which it does at most once),
+    ``page_hashes`` (the prompt's page hash path at its worker's page size,
+    ``basertd.server.cache_policy.page_hashes``), ``plan_seq_received`` (the last plan submitted to
+    its worker when it arrived) and ``ttft_ticks`` (ticks from its arrival to the tick that
+    delivered its first token, the tick in flight at arrival included)."""
 
     request_id: str
     prompt: list[int]
@@ -179,6 +186,13 @@ class GenerationRequest:
     t_admitted: float | None = None
     t_first_token: float | None = None
     t_finished: float | None = None
+    admissions: int = 0
+    preemptions: int = 0
+    checkpointed: bool = False
+    page_hashes: list[int] = field(default_factory=list)
+    plan_seq_received: int = 0
+    tick_in_flight_at_arrival: bool = False
+    ttft_ticks: int | None = None
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)
@@ -197,6 +211,11 @@ class GenerationRequest:
     def remaining(self) -> int:
         """Tokens still allowed by max_tokens."""
         return self.max_tokens - len(self.generated)
+
+    def resume_prompt(self) -> list[int]:
+        """The prompt an admission uses: the prompt, then every token already delivered (replayed
+        with ``decode_replay = len(generated)``, ABI rules 71-73)."""
+        return self.prompt + self.generated if self.generated else self.prompt
 
     @property
     def gone(self) -> bool:
