@@ -22,37 +22,78 @@ Failure rules:
 
 Lane tags come from a counter that is never reset, so a tag is never reused within a worker (nor
 across its incarnations). Sampling and the RNG stream: see ``basertd.server.requests.Sampler``.
+
+Serving under contention (issue 8):
+
+- **QoS** (``basertd.server.qos``): admission follows the classes with aging and lane caps; a
+  waiting interactive request preempts the lowest-class lane in the very plan that admits it. The
+  victim retires with ``publish_to_cache``, its request goes back to the head of its class and
+  is admitted later with its delivered tokens appended (``decode_replay`` = their count,
+  ``rng_counter_base = (seed << 32) + count``: ABI rule 73, where DESIGN.md still says "same RNG
+  counter base"), seeded from its own published prefix; its client sees a pause, never a
+  repeated or different token. A short interactive prompt prefills whole, first, in the tick that
+  admits it (``PlanLimits.urgent_prefill_budget``).
+- **Prefix cache** (``basertd.server.cache_policy``): before each plan the scheduler runs the
+  jobs queued for it between ticks (cache verbs), renews pin leases, evicts down to the low
+  watermark when the pool went above the high one, decides prefix coalescing, then builds the
+  plan with each candidate's cached-prefix hint from the index; the admits that carry a hint are
+  matched and seeded (``space_match`` then ``seed_acquire``) and the plan is rebuilt when a hint
+  did not hold. Unused leases are released at once. Lanes retired with publish enter the index.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import structlog
 
+from basertd.schema import client as api
 from basertd.schema import link
-from basertd.schema.abi import AdmitStatus, FaultCode, Finish, ShedKind, SpaceKind, Status, TickFlag
+from basertd.schema.abi import (
+    AdmitStatus,
+    FaultCode,
+    Finish,
+    Sampling,
+    ShedKind,
+    SpaceKind,
+    Status,
+    TickFlag,
+)
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import (
     LaneAdmit,
     LaneDecode,
     LanePrefill,
     LaneRetire,
+    SamplingParams,
     ShedPolicy,
     TickEvents,
     TickPlan,
+    TokenRef,
 )
+from basertd.server.cache_policy import Coalescing, PrefillingLane, QueuedPrompt, Seed, WorkerCache, coalesce
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.lanes import Lane, RequestQueues, candidate, reservation
 from basertd.server.link import EmitCallbackError, LinkError, PlanRejected
 from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
-from basertd.server.plan import PlanDraft, PlanLimits, TickRates, build_plan
-from basertd.server.requests import QOS_CLASSES, AdmissionError, GenerationRequest, RequestState
+from basertd.server.plan import Candidate, PlanDraft, PlanLimits, TickRates, build_plan
+from basertd.server.qos import INTERACTIVE, LaneCaps, effective_rank, qos_rank
+from basertd.server.requests import (
+    QOS_CLASSES,
+    AdmissionError,
+    GenerationRequest,
+    RequestState,
+    Sampler,
+)
 from basertd.server.supervisor import WorkerSlot
+from basertd.server.tokenizer import Tokenizer
 from basertd.server.worker_proc import WorkerProcess
 from basertd.shm import RingError
 
@@ -65,6 +106,27 @@ TRANSIENT_ADMIT_CODES = frozenset({Status.REJECT_STALE_SEED, Status.NEEDS_REPLAN
 """Admit reject codes after which the request is requeued rather than failed."""
 MAX_ADMIT_RETRIES = 3
 FINISH_REASON = {Finish.EOS: "eos", Finish.LENGTH: "length", Finish.GRAMMAR: "stop"}
+SEED_ROUNDS = 2
+"""Times one plan is rebuilt because a cached-prefix hint did not hold (then unresolved hints
+count as cold prefills)."""
+COALESCE_SCAN = 256
+"""Queued requests (in admission order) considered for prefix coalescing each plan."""
+JOB_TIMEOUT_S = 60.0
+"""Seconds a job queued for the gap between two ticks (a cache verb) may wait for it."""
+
+
+class _WarmupSink:
+    """The sink of an internal request that prefills a prefix to pin (nobody reads its tokens):
+    ``done`` resolves with its Done or Error."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def send(self, msg: object) -> None:
+        if isinstance(msg, (api.Done, api.Error)) and not self.done.done():
+            self.done.set_result(msg)
 
 
 class WorkerLimits:
@@ -111,6 +173,19 @@ class WorkerLimits:
         )
 
 
+class _Plan:
+    """One plan in the making: the draft, the requests its admits name (by key), the seed
+    leases acquired for them and the prompt-ring refs those were matched on (by key)."""
+
+    __slots__ = ("draft", "refs", "requests", "seeds")
+
+    def __init__(self) -> None:
+        self.draft = PlanDraft()
+        self.requests: dict[int, GenerationRequest] = {}
+        self.seeds: dict[int, Seed] = {}
+        self.refs: dict[int, TokenRef] = {}
+
+
 class Scheduler:
     """The scheduler of one worker (module docstring). The daemon calls ``check_admission`` and
     ``submit`` for each accepted Generate, ``cancel`` for Cancel and gone clients, and runs
@@ -119,7 +194,13 @@ class Scheduler:
 
     Operators (issue 9): ``metrics`` receives each tick's wall time; ``heartbeat`` beats on every
     loop turn and every second of a bounded wait, so the systemd watchdog stops when this loop
-    hangs (``basertd.server.notify.Watchdog``)."""
+    hangs (``basertd.server.notify.Watchdog``).
+
+    Issue 8: ``cache_policy`` (``WorkerCache``) is this worker's prefix-cache policy;
+    ``between_ticks(job)`` runs a coroutine with the live worker between two ticks (the cache
+    verbs); ``warm_prefix(tokens)`` prefills a prefix with an internal request so it can be pinned
+    (``tokenizer``, the worker's vocabulary, decodes that request's one token); ``preemptions`` and
+    ``checkpoints`` count lanes requeued for an interactive request and for prefix coalescing."""
 
     def __init__(
         self,
@@ -129,6 +210,7 @@ class Scheduler:
         cache: CacheConfig,
         *,
         metrics: Metrics | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.slot = slot
         self.metrics = metrics if metrics is not None else NULL_METRICS
@@ -155,6 +237,16 @@ class Scheduler:
         self._admit_retries: dict[int, int] = {}
         self._proc: WorkerProcess | None = None
         self._stopping = False
+        self.tokenizer = tokenizer
+        self.cache_policy = WorkerCache(slot.worker_id, cache)
+        self.preemptions = 0
+        self.checkpoints = 0
+        self._jobs: deque[tuple[Callable[[Any], Awaitable[Any]], asyncio.Future]] = deque()
+        self._in_tick = False
+        self._seedless_plans = 0
+        self._release: list[int] = []
+        self._warming: set[int] = set()
+        self._tasks: set[asyncio.Task] = set()
 
     # --- API side ---------------------------------------------------------------------------
 
@@ -193,6 +285,8 @@ class Scheduler:
     def submit(self, req: GenerationRequest) -> None:
         """Queue an admitted request (``check_admission`` passed) and wake the loop."""
         req.worker_id = self.worker_id
+        req.plan_seq_received = self._plan_seq
+        req.tick_in_flight_at_arrival = self._in_tick
         self.queues.push(req)
         self.slot.poke()
         self._wake.set()
@@ -221,6 +315,13 @@ class Scheduler:
         """Queued + running requests per lane (for routing a request to the least busy worker)."""
         return (len(self.queues) + len(self.lanes)) / max(1, self.limits.max_lanes)
 
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` this worker's prefix index holds (for routing; a hint only)."""
+        wc = self.cache_policy
+        if not wc.attached or not wc.enabled:
+            return 0
+        return wc.hint(wc.hashes(prompt), len(prompt))
+
     def fail_queued(self, code: ErrorCode, message: str) -> int:
         """Fail every queued request with ``code``; returns how many."""
         reqs = self.queues.drain()
@@ -244,6 +345,7 @@ class Scheduler:
         while True:
             proc = await self.heartbeat.wait(self.slot.ready())
             self._proc = proc
+            self.cache_policy.attach(proc.capabilities)
             self.limits = WorkerLimits.from_worker(proc)
             self.rates = TickRates(
                 self.config.tick_target_s, self.config.prefill_budget, self.config.decode_grant
@@ -258,10 +360,18 @@ class Scheduler:
                 self.slot.restart("scheduler error: engine state and ours may disagree")
             finally:
                 self._proc = None
+                self.cache_policy.detach()
+                self._release.clear()  # leases die with the incarnation
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
         self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        while self._jobs:
+            _, fut = self._jobs.popleft()
+            if not fut.done():
+                fut.set_exception(LinkError(message))
         self.fail_queued(ErrorCode.SHUTTING_DOWN, message)
         for lane in self.lanes.values():
             if not lane.request.finished:
@@ -277,8 +387,9 @@ class Scheduler:
                     raise dead.result()
                 self._wake.clear()
                 self.heartbeat.beat()
-                draft, requests = self._plan()
-                if draft.empty:
+                await self._between(proc)
+                plan = await self._plan(proc)
+                if plan.draft.empty:
                     waiter = asyncio.ensure_future(self._wake.wait())
                     try:
                         await asyncio.wait(
@@ -289,24 +400,171 @@ class Scheduler:
                     finally:
                         waiter.cancel()
                     continue
-                await self._tick(proc, draft, requests)
+                await self._tick(proc, plan)
         finally:
             dead.cancel()
 
-    def _candidates(self, seen: list[GenerationRequest]) -> Iterator:
-        page = self.limits.page_tokens
-        for req in self.queues:
-            seen.append(req)
-            yield candidate(req, page)
+    # --- between ticks: jobs, leases, watermarks -----------------------------------------------
 
-    def _plan(self) -> tuple[PlanDraft, dict[int, GenerationRequest]]:
-        """Build the next draft; returns it with the requests its admits name (by key)."""
-        waiting = len(self.queues) > 0 or any(lane.phase == "prefill" for lane in self.lanes.values())
-        prefill_budget, grant = self.rates.budgets(waiting)
+    async def between_ticks(
+        self, job: Callable[[Any], Awaitable[Any]], timeout: float = JOB_TIMEOUT_S
+    ) -> Any:
+        """Run ``job(proc)`` on this scheduler's loop between two ticks, with the live worker, and
+        return its result (so nothing races a tick's prompt-ring writes or seed leases). Raises
+        what the job raises, ``LinkError`` when the worker is not running, ``TimeoutError`` when
+        no gap between ticks came within ``timeout`` seconds."""
+        if self._proc is None or self._stopping:
+            raise LinkError(f"worker {self.worker_id} is not running")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._jobs.append((job, fut))
+        self._wake.set()
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+    async def _between(self, proc: WorkerProcess) -> None:
+        wc = self.cache_policy
+        wc.config = self.cache  # a reload (SIGHUP) may have replaced the [cache] knobs
+        while self._jobs:
+            job, fut = self._jobs.popleft()
+            if fut.done():
+                continue
+            try:
+                result = await job(proc)
+            except LinkError as exc:
+                fut.set_exception(exc)
+                raise
+            except Exception as exc:  # handed to the caller (a control verb)
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        while self._release:
+            await wc.release(proc, self._release.pop())
+        if wc.renewals_due():
+            for pin in await wc.renew(proc):
+                self._spawn(self._rewarm(pin.pin_id))
+        for pin in wc.pins.values():
+            if not pin.handle and pin.pin_id not in self._warming:
+                self._spawn(self._rewarm(pin.pin_id))
+        if self.last_mem is not None:
+            target = wc.watermark_target(self.last_mem)
+            if target:
+                freed = await wc.evict(proc, target)
+                log.info("cache_watermark_evicted", worker_id=self.worker_id, target=target, freed=freed)
+                self.last_mem = None  # re-read after the next tick
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def warm_prefix(self, tokens: list[int], timeout: float = 120.0) -> None:
+        """Prefill ``tokens`` with an internal one-token greedy request (class batch) and wait
+        until its lane has retired with publish, so the prefix is in the engine's cache. Raises
+        ``TimeoutError``, or ``LinkError`` when the request failed."""
+        if self.tokenizer is None:
+            raise LinkError("no tokenizer to run a warm-up request with")
+        sink = _WarmupSink()
+        req = GenerationRequest(
+            request_id=f"warmup-{self.worker_id}-{self._next_tag}",
+            prompt=list(tokens),
+            max_tokens=1,
+            sampler=Sampler(Sampling.GPU_GREEDY, SamplingParams(), 0),
+            sink=sink,
+            tokenizer=self.tokenizer,
+            qos="batch",
+            stream=False,
+        )
+        self.submit(req)
+
+        async def settled() -> None:
+            msg = await sink.done
+            if isinstance(msg, api.Error):
+                raise LinkError(f"warm-up failed: {msg.message}")
+            while any(lane.request is req for lane in self.lanes.values()):
+                await asyncio.sleep(0.005)
+
+        try:
+            await asyncio.wait_for(settled(), timeout)
+        except BaseException:
+            self.cancel(req, message="warm-up abandoned")
+            raise
+
+    async def _rewarm(self, pin_id: int) -> None:
+        """Warm and hold a pin whose lease was lost (a respawned worker, an expired lease)."""
+        self._warming.add(pin_id)
+        try:
+            pin = self.cache_policy.pins.get(pin_id)
+            if pin is None:
+                return
+            wc = self.cache_policy
+            if not await self.between_ticks(lambda proc: wc.hold(proc, pin)):
+                await self.warm_prefix([int(t) for t in pin.tokens])
+                if pin_id in wc.pins and not await self.between_ticks(lambda proc: wc.hold(proc, pin)):
+                    log.warning("pin_not_restored", worker_id=self.worker_id, pin_id=pin_id)
+        except (LinkError, TimeoutError) as exc:
+            log.warning("pin_rewarm_failed", worker_id=self.worker_id, pin_id=pin_id, error=str(exc))
+        finally:
+            self._warming.discard(pin_id)
+
+    # --- planning ------------------------------------------------------------------------------
+
+    def _hashes(self, req: GenerationRequest) -> list[int]:
+        if not req.page_hashes and len(req.prompt) >= self.cache_policy.page:
+            req.page_hashes = self.cache_policy.hashes(req.prompt)
+        return req.page_hashes
+
+    def _coalesce(self, now: float) -> Coalescing:
+        """Prefix coalescing (``cache_policy.coalesce``): which queued requests wait for a
+        leader's prefix; leader lanes get their checkpoint (a lane already past it retires now)."""
+        wc = self.cache_policy
+        if not wc.enabled or not self.cache.coalesce_min_tokens or not len(self.queues):
+            return Coalescing()
+        queued = []
+        for req in itertools.islice(self.queues.ordered(now, self.config.aging_s), COALESCE_SCAN):
+            if req.generated:
+                continue  # a resumed request: its prefix is its own, it neither leads nor waits
+            hashes = self._hashes(req)
+            queued.append(
+                QueuedPrompt(
+                    req.key,
+                    hashes,
+                    wc.index.longest(hashes),
+                    len(req.prompt),
+                    not req.checkpointed,
+                    qos_rank(req.qos),
+                )
+            )
+        lanes = [
+            PrefillingLane(
+                lane.tag, lane.hashes, lane.prefilled, lane.prompt_len, not lane.request.checkpointed
+            )
+            for lane in self.lanes.values()
+            if not lane.retire and not lane.request.finished and lane.replay_left == 0 and lane.hashes
+        ]
+        out = coalesce(queued, lanes, wc.page, self.cache.coalesce_min_tokens)
+        for tag, cp in out.lane_checkpoints.items():
+            lane = self.lanes[tag]
+            lane.request.checkpointed = True
+            lane.checkpoint = max(lane.checkpoint, cp)
+            if lane.prefilled >= lane.checkpoint:
+                self._checkpoint(lane)
+        return out
+
+    def _checkpoint(self, lane: Lane) -> None:
+        """Retire ``lane`` with publish in the next plan and requeue its request (its prefix is
+        shared by waiting requests)."""
+        lane.retire = True
+        lane.publish = True
+        lane.requeue = True
+
+    def _plan_limits(self, now: float) -> PlanLimits:
+        live = [lane for lane in self.lanes.values() if not lane.retire and not lane.request.finished]
+        waiting = len(self.queues) > 0 or any(lane.phase == "prefill" for lane in live)
+        decoding = any(lane.phase == "decode" for lane in live)
+        prefill_budget, grant = self.rates.budgets(waiting, decoding)
         if self._prefill_cap is not None:
             prefill_budget = min(prefill_budget, self._prefill_cap)
         lim = self.limits
-        limits = PlanLimits(
+        return PlanLimits(
             max_lanes=lim.max_lanes,
             max_decode_lanes=lim.max_batch_size,
             kv_tokens=lim.kv_tokens,
@@ -314,46 +572,125 @@ class Scheduler:
             decode_grant=grant,
             max_admit_tokens=lim.max_admit_tokens,
             max_admits=(1 << 30) if self._max_admits is None else self._max_admits,
+            urgent_prefill_budget=self.config.prefill_budget if self._prefill_cap is None else 0,
+            lane_caps=LaneCaps.from_names(self.config.lane_caps),
+            preempt=self.config.preempt,
+            preempt_publish=self.cache.publish_on_retire,
         )
-        seen: list[GenerationRequest] = []
-        views = [lane.view() for lane in self.lanes.values()]
-        draft = build_plan(views, self._candidates(seen), limits, next_tag=self._next_tag)
-        by_key = {req.key: req for req in seen}
-        return draft, {cand.key: by_key[cand.key] for _, cand in draft.admits}
+
+    async def _plan(self, proc: WorkerProcess) -> _Plan:
+        """Build the next plan: coalescing, then the plan with cached-prefix hints, then matches
+        and seed leases for the admits that carry a hint, rebuilt while a hint did not hold."""
+        now = time.monotonic()
+        limits = self._plan_limits(now)
+        wc = self.cache_policy
+        use_seeds = wc.enabled and self._seedless_plans == 0
+        if self._seedless_plans:
+            self._seedless_plans -= 1
+        plan = _Plan()
+        cold: set[int] = set()  # hints that did not hold: admitted cold
+        for attempt in range(SEED_ROUNDS + 1):
+            coal = self._coalesce(now)
+            seen: list[GenerationRequest] = []
+            last = attempt == SEED_ROUNDS or not use_seeds
+
+            def seed_of(req: GenerationRequest, last: bool = last) -> int:
+                got = plan.seeds.get(req.key)
+                if got is not None:
+                    return got.length
+                if last or req.key in cold:
+                    return 0
+                prompt_len = len(req.prompt) + len(req.generated)
+                return wc.hint(self._resume_hashes(req), prompt_len)
+
+            def candidates(
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of
+            ) -> Iterator[Candidate]:
+                blocked = coal.blocked
+                order = self.queues.ordered(now, self.config.aging_s, skip=lambda r: r.key in blocked)
+                for req in order:
+                    seen.append(req)
+                    yield candidate(
+                        req,
+                        self.limits.page_tokens,
+                        seed=seed_of(req),
+                        urgent=req.qos == QOS_CLASSES[INTERACTIVE] and self.config.preempt,
+                        checkpoint=coal.leader_checkpoints.get(req.key, 0),
+                    )
+
+            views = [lane.view() for lane in self.lanes.values()]
+            plan.draft = build_plan(views, candidates(), limits, next_tag=self._next_tag)
+            by_key = {req.key: req for req in seen}
+            plan.requests = {cand.key: by_key[cand.key] for _, cand in plan.draft.admits}
+            todo = [c for _, c in plan.draft.admits if c.prefilled > 0 and c.key not in plan.seeds]
+            if not todo or last:
+                break
+            changed = False
+            for cand in todo:
+                req = plan.requests[cand.key]
+                tokens = req.resume_prompt()
+                ref = proc.prompt_ring.write(np.asarray(tokens, dtype=np.uint32))
+                plan.refs[cand.key] = ref
+                seed = await wc.seed(proc, ref, self._resume_hashes(req), len(tokens))
+                if seed is None:
+                    cold.add(cand.key)
+                    changed = True
+                else:
+                    plan.seeds[cand.key] = seed
+                    changed = changed or seed.length != cand.prefilled
+            if not changed:
+                break
+        admitted = {cand.key for _, cand in plan.draft.admits}
+        for key in [k for k in plan.seeds if k not in admitted]:
+            self._release.append(plan.seeds.pop(key).handle)
+        return plan
+
+    def _resume_hashes(self, req: GenerationRequest) -> list[int]:
+        base = self._hashes(req)
+        if not req.generated:
+            return base
+        return self.cache_policy.hashes(req.resume_prompt(), base)
 
     def _shed_policy(self) -> ShedPolicy:
         if not self.cache.evict_in_tick:
             return ShedPolicy()
-        cap = self.cache.max_evict_bytes_per_tick or U64_MAX
-        return ShedPolicy(evictable_cache_classes=U64_MAX, protected_quota_bytes=0, max_evict_bytes=cap)
+        return self.cache_policy.shed_policy(self.cache.max_evict_bytes_per_tick)
 
-    async def _tick(
-        self, proc: WorkerProcess, draft: PlanDraft, requests: dict[int, GenerationRequest]
-    ) -> None:
+    async def _tick(self, proc: WorkerProcess, plan: _Plan) -> None:
+        draft, requests = plan.draft, plan.requests
         now = time.monotonic()
         admits: list[LaneAdmit] = []
+        prompts: dict[int, list[int]] = {}
         for tag, cand in draft.admits:
             req = requests[cand.key]
             sampler = req.sampler
-            try:
-                ref = proc.prompt_ring.write(np.asarray(req.prompt, dtype=np.uint32))
-            except RingError as exc:  # sized at admission; a failure here is a bug, fail the request
-                self.queues.remove(req)
-                req.fail(ErrorCode.INTERNAL, f"cannot stage the prompt: {exc}")
-                self.requests_done += 1
-                return
+            tokens = req.resume_prompt()
+            prompts[cand.key] = tokens
+            seed = plan.seeds.get(cand.key)
+            ref = plan.refs.get(cand.key)
+            if ref is None or seed is None:
+                try:
+                    ref = proc.prompt_ring.write(np.asarray(tokens, dtype=np.uint32))
+                except RingError as exc:  # sized at admission; a failure here is a bug, fail the request
+                    self.queues.remove(req)
+                    req.fail(ErrorCode.INTERNAL, f"cannot stage the prompt: {exc}")
+                    self.requests_done += 1
+                    self._release.extend(s.handle for s in plan.seeds.values())
+                    return
             admits.append(
                 LaneAdmit(
                     lane_tag=tag,
                     prompt=ref,
+                    seed_handle=seed.handle if seed is not None else 0,
                     sampling=int(sampler.mode),
                     params=sampler.params,
                     rng_counter_base=sampler.rng_counter_base(len(req.generated)),
+                    decode_replay=len(req.generated),
                 )
             )
         self._plan_seq += 1
         flags = TickFlag.PARTIAL_EMITS if self.config.partial_emits else 0
-        plan = TickPlan(
+        tick_plan = TickPlan(
             plan_seq=self._plan_seq,
             flags=int(flags),
             prefill_token_budget=draft.prefill_tokens,
@@ -371,32 +708,61 @@ class Scheduler:
             self.queues.pop(req)
             req.state = RequestState.RUNNING
             req.lane_tag = tag
-            req.t_admitted = now
-            self.lanes[tag] = Lane(
-                tag=tag, request=req, prompt_len=cand.prompt_len, reserved=cand.reserve, admitted_at=now
+            if req.t_admitted is None:
+                req.t_admitted = now
+            rank = qos_rank(req.qos)
+            tokens = prompts[cand.key]
+            lane = Lane(
+                tag=tag,
+                request=req,
+                prompt_len=cand.prompt_len,
+                reserved=cand.reserve,
+                admitted_at=now,
+                prefilled=cand.prefilled,
+                admitted=tokens,
+                hashes=self._hashes(req),
+                seed=cand.prefilled,
+                replay_left=max(0, len(tokens) - max(cand.prefilled, cand.prompt_len)),
+                checkpoint=cand.checkpoint if cand.checkpoint > cand.prefilled else 0,
+                preemptible=effective_rank(rank, now - req.t_received, self.config.aging_s) > 0,
             )
+            if lane.checkpoint:
+                req.checkpointed = True
+            self.lanes[tag] = lane
+        self._in_tick = True
         t_tick = time.monotonic()
         try:
             events = await self.heartbeat.wait(
-                proc.link.tick(plan, on_emit=self._on_emit, timeout=TICK_TIMEOUT_S)
+                proc.link.tick(tick_plan, on_emit=self._on_emit, timeout=TICK_TIMEOUT_S)
             )
         except PlanRejected as exc:
-            self._rejected(draft, requests, exc)
+            self._rejected(plan, exc)
             return
         except EmitCallbackError as exc:
             log.error("emit_callback_failed", worker_id=self.worker_id, error=repr(exc.__cause__))
             events = exc.events
-        except LinkError:
-            raise
+        finally:
+            self._in_tick = False
         self._rejections = 0
         self._max_admits = None
         self._prefill_cap = None
         self.metrics.tick(self.worker_id, time.monotonic() - t_tick)
         self.ticks_run += 1
+        self.cache_policy.on_tick(events.shed.entries)
         self.slot.progress()
-        self._apply(proc, draft, events)
+        self._apply(proc, plan, events)
 
     # --- events --------------------------------------------------------------------------------
+
+    def _deliver(self, lane: Lane, tokens: list[int]) -> str | None:
+        req = lane.request
+        first = req.t_first_token is None
+        reason = req.deliver(tokens)
+        if first and req.t_first_token is not None:
+            req.ttft_ticks = (
+                self._plan_seq - req.plan_seq_received + (1 if req.tick_in_flight_at_arrival else 0)
+            )
+        return reason
 
     def _on_emit(self, emit: link.TickEmit) -> None:
         lane = self.lanes.get(emit.lane_tag)
@@ -404,7 +770,7 @@ class Scheduler:
             return
         tokens = emit.tokens.tolist()
         lane.tick_tokens.extend(tokens)
-        reason = lane.request.deliver(tokens)
+        reason = self._deliver(lane, tokens)
         if reason is not None:
             self._finish(lane, reason)
 
@@ -414,17 +780,57 @@ class Scheduler:
         lane.retire = True
         lane.publish = self.cache.publish_on_retire
 
-    def _apply(self, proc: WorkerProcess, draft: PlanDraft, events: TickEvents) -> None:
-        for tag, _ in draft.retires:
-            self.lanes.pop(tag, None)
+    def _retired(self, lane: Lane, publish: bool, preempted: bool) -> None:
+        """``lane`` was retired by an accepted plan: index what it published, requeue its request
+        when it was preempted or checkpointed."""
+        if publish and lane.kv_tokens >= self.cache_policy.page:
+            self.cache_policy.published(lane.published_tokens(), lane.kv_tokens, lane.hashes)
+        req = lane.request
+        if not (preempted or lane.requeue) or req.finished:
+            return
+        req.state = RequestState.QUEUED
+        req.lane_tag = None
+        self.queues.push_front(req)
+        if preempted:
+            req.preemptions += 1
+            self.preemptions += 1
+            self.metrics.preempted(self.worker_id, req.qos)
+            log.info(
+                "lane_preempted",
+                worker_id=self.worker_id,
+                lane_tag=lane.tag,
+                request_key=req.key,
+                qos=req.qos,
+                generated=len(req.generated),
+            )
+        else:
+            self.checkpoints += 1
+            log.debug("lane_checkpointed", worker_id=self.worker_id, lane_tag=lane.tag, tokens=lane.kv_tokens)
+
+    def _apply(self, proc: WorkerProcess, plan: _Plan, events: TickEvents) -> None:
+        draft = plan.draft
+        preempted = set(draft.preempted)
+        # Victims go back to the head of their class oldest last, so the oldest is at the head.
+        retired = [(tag, publish, self.lanes.pop(tag, None)) for tag, publish in draft.retires]
+        retired.sort(key=lambda r: -(r[2].request.t_received if r[2] is not None else 0.0))
+        for tag, publish, lane in retired:
+            if lane is not None:
+                self._retired(lane, publish, tag in preempted)
 
         results = {r.lane_tag: r for r in events.admit_results}
-        for tag, _ in draft.admits:
+        for tag, cand in draft.admits:
             lane = self.lanes.get(tag)
             r = results.get(tag)
             if lane is not None and (r is None or r.status != AdmitStatus.ADMITTED):
                 del self.lanes[tag]
+                seed = plan.seeds.get(cand.key)
+                if seed is not None:
+                    self._release.append(seed.handle)
                 self._admit_refused(lane.request, r)
+            elif lane is not None and lane.request.admissions == 0:
+                lane.request.cached_tokens = min(lane.seed, len(lane.request.prompt))
+            if lane is not None and tag in self.lanes:
+                lane.request.admissions += 1
 
         shed = {e.lane_tag: e.tokens for e in events.shed.entries if e.kind == ShedKind.PREFILL_CHUNK}
         for tag, offset, count in draft.prefills:
@@ -433,6 +839,14 @@ class Scheduler:
                 done = max(0, count - shed.get(tag, 0))
                 lane.prefilled = offset + done
                 self.prefill_tokens_total += done
+                if lane.checkpoint and lane.prefilled >= lane.checkpoint:
+                    self._checkpoint(lane)
+        for tag, grant in draft.decodes:
+            lane = self.lanes.get(tag)
+            if lane is not None and lane.replay_left:
+                used = min(grant, lane.replay_left)
+                lane.replay_left -= used
+                lane.replayed += used
 
         for fault in events.faults:
             lane = self.lanes.get(fault.lane_tag)
@@ -456,6 +870,7 @@ class Scheduler:
                 self.requests_done += 1
             lane.retire = True
             lane.publish = False
+            lane.requeue = False
 
         for emit in events.emits:
             lane = self.lanes.get(emit.lane_tag)
@@ -472,12 +887,14 @@ class Scheduler:
                         lane.request.fail(ErrorCode.INTERNAL, "emitted tokens were lost")
                         self.requests_done += 1
                     lane.retire = True
+                    lane.publish = False
                     continue
+            lane.emitted.extend(tokens)
             self.decode_tokens_total += len(tokens)
             if tokens[: len(partial)] != partial:
                 log.error("partial_emits_disagree", worker_id=self.worker_id, lane_tag=lane.tag)
             req = lane.request
-            reason = req.deliver(tokens[len(partial) :]) if len(tokens) > len(partial) else None
+            reason = self._deliver(lane, tokens[len(partial) :]) if len(tokens) > len(partial) else None
             if reason is None and emit.finish != Finish.NONE and not req.finished:
                 if emit.finish in FINISH_REASON:
                     reason = FINISH_REASON[emit.finish]
@@ -523,11 +940,14 @@ class Scheduler:
         req.fail(ErrorCode.INVALID_REQUEST, f"the engine refused this request ({name})")
         self.requests_done += 1
 
-    def _rejected(self, draft: PlanDraft, requests: dict[int, GenerationRequest], exc: PlanRejected) -> None:
-        """A rejected plan changed nothing in the engine: undo the admits on our side and plan
-        again, smaller (ABI rules 13, 50)."""
+    def _rejected(self, plan: _Plan, exc: PlanRejected) -> None:
+        """A rejected plan changed nothing in the engine: undo the admits on our side, release
+        their seed leases, and plan again, smaller (ABI rules 13, 50). Preempted and checkpointed
+        lanes were not retired: they stay live and are retired by a later plan."""
+        draft, requests = plan.draft, plan.requests
         self.plans_rejected += 1
         self._rejections += 1
+        self._release.extend(seed.handle for seed in plan.seeds.values())
         status = exc.status.name if isinstance(exc.status, Status) else str(exc.status)
         log.warning(
             "plan_rejected",
@@ -547,11 +967,15 @@ class Scheduler:
             if lane is not None and not req.finished:
                 req.state = RequestState.QUEUED
                 req.lane_tag = None
-                req.t_admitted = None
+                if req.admissions == 0:
+                    req.t_admitted = None
                 self.queues.push_front(req)
         for lane in self.lanes.values():
             lane.tick_tokens.clear()
         live = [lane for lane in self.lanes.values() if not lane.retire and not lane.request.finished]
+        if exc.status == Status.REJECT_STALE_SEED and plan.seeds and self._rejections <= MAX_ADMIT_RETRIES:
+            self._seedless_plans = 1  # a lease the engine no longer honours: one plan without seeds
+            return
         if exc.status == Status.NEEDS_REPLAN:
             if len(draft.admits) == 1 and not live:  # it cannot fit even alone: never will
                 req = requests[draft.admits[0][1].key]

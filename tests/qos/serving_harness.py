@@ -1,0 +1,95 @@
+"""Helpers of the serving-under-contention and prefix-cache tests (issue 8): reference-engine
+daemon configurations, the daemon's access-log lines, and the engines' own counters (PONG stats
+through ``basertctl workers``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from e2e_harness import Daemon, DirectRun
+
+from basertd.schema import control
+from basertd.server.worker_proc import WorkerSpec
+
+__all__ = [
+    "REF",
+    "Daemon",
+    "DirectRun",
+    "access_lines",
+    "direct_ref",
+    "engine_stats",
+    "ref_toml",
+    "wait_leases",
+]
+
+REF = {"vocab_size": 259, "eos_token": 2, "eos_period": 0, "tick_delay_us": 20000}
+"""Reference engine: the bytes vocabulary, no EOS (generations run to max_tokens), 20 ms ticks so
+that the order of events is set by ticks, not by the machine's load."""
+
+
+def ref_toml(
+    *,
+    lanes: int = 2,
+    context: int = 512,
+    grant: int = 2,
+    ref: dict | None = None,
+    scheduler: str = "",
+    cache: str = "",
+    workers: int = 1,
+) -> str:
+    """A daemon config: ``workers`` reference-engine workers with ``lanes`` lanes of ``context``
+    tokens, ``ref`` overriding ``REF``; extra ``[scheduler]`` / ``[cache]`` lines verbatim."""
+    table = "\n".join(f"{k} = {v}" for k, v in {**REF, **(ref or {})}.items())
+    worker = (
+        f'[[workers]]\nengine = "basert"\nlanes = {lanes}\ncontext_length = {context}\n'
+        f"[workers.ref_config]\n{table}\n"
+    )
+    return (
+        worker * workers
+        + f"[scheduler]\ndecode_grant = {grant}\nqueue_limit = 1000\n{scheduler}\n[cache]\n{cache}\n"
+    )
+
+
+def direct_ref(*, lanes: int = 2, context: int = 512, ref: dict | None = None) -> DirectRun:
+    """The reference engine of ``ref_toml`` driven alone, one uninterrupted lane at a time."""
+    spec = WorkerSpec(
+        engine="basert",
+        ref_config={**REF, **(ref or {}), "tick_delay_us": 0},
+        lanes=lanes,
+        context_length=context,
+    )
+    return DirectRun(spec)
+
+
+def access_lines(d: Daemon) -> dict[str, dict]:
+    """The daemon's ``access`` log lines so far, by request id."""
+    out = {}
+    for line in d.log_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "access":
+            out[event["request_id"]] = event
+    return out
+
+
+def engine_stats(d: Daemon) -> list[dict[str, int]]:
+    """Each worker's engine counters (PONG stats), by worker id."""
+    with d.client() as c:
+        rows = c.request(control.Workers()).workers
+    return [dict(r.engine_stats) for r in sorted(rows, key=lambda r: r.worker_id)]
+
+
+def wait_leases(d: Daemon, expected: int = 0, timeout: float = 10.0) -> list[dict[str, int]]:
+    """Until every engine reports ``expected`` live seed leases in all (leases expire by ticks, so
+    an idle engine keeps what it holds: the policy must release them); returns the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine_stats(d)
+        if sum(s.get("live_seed_leases", 0) for s in stats) == expected:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"seed leases {[s.get('live_seed_leases') for s in stats]} != {expected}")
+        time.sleep(0.05)
