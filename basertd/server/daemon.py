@@ -39,6 +39,7 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.access import ObservedSink
 from basertd.server.api import ApiServer, ClientConnection
+from basertd.server.cache_policy import PolicyCacheControl, route
 from basertd.server.config import (
     Config,
     ConfigError,
@@ -47,7 +48,7 @@ from basertd.server.config import (
     resolve_runtime_dir,
     socket_path,
 )
-from basertd.server.control import CacheControl, ControlService, EngineCache
+from basertd.server.control import CacheControl, ControlService, EngineCache, worker_stats
 from basertd.server.drain import Drainer
 from basertd.server.metrics import Metrics, live_state
 from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
@@ -104,8 +105,8 @@ class Daemon:
 
     Operator state: ``metrics`` (the registry), ``drainer`` (drain state, in-flight requests),
     ``operators`` (who may use control verbs), ``control`` (the verbs), ``cache_control`` (the
-    prefix-cache verbs' backend: ``EngineCache`` until a prefix-cache policy replaces it) and
-    ``notifier`` (systemd)."""
+    prefix-cache verbs' backend: ``EngineCache`` until ``start`` installs the prefix-cache policy,
+    ``basertd.server.cache_policy.PolicyCacheControl``) and ``notifier`` (systemd)."""
 
     def __init__(self, config: Config, *, config_path: str | os.PathLike[str] | None = None) -> None:
         self.config = config
@@ -184,10 +185,15 @@ class Daemon:
                 kv_tokens=wcfg.lanes * wcfg.context_length,
                 max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
             )
-            sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics)
+            sched = Scheduler(
+                slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics, tokenizer=self.tokenizers[-1]
+            )
             sched_holder.append(sched)
             self.slots.append(slot)
             self.schedulers.append(sched)
+        self.cache_control = PolicyCacheControl(
+            self.schedulers, lambda i: worker_stats(self, i), self._counter
+        )  # the prefix-cache policy (issue 8) serves every cache verb
         for slot, sched in zip(self.slots, self.schedulers, strict=True):
             slot.start()
             self._tasks.append(
@@ -395,6 +401,26 @@ class Daemon:
         alive = [i for i in ids if not self.slots[i].given_up] or ids
         return min(alive, key=lambda i: self.schedulers[i].load())
 
+    def _route_prefix(self, wid: int, prompt: list[int]) -> int:
+        """Among the live workers serving the same model with the same vocabulary as ``wid``, the
+        one holding the longest cached prefix of ``prompt``, unless it is much busier
+        (``cache_policy.route``, ``[cache] route_slack``)."""
+        peers = [
+            i
+            for i, name in enumerate(self.model_names)
+            if name == self.model_names[wid]
+            and self.tokenizers[i] is self.tokenizers[wid]
+            and not self.slots[i].given_up
+        ]
+        if len(peers) < 2:
+            return wid
+        options = [(i, self.schedulers[i].cached_prefix(prompt), self.schedulers[i].load()) for i in peers]
+        return route(options, self.config.cache.route_slack)
+
+    def _counter(self, name: str, worker_id: int) -> int:
+        value = self.metrics.registry.get_sample_value(name, {"worker": str(worker_id)})
+        return int(value or 0)
+
     def add_bos(self, worker_id: int) -> bool:
         """Whether prompts for this worker start with BOS: the capability record of its current (or
         last) incarnation, else what the vocabulary itself says."""
@@ -476,6 +502,7 @@ class Daemon:
                     ErrorCode.INVALID_REQUEST,
                     f"prompt_tokens hold ids outside the vocabulary (0..{tok.vocab_size - 1})",
                 )
+        wid = self._route_prefix(wid, prompt)
         sched = self.schedulers[wid]
         sched.check_admission(len(prompt), gen.max_tokens, gen.qos)
         sink = ObservedSink(conn, rid, self.metrics, self.drainer)
