@@ -12,7 +12,9 @@ from acceptance to its end without the scheduler knowing about metrics or logs:
 
 The access line is content-free (DESIGN.md "Operators"): event ``access`` with request_id, key,
 worker_id, qos, prompt_tokens, cached_tokens, completion_tokens, queue_s, ttft_s, tokens_per_s,
-total_s, finish_reason and, for an Error, its code. Never prompt or output text or token ids.
+total_s, finish_reason, preemptions (times the request was preempted for an interactive one),
+ttft_ticks (ticks from arrival to the tick that delivered its first token, issue 8) and, for an
+Error, its code. Never prompt or output text or token ids.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class ObservedSink:
             tokens_per_s=round(timings.decode_tokens_per_s, 3),
             total_s=round(timings.total_s, 6),
             finish_reason=req.finish_reason,
+            preemptions=req.preemptions,
+            ttft_ticks=req.ttft_ticks,
         )
         if code is not None:
             fields["error_code"] = code
