@@ -109,9 +109,8 @@ def test_generate_refusals_and_an_absent_daemon_give_one_line(daemon, tmp_path):
         (["generate", "--max-tokens", "100000", "hi"], ctl.EXIT_REFUSED, "context_length_exceeded"),
         (["lanes", "--worker", "7"], ctl.EXIT_REFUSED, "not_found"),
         (["restart-worker", "9"], ctl.EXIT_REFUSED, "not_found"),
-        (["cache", "ls"], ctl.EXIT_REFUSED, "prefix-cache policy"),
-        (["cache", "pin", "--text", "a system prompt"], ctl.EXIT_REFUSED, "prefix-cache policy"),
-        (["cache", "unpin", "1"], ctl.EXIT_REFUSED, "prefix-cache policy"),
+        (["cache", "pin", "--tokens", "1,2"], ctl.EXIT_REFUSED, "whole pages"),  # the policy (issue 8)
+        (["cache", "unpin", "999"], ctl.EXIT_REFUSED, "not_found"),
         (["cache", "pin"], ctl.EXIT_USAGE, "exactly one of --text and --tokens"),
         (["drain", "--timeout", "-1"], ctl.EXIT_USAGE, "--timeout"),
     ]
