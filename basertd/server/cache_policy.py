@@ -22,12 +22,14 @@ not happen (plan rejected, admit refused, admission cut) is released at once; no
 across a tick except pins (below). Lease counts therefore return to zero whenever no pin is held.
 
 **Coalescing** (``coalesce``). A lane publishes only when it retires. When a queued request
-shares at least ``coalesce_min_tokens`` uncached tokens with a lane that is still prefilling, or
-with a request queued ahead of it, it waits (it is not offered for admission), and the *leader*
-gets a checkpoint at the shared page boundary: its prefill stops there and it retires with
-``publish_to_cache`` at once, is requeued at the head of its class (exactly as a preemption
-after 0 generated tokens) and comes back seeded from its own prefix, with all its followers
-seeded from the same entry. So a prefix shared by a burst of requests is prefilled once, by the
+shares at least ``coalesce_min_tokens`` uncached prompt tokens with a live lane, or with a request
+queued ahead of it, it waits (it is not offered for admission), and the *leader* gets a
+checkpoint at the shared page boundary: its prefill stops there (a lane already past it stops
+at once) and it retires with ``publish_to_cache``, is requeued at the head of its class (exactly
+as a preemption, after however many tokens it generated) and comes back seeded from its own
+prefix, with all its followers seeded from the same entry. A leader that was already decoding
+(the first request of a burst, admitted before the others arrived) pauses for a tick and
+resumes exactly (ABI rules 71-73). So a prefix shared by a burst of requests is prefilled once, by the
 first of them, and none of them ever prefills it twice: a request leads at most one checkpoint.
 The leader's own seed is its own work, so it reports ``cached_tokens`` 0 (cached tokens count at
 a request's first admission only; tokens recomputed or re-seeded after a preemption or
@@ -248,8 +250,8 @@ class QueuedPrompt:
 
 @dataclass(frozen=True)
 class PrefillingLane:
-    """A live lane still prefilling: ``tag``, its prompt's hash path, tokens prefilled so far, its
-    prefill end, whether it may lead, and its QoS rank."""
+    """A live lane that may lead (prefilling or decoding): ``tag``, its prompt's hash path, tokens
+    prefilled so far, its prefill end, whether it may lead, and its QoS rank."""
 
     tag: int
     hashes: Sequence[int]
@@ -274,7 +276,7 @@ def coalesce(
     queued: Sequence[QueuedPrompt], lanes: Sequence[PrefillingLane], page: int, min_tokens: int
 ) -> Coalescing:
     """Which queued requests wait for a leader's prefix, and where the leaders checkpoint (module
-    docstring). ``queued`` in admission order. A request waits when a prefilling lane, or a request
+    docstring). ``queued`` in admission order. A request waits when a live lane, or a request
     queued ahead of it, of its class or a higher one, shares with it at least ``min_tokens`` tokens
     (whole pages, within the leader's prefill end) beyond what the index says is cached for it.
     Pure."""
@@ -284,7 +286,7 @@ def coalesce(
         return out
     by_group: dict[int, list[PrefillingLane]] = {}
     for ln in lanes:
-        if ln.can_lead and len(ln.hashes) >= m and ln.prefilled < ln.prefill_end:
+        if ln.can_lead and len(ln.hashes) >= m:
             by_group.setdefault(ln.hashes[m - 1], []).append(ln)
     leaders: dict[int, QueuedPrompt] = {}
     for q in queued:

@@ -49,7 +49,8 @@ def effective_rank(rank: int, waited_s: float, aging_s: float) -> int:
     higher per ``aging_s`` seconds, never above interactive (0). ``aging_s`` <= 0: no aging."""
     if aging_s <= 0 or waited_s <= 0:
         return rank
-    return max(0, rank - math.floor(waited_s / aging_s))
+    steps = waited_s / aging_s
+    return 0 if steps >= rank else rank - math.floor(steps)
 
 
 class Queued(Protocol):

@@ -533,16 +533,29 @@ class Scheduler:
                     qos_rank(req.qos),
                 )
             )
+        # A leader keeps leading until its prefix is published: while it prefills towards its
+        # checkpoint and during the plan that retires it (the index learns the prefix only once
+        # that plan is accepted). A request leads at most once.
         lanes = [
             PrefillingLane(
-                lane.tag, lane.hashes, lane.prefilled, lane.prompt_len, not lane.request.checkpointed
+                lane.tag,
+                lane.hashes,
+                lane.prefilled,
+                lane.prompt_len,
+                lane.requeue or lane.checkpoint > 0 or not lane.request.checkpointed,
+                qos_rank(lane.request.qos),
             )
             for lane in self.lanes.values()
-            if not lane.retire and not lane.request.finished and lane.replay_left == 0 and lane.hashes
+            if (not lane.retire or lane.requeue)
+            and not lane.request.finished
+            and lane.replay_left == 0
+            and lane.hashes
         ]
         out = coalesce(queued, lanes, wc.page, self.cache.coalesce_min_tokens)
         for tag, cp in out.lane_checkpoints.items():
             lane = self.lanes[tag]
+            if lane.retire:
+                continue  # already retiring with publish
             lane.request.checkpointed = True
             lane.checkpoint = max(lane.checkpoint, cp)
             if lane.prefilled >= lane.checkpoint:

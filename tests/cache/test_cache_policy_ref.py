@@ -1,0 +1,171 @@
+"""The prefix-cache policy end to end on the reference engine (issue 8, DESIGN.md "Prefix cache
+policy"; ABI rules 45, 75-91): a burst sharing a long prefix prefills it once (the engine's own
+prefill counter says so), the cache never changes an output (cache on vs off, token for token),
+pins survive eviction under pool pressure, and no seed lease outlives its use."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from serving_harness import Daemon, access_lines, direct_ref, engine_stats, ref_toml, wait_leases
+
+from basertd.client import AsyncClient, ClientError
+from basertd.schema import client as api
+from basertd.schema import control
+from basertd.schema.client import ErrorCode
+
+PAGE = 16  # the reference engine's default page_size_tokens
+SHARED = (
+    "You are a careful assistant for a shared inference box. Answer briefly, cite nothing, and keep "
+    "every reply under fifty words. The user is an engineer measuring how well prefixes are shared. "
+)
+assert len(SHARED) > 4 * PAGE * 2  # well over 4 pages of byte tokens
+
+
+def burst_params(i: int) -> dict:
+    """Greedy for even requests, seeded sampling for odd ones."""
+    if i % 2 == 0:
+        return dict(max_tokens=8, temperature=0.0)
+    return dict(max_tokens=8, temperature=0.8, seed=100 + i)
+
+
+async def run_burst(socket, prompts: list[str], qos: str = "interactive") -> list:
+    async with await AsyncClient.connect(socket) as c:
+        return await asyncio.gather(
+            *(
+                c.generate(p, request_id=f"burst-{i}", qos=qos, **burst_params(i))
+                for i, p in enumerate(prompts)
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def direct():
+    d = direct_ref(lanes=4)
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon(ref_toml(lanes=4, grant=4))
+    try:
+        yield d
+    except BaseException:
+        d.kill()
+        raise
+    d.stop()
+
+
+def test_sixteen_requests_sharing_a_long_prefix_prefill_it_once(daemon, direct):
+    prompts = [SHARED + f"Question {i}: what is {i} times {i + 3}?" for i in range(16)]
+    with daemon.client() as c:
+        ids = [c.tokenize(p) for p in prompts]
+    shared_tokens = len(c_common := _common(ids))
+    pages = shared_tokens // PAGE * PAGE
+    assert pages > 4 * PAGE and c_common
+    before = engine_stats(daemon)[0]
+    outs = asyncio.run(run_burst(daemon.socket, prompts))
+    daemon.wait_idle()
+    after = engine_stats(daemon)[0]
+    prefilled = after["prefill_tokens_total"] - before["prefill_tokens_total"]
+    suffixes = sum(len(x) - pages for x in ids)
+    # every token past the shared pages is prefilled once per request; the shared pages once in all
+    assert prefilled <= suffixes + pages, (prefilled, suffixes, pages)
+    assert prefilled >= suffixes  # nothing was skipped that no cache could serve
+    cached = [o.usage.cached_tokens for o in outs]
+    assert sorted(cached)[1:] == [pages] * 15 and sorted(cached)[0] == 0, cached  # the leader: 0
+    for i, (o, p) in enumerate(zip(outs, ids, strict=True)):
+        want = direct.run(p, api.Generate(request_id="x", prompt="", **burst_params(i)))
+        assert o.ids == want, f"request {i}: the seeded generation differs"
+    access = access_lines(daemon)
+    assert sum(access[f"burst-{i}"]["cached_tokens"] for i in range(16)) == sum(cached)
+    wait_leases(daemon, 0)
+
+
+def _common(seqs: list[list[int]]) -> list[int]:
+    n = 0
+    while all(len(s) > n and s[n] == seqs[0][n] for s in seqs):
+        n += 1
+    return seqs[0][:n]
+
+
+def test_the_cache_never_changes_an_output(daemon):
+    prompts = [SHARED + f"Variant {i % 3}. Item {i}." for i in range(10)] + [
+        f"unrelated {i}" for i in range(3)
+    ]
+    off = Daemon(ref_toml(lanes=4, grant=4, cache="enabled = false\npublish_on_retire = false"))
+    try:
+        cold = asyncio.run(run_burst(off.socket, prompts, qos="batch"))
+        assert all(o.usage.cached_tokens == 0 for o in cold)
+        off_stats = engine_stats(off)[0]
+    except BaseException:
+        off.kill()
+        raise
+    off.stop()
+    warm_first = asyncio.run(run_burst(daemon.socket, prompts, qos="batch"))
+    warm_again = asyncio.run(run_burst(daemon.socket, prompts, qos="batch"))  # everything cached now
+    assert [o.ids for o in warm_first] == [o.ids for o in cold]
+    assert [o.ids for o in warm_again] == [o.ids for o in cold]
+    assert sum(o.usage.cached_tokens for o in warm_again) > 0
+    assert off_stats["cache_entries"] == 0
+    daemon.wait_idle()
+    wait_leases(daemon, 0)
+
+
+def ctl(d: Daemon, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "basertd.ctl", "--socket", str(d.socket), "--json", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_pinned_prefixes_survive_eviction_under_pool_pressure():
+    # 48 blocks of 16 tokens: two lanes of up to 256 tokens fill most of it, every finished request
+    # publishes its pages, so the pool stays near full and the watermarks and ticks evict.
+    ref = {"pool_bytes": 48 * PAGE * 64}
+    d = Daemon(
+        ref_toml(lanes=2, context=256, grant=4, ref=ref, cache="high_watermark = 0.8\nlow_watermark = 0.5")
+    )
+    try:
+        pinned_text = "PINNED SYSTEM PROMPT: " + "keep me cached. " * 6
+        r = ctl(d, "cache", "pin", "--text", pinned_text)
+        assert r.returncode == 0, r.stderr
+        pin = json.loads(r.stdout)
+        assert pin["tokens"] >= 4 * PAGE and pin["tokens"] % PAGE == 0
+        wait_leases(d, 1)  # the pin holds one lease, renewed as ticks pass
+        with d.client() as c:
+            for i in range(24):
+                c.generate(f"filler request number {i} " + "x" * (100 + i), max_tokens=40, temperature=0.0)
+        d.wait_idle()
+        stats = engine_stats(d)[0]
+        assert stats["evictions_total"] >= 5, stats  # the pool really was under pressure
+        assert stats["live_seed_leases"] == 1
+        entries = json.loads(ctl(d, "cache", "ls").stdout)
+        pinned = [e for e in entries if e["pin_id"] == pin["pin_id"]]
+        assert pinned and pinned[0]["prefix_tokens"] == pin["tokens"], entries
+        with d.client() as c:
+            out = c.generate(pinned_text + " and a question", max_tokens=4, temperature=0.0)
+        assert out.usage.cached_tokens >= pin["tokens"]
+        stats_rows = json.loads(ctl(d, "cache", "stats").stdout)
+        assert stats_rows[0]["pinned_entries"] == 1 and stats_rows[0]["pinned_bytes"] == pin["tokens"] * 64
+        # cache evict (everything unpinned) keeps the pin too
+        assert ctl(d, "cache", "evict").returncode == 0
+        entries = json.loads(ctl(d, "cache", "ls").stdout)
+        assert [e["pin_id"] for e in entries] == [pin["pin_id"]]
+        r = ctl(d, "cache", "unpin", str(pin["pin_id"]))
+        assert r.returncode == 0, r.stderr
+        wait_leases(d, 0)
+        with d.client() as c, pytest.raises(ClientError) as gone:
+            c.request(control.CacheUnpin(pin_id=pin["pin_id"]))
+        assert gone.value.code == ErrorCode.NOT_FOUND
+    except BaseException:
+        d.kill()
+        raise
+    d.stop()
