@@ -276,10 +276,10 @@ def coalesce(
     queued: Sequence[QueuedPrompt], lanes: Sequence[PrefillingLane], page: int, min_tokens: int
 ) -> Coalescing:
     """Which queued requests wait for a leader's prefix, and where the leaders checkpoint (module
-    docstring). ``queued`` in admission order. A request waits when a live lane, or a request
-    queued ahead of it, of its class or a higher one, shares with it at least ``min_tokens`` tokens
-    (whole pages, within the leader's prefill end) beyond what the index says is cached for it.
-    Pure."""
+    docstring). ``queued`` in admission order. A request waits when a live lane (a decoding one
+    only of its own class), or a request queued ahead of it, of its class or a higher one, shares
+    with it at least ``min_tokens`` tokens (whole pages, within the leader's prefill end) beyond
+    what the index says is cached for it. Pure."""
     out = Coalescing()
     m = max(1, -(-min_tokens // page)) if min_tokens > 0 else 0
     if m == 0:
@@ -295,8 +295,9 @@ def coalesce(
         group = q.hashes[m - 1]
         best: tuple[int, int] | None = None  # (shared pages, lane tag)
         for ln in by_group.get(group, ()):
-            if ln.rank > q.rank:
-                continue
+            decoding = ln.prefilled >= ln.prefill_end
+            if ln.rank > q.rank or (decoding and ln.rank != q.rank):
+                continue  # never pause a decoding lane for a request of a lower class
             shared = min(lcp_pages(q.hashes, ln.hashes), ln.prefill_end // page)
             if shared - q.cached_pages >= m and (best is None or shared > best[0]):
                 best = (shared, ln.tag)
@@ -374,14 +375,16 @@ class Seed:
 @dataclass(eq=False)
 class PinHold:
     """Pin ``pin_id`` on one worker: the pinned ``tokens`` (whole pages) and their hash path; the
-    lease ``handle`` holding it (0: not held, e.g. after a respawn) and the engine tick from which
-    it is renewed (``renew_at``)."""
+    lease ``handle`` holding it (0: not held, e.g. after a respawn), the engine tick from which
+    it is renewed (``renew_at``) and, when it could not be warmed, when to try again
+    (``retry_at``, monotonic seconds)."""
 
     pin_id: int
     tokens: np.ndarray
     hashes: list[int]
     handle: int = 0
     renew_at: int = 0
+    retry_at: float = 0.0
 
 
 def best_candidate(match: MatchResult, limit: int, page: int) -> int:
@@ -514,9 +517,9 @@ class WorkerCache:
             return None
         try:
             grant = await proc.link.seed_acquire(ref, length, 0)
-        except WorkerError as exc:
-            if exc.status not in (Status.ERR_SEED_UNSERVABLE, Status.REJECT_BOUNDS):
-                raise
+        except WorkerError as exc:  # refused: the prefix went between match and acquire (rule 87)
+            if exc.status != Status.ERR_SEED_UNSERVABLE:
+                log.warning("seed_refused", worker_id=self.worker_id, status=str(exc.status))
             self.index.prune(hashes, 0)
             self.seed_misses += 1
             return None
@@ -551,8 +554,8 @@ class WorkerCache:
         try:
             grant = await proc.link.seed_acquire(ref, n, 0)
         except WorkerError as exc:
-            if exc.status not in (Status.ERR_SEED_UNSERVABLE, Status.REJECT_BOUNDS):
-                raise
+            if exc.status != Status.ERR_SEED_UNSERVABLE:
+                log.warning("pin_seed_refused", worker_id=self.worker_id, status=str(exc.status))
             return False
         old, pin.handle = pin.handle, grant.seed_handle
         pin.renew_at = grant.tick + max(0, grant.lease_ticks // 2)

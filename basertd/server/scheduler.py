@@ -80,7 +80,7 @@ from basertd.schema.tick import (
 from basertd.server.cache_policy import Coalescing, PrefillingLane, QueuedPrompt, Seed, WorkerCache, coalesce
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.lanes import Lane, RequestQueues, candidate, reservation
-from basertd.server.link import EmitCallbackError, LinkError, PlanRejected
+from basertd.server.link import EmitCallbackError, LinkError, PlanRejected, WorkerError
 from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
 from basertd.server.plan import Candidate, PlanDraft, PlanLimits, TickRates, build_plan
@@ -113,6 +113,8 @@ COALESCE_SCAN = 256
 """Queued requests (in admission order) considered for prefix coalescing each plan."""
 JOB_TIMEOUT_S = 60.0
 """Seconds a job queued for the gap between two ticks (a cache verb) may wait for it."""
+PIN_RETRY_S = 5.0
+"""Seconds before a pin that could not be warmed again is retried."""
 
 
 class _WarmupSink:
@@ -389,6 +391,8 @@ class Scheduler:
                 self.heartbeat.beat()
                 await self._between(proc)
                 plan = await self._plan(proc)
+                if plan.draft.empty and self._release:
+                    continue  # release the leases it did not use before waiting
                 if plan.draft.empty:
                     waiter = asyncio.ensure_future(self._wake.wait())
                     try:
@@ -431,7 +435,8 @@ class Scheduler:
                 result = await job(proc)
             except LinkError as exc:
                 fut.set_exception(exc)
-                raise
+                if not proc.link.alive:
+                    raise  # the worker is gone; a refusal (WorkerError) leaves it serving
             except Exception as exc:  # handed to the caller (a control verb)
                 fut.set_exception(exc)
             else:
@@ -441,15 +446,20 @@ class Scheduler:
         if wc.renewals_due():
             for pin in await wc.renew(proc):
                 self._spawn(self._rewarm(pin.pin_id))
+        now = time.monotonic()
         for pin in wc.pins.values():
-            if not pin.handle and pin.pin_id not in self._warming:
+            if not pin.handle and pin.pin_id not in self._warming and now >= pin.retry_at:
                 self._spawn(self._rewarm(pin.pin_id))
         if self.last_mem is not None:
             target = wc.watermark_target(self.last_mem)
+            self.last_mem = None  # re-read after the next tick
             if target:
-                freed = await wc.evict(proc, target)
-                log.info("cache_watermark_evicted", worker_id=self.worker_id, target=target, freed=freed)
-                self.last_mem = None  # re-read after the next tick
+                try:
+                    freed = await wc.evict(proc, target)
+                except WorkerError as exc:
+                    log.warning("cache_watermark_evict_refused", worker_id=self.worker_id, error=str(exc))
+                else:
+                    log.info("cache_watermark_evicted", worker_id=self.worker_id, target=target, freed=freed)
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -502,6 +512,9 @@ class Scheduler:
                     log.warning("pin_not_restored", worker_id=self.worker_id, pin_id=pin_id)
         except (LinkError, TimeoutError) as exc:
             log.warning("pin_rewarm_failed", worker_id=self.worker_id, pin_id=pin_id, error=str(exc))
+            pin = self.cache_policy.pins.get(pin_id)
+            if pin is not None:
+                pin.retry_at = time.monotonic() + PIN_RETRY_S
         finally:
             self._warming.discard(pin_id)
 

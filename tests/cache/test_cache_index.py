@@ -148,3 +148,11 @@ def test_best_candidate_is_the_longest_untainted_page_multiple_all_spaces_offer(
         spaces=[m.spaces[0], SpaceMatch(space_id=1, candidates=[MatchCandidate(prefix_len=16)])]
     )
     assert best_candidate(two, 100, 16) == 16
+
+
+def test_a_decoding_lane_is_paused_only_for_a_follower_of_its_own_class():
+    decoding = PrefillingLane(9, page_hashes(SHARED, PAGE), prefilled=20, prefill_end=20, rank=0)
+    assert not coalesce([q(1, [*SHARED, 1], rank=1)], [decoding], PAGE, 8).blocked
+    assert coalesce([q(1, [*SHARED, 1], rank=0)], [decoding], PAGE, 8).blocked == {1}
+    prefilling = PrefillingLane(9, page_hashes([*SHARED, 5, 5], PAGE), prefilled=4, prefill_end=22, rank=0)
+    assert coalesce([q(1, [*SHARED, 1], rank=1)], [prefilling], PAGE, 8).blocked == {1}
