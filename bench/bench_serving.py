@@ -14,8 +14,9 @@ every other key at its default). Three scenarios, all against it:
    idle daemon. Target: under 1 s.
 3. **shared prefix**: 16 concurrent requests sharing a ~1,500-token prefix (distinct questions
    after it, 32 tokens each). prefills = n - sum(cached_tokens) / prefix length (the issue's
-   formula; the prefix length is the tokens all 16 prompts share), cross-checked with the engine's own prefill counter: (prefilled tokens - the tokens
-   after the shared pages) / prefix length. Wall time. Target: at most 1.2 prefills.
+   formula; the prefix length is the tokens all 16 prompts share), cross-checked with the
+   engine's own prefill counter: (prefilled tokens - the tokens after the shared pages) / prefix
+   length. Wall time. Target: at most 1.2 prefills.
 
 Prompts carry a per-run nonce at their start, so nothing is served from a previous scenario's
 cache. The load average before and after each scenario is printed: on a shared 2-core box,
