@@ -29,8 +29,11 @@ at once) and it retires with ``publish_to_cache``, is requeued at the head of it
 as a preemption, after however many tokens it generated) and comes back seeded from its own
 prefix, with all its followers seeded from the same entry. A leader that was already decoding
 (the first request of a burst, admitted before the others arrived) pauses for a tick and
-resumes exactly (ABI rules 71-73). So a prefix shared by a burst of requests is prefilled once, by the
-first of them, and none of them ever prefills it twice: a request leads at most one checkpoint.
+resumes exactly (ABI rules 71-73). So a prefix shared by a burst of requests is prefilled once,
+by the first of them, and none of them ever prefills it twice: a request leads at most one
+checkpoint. A lane retiring with publish in the plan being built (a finished request) leads too:
+a request sharing its prefix waits that one tick and is seeded from it (the next turn of a
+conversation, sent the moment the previous one ended).
 The leader's own seed is its own work, so it reports ``cached_tokens`` 0 (cached tokens count at
 a request's first admission only; tokens recomputed or re-seeded after a preemption or
 checkpoint never count).
@@ -251,7 +254,9 @@ class QueuedPrompt:
 @dataclass(frozen=True)
 class PrefillingLane:
     """A live lane that may lead (prefilling or decoding): ``tag``, its prompt's hash path, tokens
-    prefilled so far, its prefill end, whether it may lead, and its QoS rank."""
+    prefilled so far, its prefill end, whether it may lead, its QoS rank, and whether it retires
+    with publish in the plan being built (its prefix is cached one tick from now, with no pause
+    for anyone: such a lane leads requests of every class)."""
 
     tag: int
     hashes: Sequence[int]
@@ -259,6 +264,7 @@ class PrefillingLane:
     prefill_end: int
     can_lead: bool = True
     rank: int = 0
+    retiring: bool = False
 
 
 @dataclass
@@ -296,7 +302,7 @@ def coalesce(
         best: tuple[int, int] | None = None  # (shared pages, lane tag)
         for ln in by_group.get(group, ()):
             decoding = ln.prefilled >= ln.prefill_end
-            if ln.rank > q.rank or (decoding and ln.rank != q.rank):
+            if not ln.retiring and (ln.rank > q.rank or (decoding and ln.rank != q.rank)):
                 continue  # never pause a decoding lane for a request of a lower class
             shared = min(lcp_pages(q.hashes, ln.hashes), ln.prefill_end // page)
             if shared - q.cached_pages >= m and (best is None or shared > best[0]):

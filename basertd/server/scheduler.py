@@ -549,25 +549,32 @@ class Scheduler:
         # A leader keeps leading until its prefix is published: while it prefills towards its
         # checkpoint and during the plan that retires it (the index learns the prefix only once
         # that plan is accepted). A request leads at most once.
-        lanes = [
-            PrefillingLane(
-                lane.tag,
-                lane.hashes,
-                lane.prefilled,
-                lane.prompt_len,
-                lane.requeue or lane.checkpoint > 0 or not lane.request.checkpointed,
-                qos_rank(lane.request.qos),
+        # A finished lane retiring with publish leads for this one plan as well.
+        lanes = []
+        for lane in self.lanes.values():
+            done = lane.retire or lane.request.finished
+            publishing = done and (lane.requeue or lane.publish)
+            if (done and not publishing) or lane.replay_left or not lane.hashes:
+                continue
+            if publishing:  # it publishes its generated tokens too (a conversation's next turn)
+                kv = lane.kv_tokens
+                hashes = wc.hashes(lane.published_tokens(), lane.hashes)
+                lanes.append(PrefillingLane(lane.tag, hashes, kv, kv, True, qos_rank(lane.request.qos), True))
+                continue
+            lanes.append(
+                PrefillingLane(
+                    lane.tag,
+                    lane.hashes,
+                    lane.prefilled,
+                    lane.prompt_len,
+                    lane.checkpoint > 0 or not lane.request.checkpointed,
+                    qos_rank(lane.request.qos),
+                )
             )
-            for lane in self.lanes.values()
-            if (not lane.retire or lane.requeue)
-            and not lane.request.finished
-            and lane.replay_left == 0
-            and lane.hashes
-        ]
         out = coalesce(queued, lanes, wc.page, self.cache.coalesce_min_tokens)
         for tag, cp in out.lane_checkpoints.items():
             lane = self.lanes[tag]
-            if lane.retire:
+            if lane.retire or lane.request.finished:
                 continue  # already retiring with publish
             lane.request.checkpointed = True
             lane.checkpoint = max(lane.checkpoint, cp)

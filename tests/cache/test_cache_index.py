@@ -156,3 +156,9 @@ def test_a_decoding_lane_is_paused_only_for_a_follower_of_its_own_class():
     assert coalesce([q(1, [*SHARED, 1], rank=0)], [decoding], PAGE, 8).blocked == {1}
     prefilling = PrefillingLane(9, page_hashes([*SHARED, 5, 5], PAGE), prefilled=4, prefill_end=22, rank=0)
     assert coalesce([q(1, [*SHARED, 1], rank=1)], [prefilling], PAGE, 8).blocked == {1}
+
+
+def test_a_lane_retiring_with_publish_leads_every_class_for_one_plan():
+    retiring = PrefillingLane(9, page_hashes(SHARED, PAGE), 20, 20, can_lead=True, rank=2, retiring=True)
+    out = coalesce([q(1, [*SHARED, 1], rank=0)], [retiring], PAGE, 8)
+    assert out.blocked == {1}

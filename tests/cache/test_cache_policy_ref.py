@@ -52,7 +52,9 @@ def direct():
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon(ref_toml(lanes=4, grant=4))
+    # emit window 0: every token reaches its client mid-tick, so a request's Done can arrive before
+    # the plan that retires (and publishes) its lane is built
+    d = Daemon(ref_toml(lanes=4, grant=4, worker='engine_args = ["--emit-window-ms", "0"]'))
     try:
         yield d
     except BaseException:
@@ -84,6 +86,23 @@ def test_sixteen_requests_sharing_a_long_prefix_prefill_it_once(daemon, direct):
         assert o.ids == want, f"request {i}: the seeded generation differs"
     access = access_lines(daemon)
     assert sum(access[f"burst-{i}"]["cached_tokens"] for i in range(16)) == sum(cached)
+    wait_leases(daemon, 0)
+
+
+def test_the_next_turn_sent_the_moment_a_request_ends_is_seeded_from_it(daemon, direct):
+    with daemon.client() as c:
+        first = c.tokenize("A conversation of its own. " * 6 + "Turn one: say something.")
+        one = c.generate(prompt_tokens=first, max_tokens=24, temperature=0.0)
+        second = first + one.ids + c.tokenize(" Turn two: and now?", add_special=False)
+        two = c.generate(prompt_tokens=second, max_tokens=8, temperature=0.0)  # right after Done
+    # the first lane published its prompt and answer, whole pages (all of it, or all but the
+    # last token, as the engine keeps the last token's KV or not)
+    low, high = (len(first) + len(one.ids) - 1) // PAGE * PAGE, (len(first) + len(one.ids)) // PAGE * PAGE
+    assert low <= two.usage.cached_tokens <= high, (two.usage.cached_tokens, low, high)
+    assert two.ids == direct.run(
+        second, api.Generate(request_id="x", prompt="", max_tokens=8, temperature=0.0)
+    )
+    daemon.wait_idle()
     wait_leases(daemon, 0)
 
 

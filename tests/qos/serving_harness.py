@@ -43,12 +43,14 @@ def ref_toml(
     scheduler: str = "",
     cache: str = "",
     workers: int = 1,
+    worker: str = "",
 ) -> str:
     """A daemon config: ``workers`` reference-engine workers with ``lanes`` lanes of ``context``
-    tokens, ``ref`` overriding ``REF``; extra ``[scheduler]`` / ``[cache]`` lines verbatim."""
+    tokens, ``ref`` overriding ``REF``; extra ``[[workers]]`` / ``[scheduler]`` / ``[cache]`` lines
+    verbatim."""
     table = "\n".join(f"{k} = {v}" for k, v in {**REF, **(ref or {})}.items())
     worker = (
-        f'[[workers]]\nengine = "basert"\nlanes = {lanes}\ncontext_length = {context}\n'
+        f'[[workers]]\nengine = "basert"\nlanes = {lanes}\ncontext_length = {context}\n{worker}\n'
         f"[workers.ref_config]\n{table}\n"
     )
     return (
