@@ -115,7 +115,15 @@ class Served:
         return Client(self.sock, timeout=600)
 
     def engine_stats(self) -> dict[str, int]:
+        """The engine's counters once the daemon is idle (a worker answers a PING that arrives
+        mid-tick with the counters of before the tick)."""
         with self.client() as c:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                st = c.status()
+                if st.lanes_busy == 0 and st.queued == 0:
+                    break
+                time.sleep(0.05)
             return dict(c.request(control.Workers()).workers[0].engine_stats)
 
     def access(self) -> dict[str, dict]:
