@@ -249,6 +249,7 @@ class Scheduler:
         self._release: list[int] = []
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
+        self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
 
     # --- API side ---------------------------------------------------------------------------
 
@@ -490,7 +491,7 @@ class Scheduler:
             if isinstance(msg, api.Error):
                 raise LinkError(f"warm-up failed: {msg.message}")
             while any(lane.request is req for lane in self.lanes.values()):
-                await asyncio.sleep(0.005)
+                await self._ticked.wait()  # its lane retires (and publishes) in a coming tick
 
         try:
             await asyncio.wait_for(settled(), timeout)
@@ -510,6 +511,7 @@ class Scheduler:
                 await self.warm_prefix([int(t) for t in pin.tokens])
                 if pin_id in wc.pins and not await self.between_ticks(lambda proc: wc.hold(proc, pin)):
                     log.warning("pin_not_restored", worker_id=self.worker_id, pin_id=pin_id)
+                    pin.retry_at = time.monotonic() + PIN_RETRY_S
         except (LinkError, TimeoutError) as exc:
             log.warning("pin_rewarm_failed", worker_id=self.worker_id, pin_id=pin_id, error=str(exc))
             pin = self.cache_policy.pins.get(pin_id)
@@ -784,6 +786,11 @@ class Scheduler:
         self.cache_policy.on_tick(events.shed.entries)
         self.slot.progress()
         self._apply(proc, plan, events)
+        self._signal_tick()
+
+    def _signal_tick(self) -> None:
+        ticked, self._ticked = self._ticked, asyncio.Event()
+        ticked.set()
 
     # --- events --------------------------------------------------------------------------------
 
@@ -1039,6 +1046,7 @@ class Scheduler:
                 self.requests_done += 1
                 n += 1
         self.lanes.clear()
+        self._signal_tick()
         log.warning("worker_lanes_failed", worker_id=self.worker_id, pid=proc.pid, lanes=n, error=str(exc))
 
     # --- operator views ------------------------------------------------------------------------
