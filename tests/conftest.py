@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,18 @@ def conformance_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny") / "tiny-conformance.gguf"
     return write_tiny_gguf(path, "llama", n_vocab=512, n_layer=1, n_head_kv=1, quiet_eos=True)
+
+
+@pytest.fixture
+def no_leaks():
+    """After the test: /dev/shm exactly as before, no child process of ours alive or unreaped, no
+    memfd descriptor added to this process (tests/proc_testutil.py)."""
+    from proc_testutil import children_of, devshm_listing, memfds_of
+
+    shm_before = devshm_listing()
+    fds_before = len(memfds_of())
+    yield
+    shm_after = devshm_listing()
+    assert shm_after == shm_before, f"/dev/shm changed: +{shm_after - shm_before} -{shm_before - shm_after}"
+    assert children_of(os.getpid()) == set(), f"child processes remain: {children_of(os.getpid())}"
+    assert len(memfds_of()) == fds_before, f"memfd descriptors leaked: {memfds_of()}"

@@ -1,5 +1,6 @@
-"""Fixtures of the shared-memory tests: /dev/shm and memfd leak checks, and the helper processes
-(``shm_ring_peer.py``, a Python peer; ``shm_ring_peer.c``, a C peer linked with native/brt_ring.c)."""
+"""Fixtures of the shared-memory tests: the helper processes (``shm_ring_peer.py``, a Python peer;
+``shm_ring_peer.c``, a C peer linked with native/brt_ring.c). The /dev/shm, memfd and child-process
+leak check is ``no_leaks`` of tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -10,22 +11,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from shm_testutil import devshm_listing, memfds_of
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PY_PEER = HERE / "shm_ring_peer.py"
 C_PEER_SRC = HERE / "shm_ring_peer.c"
-
-
-@pytest.fixture
-def no_shm_leak():
-    """Asserts that the test adds nothing to /dev/shm and leaves this process no extra memfd."""
-    before_shm = devshm_listing()
-    before_fds = len(memfds_of())
-    yield
-    assert devshm_listing() - before_shm == set(), "something named appeared in /dev/shm"
-    assert len(memfds_of()) == before_fds, f"memfd descriptors leaked: {memfds_of()}"
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def ref(index, count, gen):
 
 
 @pytest.fixture
-def seg(no_shm_leak):
+def seg(no_leaks):
     with Segment.create(LEN) as s:
         RingWriter.create(s, RID, TOK, SLOTS, SB).close()  # formatted, no writer attached
         yield s

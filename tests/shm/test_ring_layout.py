@@ -32,7 +32,7 @@ TOKENS = RingKind.TOKENS
 
 
 @pytest.fixture
-def seg(no_shm_leak):
+def seg(no_leaks):
     with Segment.create(ring_bytes(SLOTS, SLOT_BYTES)) as s:
         yield s
 
@@ -73,7 +73,7 @@ def test_slot_bytes_after_writes(seg):  # ABI rule 124
     assert slot(2) == (3, 12, 0, [210, 211, 212])
 
 
-def test_logits_payload_is_f32_le(no_shm_leak):
+def test_logits_payload_is_f32_le(no_leaks):
     slot_bytes = slot_bytes_for(4)
     with Segment.create(ring_bytes(2, slot_bytes)) as seg:
         w = RingWriter.create(seg, 5, RingKind.LOGITS, 2, slot_bytes)
@@ -131,7 +131,7 @@ def test_attach_unformatted_memory(seg):
     _expect_layout_error(seg)
 
 
-def test_attach_mapping_shorter_than_ring(no_shm_leak):  # ABI rule 125: len < 64 + slots*slot_bytes
+def test_attach_mapping_shorter_than_ring(no_leaks):  # ABI rule 125: len < 64 + slots*slot_bytes
     big = bytearray(ring_bytes(SLOTS, SLOT_BYTES) + 8)
     RingWriter.create(big, RING_ID, TOKENS, SLOTS, SLOT_BYTES).close()
     with Segment.create(ring_bytes(SLOTS, SLOT_BYTES) - 1) as short:
@@ -156,7 +156,7 @@ def test_create_refuses_bad_kind(seg, kind):
     assert bytes(seg.buffer) == bytes(seg.length)
 
 
-def test_create_refuses_short_mapping(no_shm_leak):
+def test_create_refuses_short_mapping(no_leaks):
     with Segment.create(ring_bytes(SLOTS, SLOT_BYTES) - 8) as seg:
         with pytest.raises(RingLayoutError):
             RingWriter.create(seg, RING_ID, TOKENS, SLOTS, SLOT_BYTES)

@@ -30,7 +30,7 @@ TOK = RingKind.TOKENS
 
 
 @pytest.fixture
-def ring(no_shm_leak):
+def ring(no_leaks):
     with Segment.create(ring_bytes(SLOTS, SB)) as seg:
         yield RingWriter.create(seg, RID, TOK, SLOTS, SB), RingReader.attach(seg, RID, TOK, SLOTS, SB), seg
 
@@ -215,7 +215,7 @@ def test_token_payloads_are_converted_when_exact(ring):
     assert r.read(w.write(strided)).tolist() == [0, 2, 4, 6, 8]
 
 
-def test_logits_rows_round_trip_bit_exact(no_shm_leak):
+def test_logits_rows_round_trip_bit_exact(no_leaks):
     vocab = 50
     sb = slot_bytes_for(vocab)
     with Segment.create(ring_bytes(3, sb)) as seg:
@@ -279,7 +279,7 @@ def test_invalidate_makes_everything_stale_and_keeps_the_cursor(ring):
     assert w.write([2]) == ref(1, 1, 2)
 
 
-def test_closing_the_segment_closes_its_rings(no_shm_leak):
+def test_closing_the_segment_closes_its_rings(no_leaks):
     seg = Segment.create(ring_bytes(SLOTS, SB))
     w = RingWriter.create(seg, RID, TOK, SLOTS, SB)
     r = RingReader.attach(seg, RID, TOK, SLOTS, SB)

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from proc_testutil import devshm_listing
 from shm_ring_peer import (
     CTRL_WORDS,
     STRESS_CAP,
@@ -21,7 +22,6 @@ from shm_ring_peer import (
     stress_segment_bytes,
     stress_span_of_slot,
 )
-from shm_testutil import devshm_listing
 
 from basertd.schema.abi import RingKind
 from basertd.schema.tick import TokenRef
@@ -89,7 +89,7 @@ def _checked_read(reader: RingReader, index: int, older: bool) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_process_stress_never_reads_torn_data(no_shm_leak, py_peer):
+def test_two_process_stress_never_reads_torn_data(no_leaks, py_peer):
     before = devshm_listing()
     w = _Writer(py_peer)
     try:
@@ -132,7 +132,7 @@ def _naive_read(seg: Segment, reader: RingReader, index: int) -> bool | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_the_stress_check_catches_a_reader_without_the_second_check(no_shm_leak, py_peer):
+def test_the_stress_check_catches_a_reader_without_the_second_check(no_leaks, py_peer):
     """Control for the test above: the same writer and payload check flag a reader that skips the
     after-copy validation, so zero torn reads there is a finding, not a blind spot."""
     w = _Writer(py_peer)
@@ -154,7 +154,7 @@ def test_the_stress_check_catches_a_reader_without_the_second_check(no_shm_leak,
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_writer_killed_mid_stream_leaves_exact_or_stale_and_no_dev_shm(no_shm_leak, py_peer):
+def test_writer_killed_mid_stream_leaves_exact_or_stale_and_no_dev_shm(no_leaks, py_peer):
     before = devshm_listing()
     w = _Writer(py_peer)
     try:
@@ -175,7 +175,7 @@ def test_writer_killed_mid_stream_leaves_exact_or_stale_and_no_dev_shm(no_shm_le
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_c_writer_and_c_reader_processes_never_tear(no_shm_leak, c_peer):
+def test_c_writer_and_c_reader_processes_never_tear(no_leaks, c_peer):
     """The C ring code at C speed on both sides (the reference engine's writer against a C reader in
     another process): millions of contended reads, every one exact or stale (ABI rule 129)."""
     slots, slot_bytes = 5, slot_bytes_for(512)

@@ -12,14 +12,14 @@ import subprocess
 
 import numpy as np
 import pytest
-from shm_testutil import devshm_listing, memfds_of
+from proc_testutil import devshm_listing, memfds_of
 
 from basertd.native._ringc import ffi
 from basertd.schema.abi import Status
 from basertd.shm import Segment, SegmentError
 
 
-def test_create_is_zeroed_shared_and_close_on_exec(no_shm_leak):
+def test_create_is_zeroed_shared_and_close_on_exec(no_leaks):
     with Segment.create(10_000, name="brt-test") as seg:
         assert seg.length == 10_000
         assert len(seg.buffer) == 10_000 and not seg.buffer.readonly
@@ -30,7 +30,7 @@ def test_create_is_zeroed_shared_and_close_on_exec(no_shm_leak):
         assert os.fstat(seg.fd).st_size == 10_000
 
 
-def test_create_seals_size_so_a_child_cannot_truncate(no_shm_leak):
+def test_create_seals_size_so_a_child_cannot_truncate(no_leaks):
     with Segment.create(4096) as seg:
         seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
         assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
@@ -39,7 +39,7 @@ def test_create_seals_size_so_a_child_cannot_truncate(no_shm_leak):
         assert os.fstat(seg.fd).st_size == 4096
 
 
-def test_address_is_the_mapping_base(no_shm_leak):
+def test_address_is_the_mapping_base(no_leaks):
     with Segment.create(8192) as seg:
         view = ffi.from_buffer(seg.buffer)
         try:
@@ -49,7 +49,7 @@ def test_address_is_the_mapping_base(no_shm_leak):
         assert seg.address % os.sysconf("SC_PAGE_SIZE") == 0
 
 
-def test_attach_shares_memory_both_ways(no_shm_leak):
+def test_attach_shares_memory_both_ways(no_leaks):
     with Segment.create(4096) as seg:
         other = Segment.attach(os.dup(seg.fd), 4096)
         try:
@@ -61,7 +61,7 @@ def test_attach_shares_memory_both_ways(no_shm_leak):
             other.close()
 
 
-def test_attach_shorter_than_announced_is_refused_and_fd_left_open(no_shm_leak):
+def test_attach_shorter_than_announced_is_refused_and_fd_left_open(no_leaks):
     with Segment.create(4096) as seg:
         fd = os.dup(seg.fd)
         try:
@@ -79,13 +79,13 @@ def test_attach_shorter_than_announced_is_refused_and_fd_left_open(no_shm_leak):
 
 
 @pytest.mark.parametrize("length", [0, -1, 1 << 41, 1.5, True, "10"])
-def test_bad_lengths_are_typed_errors(length, no_shm_leak):
+def test_bad_lengths_are_typed_errors(length, no_leaks):
     with pytest.raises(SegmentError) as info:
         Segment.create(length)
     assert info.value.status == Status.REJECT_BOUNDS
 
 
-def test_bad_descriptors_are_typed_errors(no_shm_leak):
+def test_bad_descriptors_are_typed_errors(no_leaks):
     r, w = os.pipe()
     os.close(w)
     try:
@@ -102,7 +102,7 @@ def test_bad_descriptors_are_typed_errors(no_shm_leak):
         Segment.create(16, name="bad\x00name")
 
 
-def test_close_is_idempotent_and_releases_fd_and_view(no_shm_leak):
+def test_close_is_idempotent_and_releases_fd_and_view(no_leaks):
     seg = Segment.create(4096)
     fd = seg.fd
     seg.close()
@@ -115,7 +115,7 @@ def test_close_is_idempotent_and_releases_fd_and_view(no_shm_leak):
         _ = seg.buffer
 
 
-def test_close_with_a_live_caller_view_still_closes_the_fd(no_shm_leak):
+def test_close_with_a_live_caller_view_still_closes_the_fd(no_leaks):
     seg = Segment.create(4096)
     arr = np.frombuffer(seg.buffer, dtype=np.uint8)
     seg.buffer[7] = 42
@@ -124,7 +124,7 @@ def test_close_with_a_live_caller_view_still_closes_the_fd(no_shm_leak):
     del arr
 
 
-def test_child_attaches_by_passed_fd_only(no_shm_leak, py_peer, tmp_path):
+def test_child_attaches_by_passed_fd_only(no_leaks, py_peer, tmp_path):
     """The descriptor reaches a child only through pass_fds (close-on-exec otherwise)."""
     with Segment.create(4096) as seg:
         plain = subprocess.run([*py_peer, "fd-open", str(seg.fd)], capture_output=True, timeout=60)
@@ -136,7 +136,7 @@ def test_child_attaches_by_passed_fd_only(no_shm_leak, py_peer, tmp_path):
         assert not os.get_inheritable(seg.fd)  # pass_fds did not change the parent's descriptor
 
 
-def test_killed_owner_leaves_nothing_in_dev_shm(no_shm_leak, py_peer):
+def test_killed_owner_leaves_nothing_in_dev_shm(no_leaks, py_peer):
     """A process that created a segment and a ring dies by SIGKILL: nothing named is left behind."""
     before = devshm_listing()
     proc = subprocess.Popen([*py_peer, "own-and-hang"], stdout=subprocess.PIPE, text=True)

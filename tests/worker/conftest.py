@@ -1,6 +1,6 @@
-"""Fixtures of the worker tests: a short private runtime directory, a worker log file, a spec
-factory and a leak check that every worker test uses (nothing in /dev/shm, no child process, no
-memfd, nothing left in the runtime directory)."""
+"""Fixtures of the worker tests: a short private runtime directory, a worker log file and a spec
+factory whose workers every test checks for leaks (``no_leaks`` of tests/conftest.py: /dev/shm
+unchanged, no child process, no memfd; and nothing left in the runtime directory)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from worker_testutil import children_of, devshm_listing, memfds_of
 
 from basertd.server.worker_proc import WorkerSpec
 
@@ -30,18 +29,6 @@ def rundir():
 def worker_log(tmp_path: Path) -> Path:
     """File that receives the worker's stderr (its JSON log lines)."""
     return tmp_path / "worker.log"
-
-
-@pytest.fixture
-def no_leaks():
-    """After the test: /dev/shm unchanged, no child process of ours alive or unreaped, no memfd
-    descriptor added to this process."""
-    shm_before = devshm_listing()
-    fds_before = len(memfds_of())
-    yield
-    assert devshm_listing() - shm_before == set(), "something named appeared in /dev/shm"
-    assert children_of(os.getpid()) == [], f"child processes remain: {children_of(os.getpid())}"
-    assert len(memfds_of()) == fds_before, f"memfd descriptors leaked: {memfds_of()}"
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from worker_testutil import log_lines
+from proc_testutil import log_lines
 
 from basertd.native import header_path
 from basertd.server.worker_proc import SyncWorker, WorkerStartError

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from worker_testutil import log_lines, process_gone
+from proc_testutil import log_lines, pid_alive
 
 from basertd.schema import link
 from basertd.schema.abi import Status, TickFlag
@@ -118,12 +118,12 @@ def test_worker_exits_when_its_coordinator_dies(tmp_path):
             assert line, "the helper exited without starting a worker"
         worker_pid = int(line.split()[1])
         pidfd = os.pidfd_open(worker_pid)
-        assert not process_gone(worker_pid)
+        assert pid_alive(worker_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         ready, _, _ = select.select([pidfd], [], [], 5.0)
         assert ready, "the worker outlived its coordinator by 5 s"
-        assert process_gone(worker_pid)
+        assert not pid_alive(worker_pid)
     finally:
         if pidfd >= 0:
             os.close(pidfd)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from worker_testutil import log_lines
+from proc_testutil import log_lines
 
 from basertd.schema import link
 from basertd.schema.abi import Status
