@@ -7,14 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from serving_harness import (
-    Daemon,
-    assert_same_up_to_near_ties,
-    bare_reference,
-    engine_stats,
-    tiny_toml,
-    wait_leases,
-)
+from daemon_harness import Daemon
+from serving_harness import assert_same_up_to_near_ties, bare_reference, engine_stats, tiny_toml, wait_leases
 
 from basertd.client import AsyncClient
 
@@ -35,13 +29,8 @@ async def burst(socket, prompts: list[str]) -> list:
 
 @pytest.fixture(scope="module")
 def daemon(tiny_gguf):
-    d = Daemon(tiny_toml(tiny_gguf, lanes=4, grant=4))
-    try:
+    with Daemon(tiny_toml(tiny_gguf, lanes=4, grant=4)) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def common_len(seqs: list[list[int]]) -> int:
@@ -80,15 +69,11 @@ def test_a_shared_prefix_is_prefilled_once_and_never_changes_an_output(daemon, t
 
 def test_cache_off_gives_the_same_tokens(tiny_gguf, daemon):
     prompts = [SHARED + f"variant {chr(97 + i)}" for i in range(6)]
-    off = Daemon(tiny_toml(tiny_gguf, lanes=4, grant=4, cache="enabled = false\npublish_on_retire = false"))
-    try:
+    off_toml = tiny_toml(tiny_gguf, lanes=4, grant=4, cache="enabled = false\npublish_on_retire = false")
+    with Daemon(off_toml) as off:
         cold = asyncio.run(burst(off.socket, prompts))
         assert all(o.usage.cached_tokens == 0 for o in cold)
         assert engine_stats(off)[0]["cache_entries"] == 0
-    except BaseException:
-        off.kill()
-        raise
-    off.stop()
     warm = asyncio.run(burst(daemon.socket, prompts))
     with daemon.client() as c:
         refs = bare_reference(tiny_gguf, [c.tokenize(p) for p in prompts], N_NEW)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
-from serving_harness import Daemon, access_lines, direct_ref, engine_stats, ref_toml, wait_leases
+from daemon_harness import Daemon
+from serving_harness import access_lines, direct_ref, engine_stats, ref_toml, wait_leases
 
 from basertd.client import AsyncClient, ClientError
 from basertd.schema import client as api
@@ -54,13 +53,8 @@ def direct():
 def daemon():
     # emit window 0: every token reaches its client mid-tick, so a request's Done can arrive before
     # the plan that retires (and publishes) its lane is built
-    d = Daemon(ref_toml(lanes=4, grant=4, worker='engine_args = ["--emit-window-ms", "0"]'))
-    try:
+    with Daemon(ref_toml(lanes=4, grant=4, worker='engine_args = ["--emit-window-ms", "0"]')) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_sixteen_requests_sharing_a_long_prefix_prefill_it_once(daemon, direct):
@@ -117,15 +111,10 @@ def test_the_cache_never_changes_an_output(daemon):
     prompts = [SHARED + f"Variant {i % 3}. Item {i}." for i in range(10)] + [
         f"unrelated {i}" for i in range(3)
     ]
-    off = Daemon(ref_toml(lanes=4, grant=4, cache="enabled = false\npublish_on_retire = false"))
-    try:
+    with Daemon(ref_toml(lanes=4, grant=4, cache="enabled = false\npublish_on_retire = false")) as off:
         cold = asyncio.run(run_burst(off.socket, prompts, qos="batch"))
         assert all(o.usage.cached_tokens == 0 for o in cold)
         off_stats = engine_stats(off)[0]
-    except BaseException:
-        off.kill()
-        raise
-    off.stop()
     warm_first = asyncio.run(run_burst(daemon.socket, prompts, qos="batch"))
     warm_again = asyncio.run(run_burst(daemon.socket, prompts, qos="batch"))  # everything cached now
     assert [o.ids for o in warm_first] == [o.ids for o in cold]
@@ -136,25 +125,15 @@ def test_the_cache_never_changes_an_output(daemon):
     wait_leases(daemon, 0)
 
 
-def ctl(d: Daemon, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "basertd.ctl", "--socket", str(d.socket), "--json", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_pinned_prefixes_survive_eviction_under_pool_pressure():
     # 48 blocks of 16 tokens: two lanes of up to 256 tokens fill most of it, every finished request
     # publishes its pages, so the pool stays near full and the watermarks and ticks evict.
     ref = {"pool_bytes": 48 * PAGE * 64}
-    d = Daemon(
+    with Daemon(
         ref_toml(lanes=2, context=256, grant=4, ref=ref, cache="high_watermark = 0.8\nlow_watermark = 0.5")
-    )
-    try:
+    ) as d:
         pinned_text = "PINNED SYSTEM PROMPT: " + "keep me cached. " * 6
-        r = ctl(d, "cache", "pin", "--text", pinned_text)
+        r = d.ctl("--json", "cache", "pin", "--text", pinned_text)
         assert r.returncode == 0, r.stderr
         pin = json.loads(r.stdout)
         assert pin["tokens"] >= 4 * PAGE and pin["tokens"] % PAGE == 0
@@ -166,25 +145,21 @@ def test_pinned_prefixes_survive_eviction_under_pool_pressure():
         stats = engine_stats(d)[0]
         assert stats["evictions_total"] >= 5, stats  # the pool really was under pressure
         assert stats["live_seed_leases"] == 1
-        entries = json.loads(ctl(d, "cache", "ls").stdout)
+        entries = json.loads(d.ctl("--json", "cache", "ls").stdout)
         pinned = [e for e in entries if e["pin_id"] == pin["pin_id"]]
         assert pinned and pinned[0]["prefix_tokens"] == pin["tokens"], entries
         with d.client() as c:
             out = c.generate(pinned_text + " and a question", max_tokens=4, temperature=0.0)
         assert out.usage.cached_tokens >= pin["tokens"]
-        stats_rows = json.loads(ctl(d, "cache", "stats").stdout)
+        stats_rows = json.loads(d.ctl("--json", "cache", "stats").stdout)
         assert stats_rows[0]["pinned_entries"] == 1 and stats_rows[0]["pinned_bytes"] == pin["tokens"] * 64
         # cache evict (everything unpinned) keeps the pin too
-        assert ctl(d, "cache", "evict").returncode == 0
-        entries = json.loads(ctl(d, "cache", "ls").stdout)
+        assert d.ctl("--json", "cache", "evict").returncode == 0
+        entries = json.loads(d.ctl("--json", "cache", "ls").stdout)
         assert [e["pin_id"] for e in entries] == [pin["pin_id"]]
-        r = ctl(d, "cache", "unpin", str(pin["pin_id"]))
+        r = d.ctl("--json", "cache", "unpin", str(pin["pin_id"]))
         assert r.returncode == 0, r.stderr
         wait_leases(d, 0)
         with d.client() as c, pytest.raises(ClientError) as gone:
             c.request(control.CacheUnpin(pin_id=pin["pin_id"]))
         assert gone.value.code == ErrorCode.NOT_FOUND
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()

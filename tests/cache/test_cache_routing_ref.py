@@ -5,35 +5,20 @@ longest prefix unless that worker is much busier"; pins are held again by a new 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from serving_harness import Daemon, access_lines, engine_stats, ref_toml
+from daemon_harness import Daemon
+from serving_harness import access_lines, engine_stats, ref_toml
 
 SYSTEM = "Routing test. A system prompt long enough to fill several pages of the byte vocabulary. " * 2
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon(ref_toml(lanes=2, workers=2))
-    try:
+    with Daemon(ref_toml(lanes=2, workers=2)) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
-
-
-def ctl(d: Daemon, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "basertd.ctl", "--socket", str(d.socket), "--json", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_a_request_goes_to_the_worker_holding_its_prefix_unless_much_busier(daemon):
@@ -67,23 +52,23 @@ def test_a_request_goes_to_the_worker_holding_its_prefix_unless_much_busier(daem
 
 
 def test_a_pin_is_held_again_after_its_worker_restarts(daemon):
-    r = ctl(daemon, "cache", "pin", "--text", SYSTEM + "pinned", "--worker", "1")
+    r = daemon.ctl("--json", "cache", "pin", "--text", SYSTEM + "pinned", "--worker", "1")
     assert r.returncode == 0, r.stderr
     pin = json.loads(r.stdout)
     assert engine_stats(daemon)[1]["live_seed_leases"] == 1
     old_pid = next(w for w in daemon.workers() if w.worker_id == 1).pid
-    r = ctl(daemon, "restart-worker", "1")
+    r = daemon.ctl("--json", "restart-worker", "1")
     assert r.returncode == 0, r.stderr
     daemon.track_children()
     deadline = time.monotonic() + 30
     while True:
         rows = {w.worker_id: w for w in daemon.workers()}
-        entries = json.loads(ctl(daemon, "cache", "ls", "--worker", "1").stdout)
+        entries = json.loads(daemon.ctl("--json", "cache", "ls", "--worker", "1").stdout)
         held = [e for e in entries if e["pin_id"] == pin["pin_id"]]
         if rows[1].pid != old_pid and rows[1].seed_leases == 1 and held:
             break
         assert time.monotonic() < deadline, (rows[1], entries)
         time.sleep(0.1)
     assert held[0]["prefix_tokens"] == pin["tokens"]
-    assert ctl(daemon, "cache", "unpin", str(pin["pin_id"])).returncode == 0
+    assert daemon.ctl("--json", "cache", "unpin", str(pin["pin_id"])).returncode == 0
     assert engine_stats(daemon)[1]["live_seed_leases"] == 0

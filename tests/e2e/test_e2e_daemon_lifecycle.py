@@ -7,7 +7,8 @@ import stat
 import subprocess
 import sys
 
-from e2e_harness import Daemon, pid_alive
+from daemon_harness import Daemon
+from proc_testutil import pid_alive
 
 REF_WORKER = (
     '[[workers]]\nengine = "basert"\nlanes = 2\ncontext_length = 128\n'
@@ -16,8 +17,7 @@ REF_WORKER = (
 
 
 def test_socket_mode_private_link_dir_and_a_second_daemon_on_the_same_socket():
-    d = Daemon('socket_mode = "0600"\n' + REF_WORKER)
-    try:
+    with Daemon('socket_mode = "0600"\n' + REF_WORKER) as d:
         assert stat.S_IMODE(d.socket.stat().st_mode) == 0o600
         link_dirs = [p for p in d.runtime_dir.iterdir() if p.name.startswith("workers-")]
         assert len(link_dirs) == 1 and stat.S_IMODE(link_dirs[0].stat().st_mode) == 0o700
@@ -32,17 +32,12 @@ def test_socket_mode_private_link_dir_and_a_second_daemon_on_the_same_socket():
         assert d.socket.exists()  # the running daemon's socket was not touched
         with d.client() as c:
             assert c.generate("still mine", max_tokens=3, temperature=0).usage.completion_tokens >= 1
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_sigint_stops_cleanly_and_fails_running_work_typed():
-    d = Daemon(
+    with Daemon(
         REF_WORKER.replace("vocab_size = 259\n", "vocab_size = 259\ntick_delay_us = 50000\neos_period = 0\n")
-    )
-    try:
+    ) as d:
         c = d.client()
         s = c.stream("long", max_tokens=100, temperature=0)
         it = iter(s)
@@ -59,10 +54,6 @@ def test_sigint_stops_cleanly_and_fails_running_work_typed():
         assert d.proc.wait(30) == 0
         assert not any(pid_alive(p) for p in kids)
         assert not d.socket.exists()
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_bad_config_is_refused_before_anything_starts(tmp_path):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from e2e_harness import Daemon, DirectRun
+from daemon_harness import Daemon
+from serving_harness import DirectRun
 
 from basertd.client import AsyncClient, ClientError
 from basertd.schema import client as api
@@ -19,16 +20,11 @@ CONTEXT = 256
 
 @pytest.fixture(scope="module")
 def daemon(tiny_gguf):
-    d = Daemon(
+    with Daemon(
         f'[[workers]]\nengine = "llamacpp"\nmodel = "{tiny_gguf}"\nlanes = {LANES}\n'
         f"context_length = {CONTEXT}\nthreads = 1\n[scheduler]\ndecode_grant = 4\n"
-    )
-    try:
+    ) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from e2e_harness import Daemon
+from daemon_harness import Daemon
 
 from basertd.client import AsyncClient
 
@@ -20,10 +20,9 @@ PROMPTS = {
 @pytest.mark.realmodel
 @pytest.mark.slow
 def test_default_model_serves_real_text(default_model):
-    d = Daemon(
+    with Daemon(
         '[[workers]]\nengine = "llamacpp"\nlanes = 4\ncontext_length = 512\nthreads = 2\n', ready_timeout=180
-    )
-    try:
+    ) as d:
 
         async def scenario():
             async with await AsyncClient.connect(d.socket) as c:
@@ -41,7 +40,3 @@ def test_default_model_serves_real_text(default_model):
         with d.client() as c:  # served alone afterwards, with a stop string
             alone = c.generate("1, 2, 3, 4, 5,", max_tokens=12, temperature=0.0, stop=[" 8"])
         assert alone.finish_reason == "stop" and alone.text == " 6, 7,"
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()

@@ -16,7 +16,9 @@ import sys
 import time
 
 import pytest
-from e2e_harness import Daemon, DirectRun, pid_alive
+from daemon_harness import Daemon
+from proc_testutil import pid_alive
+from serving_harness import DirectRun
 
 from basertd.client import AsyncClient, ClientError, ConnectionLost
 from basertd.schema import client as api
@@ -61,13 +63,8 @@ def direct():
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon(ref_config())
-    try:
+    with Daemon(ref_config()) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def text_of(ids: list[int]) -> str:
@@ -277,8 +274,7 @@ def test_200_concurrent_with_cancels_and_disconnects(daemon, direct):
 
 
 def test_worker_sigkill_mid_stream_fails_lanes_typed_and_respawns():
-    d = Daemon(ref_config({"tick_delay_us": 20000, "eos_period": 0}, grant=2))
-    try:
+    with Daemon(ref_config({"tick_delay_us": 20000, "eos_period": 0}, grant=2)) as d:
         direct = direct_engine({"eos_period": 0})
         try:
             (w0,) = d.workers()
@@ -330,19 +326,14 @@ def test_worker_sigkill_mid_stream_fails_lanes_typed_and_respawns():
             assert "worker_lost" in log and "worker_lanes_failed" in log
         finally:
             direct.close()
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_queue_full_and_cancel_of_queued_request_never_starts():
-    d = Daemon(
+    with Daemon(
         ref_config(
             {"tick_delay_us": 20000, "eos_period": 0}, lanes=1, grant=1, extra="queue_limit = 2\n"
         ).replace("queue_limit = 1000\n", "")
-    )
-    try:
+    ) as d:
 
         async def scenario():
             async with await AsyncClient.connect(d.socket) as c:
@@ -375,17 +366,13 @@ def test_queue_full_and_cancel_of_queued_request_never_starts():
         with d.client() as c:
             lanes = c.request(control.Lanes()).lanes
         assert lanes == []
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_worker_that_cannot_start_is_given_up_then_retried_on_the_next_request(tmp_path):
     missing = tmp_path / "libmissing.so"  # the coordinator starts, the worker cannot load its engine
     cfg = f'[[workers]]\nengine = "basert"\nmodel = "{missing}"\n'
-    d = Daemon(cfg, wait_workers=False)  # the daemon serves its socket even while no worker runs
-    try:
+    # the daemon serves its socket even while no worker runs
+    with Daemon(cfg, wait_workers=False) as d:
         deadline = time.monotonic() + 60
         while "worker_given_up" not in d.log_text():
             assert d.proc.poll() is None and time.monotonic() < deadline, d.log_text()
@@ -398,10 +385,6 @@ def test_worker_that_cannot_start_is_given_up_then_retried_on_the_next_request(t
             assert info.value.code == ErrorCode.WORKER_FAILED
         log = d.log_text()
         assert log.count("worker_retry_on_request") == 1 and log.count("worker_given_up") == 2
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_rejected_plan_is_logged_and_replanned_never_a_crash():
@@ -412,8 +395,7 @@ def test_rejected_plan_is_logged_and_replanned_never_a_crash():
     cfg = ref_config(ref, extra="[cache]\npublish_on_retire = true\nevict_in_tick = false\n").replace(
         f"context_length = {CONTEXT}", "context_length = 1024"
     )
-    d = Daemon(cfg)
-    try:
+    with Daemon(cfg) as d:
         with d.client() as c:
             first = c.generate("a" * 600, max_tokens=100, temperature=0)
             assert first.usage.completion_tokens == 100
@@ -427,10 +409,6 @@ def test_rejected_plan_is_logged_and_replanned_never_a_crash():
         log = d.log_text()
         assert '"plan_rejected"' in log and "NEEDS_REPLAN" in log
         assert d.proc.poll() is None
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_one_connection_multiplexes_and_refuses_a_duplicate_live_request_id(daemon):

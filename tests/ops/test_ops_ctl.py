@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from ops_harness import OpsDaemon, ref_worker
+from daemon_harness import Daemon
+from ops_harness import ref_worker
 
 from basertd import ctl
 from basertd.client import ClientError, ErrorCode
@@ -21,13 +22,8 @@ CONFIG = ref_worker(lanes=2, delay_us=20000) * 2 + "[scheduler]\ndecode_grant = 
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = OpsDaemon(CONFIG)
-    try:
+    with Daemon(CONFIG) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 VIEWS = [  # lanes first: the generation it lists runs for a few seconds only
@@ -173,8 +169,7 @@ def test_restart_worker_replaces_the_process_and_counts_a_respawn(daemon):
 
 
 def test_shutdown_verb_drains_then_the_daemon_exits_zero():
-    d = OpsDaemon(ref_worker(lanes=2, delay_us=20000) + "[scheduler]\ndecode_grant = 2\n")
-    try:
+    with Daemon(ref_worker(lanes=2, delay_us=20000) + "[scheduler]\ndecode_grant = 2\n") as d:
         c = d.client()
         stream = c.stream("finish before the stop", max_tokens=30, temperature=0)
         it = iter(stream)
@@ -188,7 +183,3 @@ def test_shutdown_verb_drains_then_the_daemon_exits_zero():
         c.close()
         assert d.proc.wait(30) == 0
         d.assert_released()
-    except BaseException:
-        d.kill()
-        raise
-    d.cleanup()

@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from ops_harness import OpsDaemon, ref_worker
+from daemon_harness import Daemon
+from ops_harness import ref_worker
 
 from basertd.client import Client, ClientError, ErrorCode
 from basertd.schema import control
@@ -24,7 +25,7 @@ def _config(drain_timeout_s: float, grant: int = 2, delay_us: int = 20000) -> st
     )
 
 
-def _start(d: OpsDaemon, n: int, max_tokens: int) -> list[tuple[Client, object]]:
+def _start(d: Daemon, n: int, max_tokens: int) -> list[tuple[Client, object]]:
     """``n`` generations, each on its own connection; returns (client, stream) pairs once each is
     Accepted."""
     out = []
@@ -35,8 +36,7 @@ def _start(d: OpsDaemon, n: int, max_tokens: int) -> list[tuple[Client, object]]
 
 
 def test_sigterm_drains_short_requests_to_the_end_and_exits_zero():
-    d = OpsDaemon(_config(drain_timeout_s=20))
-    try:
+    with Daemon(_config(drain_timeout_s=20)) as d:
         streams = _start(d, 5, max_tokens=40)  # 4 lanes: the fifth is queued, and acknowledged
         first = [next(iter(s)) for _, s in streams[:4]]
         assert all(t.ids for t in first)
@@ -62,15 +62,10 @@ def test_sigterm_drains_short_requests_to_the_end_and_exits_zero():
         drained = next(e for e in d.log_events() if e.get("event") == "shutdown_drained")
         assert drained["drained"] is True and drained["cancelled"] == 0
         d.assert_released()
-    except BaseException:
-        d.kill()
-        raise
-    d.cleanup()
 
 
 def test_sigterm_cancels_what_outlives_the_drain_timeout_typed():
-    d = OpsDaemon(_config(drain_timeout_s=1, grant=1))
-    try:
+    with Daemon(_config(drain_timeout_s=1, grant=1)) as d:
         c = d.client()
         stream = c.stream("a very long one", max_tokens=200, temperature=0)
         it = iter(stream)
@@ -89,15 +84,10 @@ def test_sigterm_cancels_what_outlives_the_drain_timeout_typed():
         drained = next(e for e in d.log_events() if e.get("event") == "shutdown_drained")
         assert drained["drained"] is False and drained["cancelled"] == 1
         d.assert_released()
-    except BaseException:
-        d.kill()
-        raise
-    d.cleanup()
 
 
 def test_a_second_sigterm_stops_at_once():
-    d = OpsDaemon(_config(drain_timeout_s=60, grant=1, delay_us=50000))
-    try:
+    with Daemon(_config(drain_timeout_s=60, grant=1, delay_us=50000)) as d:
         c = d.client()
         stream = c.stream("long", max_tokens=200, temperature=0)
         it = iter(stream)
@@ -115,15 +105,10 @@ def test_a_second_sigterm_stops_at_once():
         assert d.proc.wait(20) == 0
         assert time.monotonic() - t0 < 10
         d.assert_released()
-    except BaseException:
-        d.kill()
-        raise
-    d.cleanup()
 
 
 def test_basertctl_drain_waits_refuses_new_work_and_resume_reopens():
-    d = OpsDaemon(_config(drain_timeout_s=30))
-    try:
+    with Daemon(_config(drain_timeout_s=30)) as d:
         c = d.client()
         stream = c.stream("finish me", max_tokens=60, temperature=0)
         it = iter(stream)
@@ -178,7 +163,3 @@ def test_basertctl_drain_waits_refuses_new_work_and_resume_reopens():
         assert cancelled.value.code == ErrorCode.DRAINING
         assert d.ctl("resume").returncode == 0
         c.close()
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()

@@ -8,7 +8,8 @@ import time
 import urllib.request
 
 import pytest
-from ops_harness import OpsDaemon, ref_worker
+from daemon_harness import Daemon
+from ops_harness import ref_worker
 from prometheus_client.parser import text_string_to_metric_families
 
 from basertd.client import ClientError, ErrorCode
@@ -35,23 +36,18 @@ def value(m: dict, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = OpsDaemon(CONFIG)
-    try:
+    with Daemon(CONFIG) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
-def scrape_http(d: OpsDaemon) -> dict:
+def scrape_http(d: Daemon) -> dict:
     port = next(e["port"] for e in d.log_events() if e.get("event") == "metrics_http_listening")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         assert r.status == 200
         return samples(r.read().decode())
 
 
-def scrape(d: OpsDaemon) -> dict:
+def scrape(d: Daemon) -> dict:
     with d.client() as c:
         return samples(c.request(control.Metrics()).text)
 

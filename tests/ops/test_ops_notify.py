@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from ops_harness import NotifyListener, OpsDaemon, listening_socket, ref_worker
+from daemon_harness import Daemon
+from ops_harness import NotifyListener, listening_socket, ref_worker
 
 from basertd.client import AsyncClient, Client, ClientError, ErrorCode
 from basertd.schema import control
@@ -34,12 +35,11 @@ SLOW = "[scheduler]\ndecode_grant = 1\n"
 
 
 def test_ready_after_every_worker_then_status_watchdog_and_stopping():
-    d = OpsDaemon(
+    with Daemon(
         ref_worker(lanes=2, delay_us=20000) + ref_worker(lanes=2, delay_us=20000) + SLOW,
         notify=NotifyListener,
         env={"WATCHDOG_USEC": "400000"},
-    )
-    try:
+    ) as d:
         n = d.notify
         ready = n.wait_for("READY", "1")
         assert "workers 2/2" in ready["STATUS"], ready
@@ -63,16 +63,12 @@ def test_ready_after_every_worker_then_status_watchdog_and_stopping():
                 for _ in stream:
                     pass
             assert err.value.code == ErrorCode.CANCELLED
-    except BaseException:
-        d.kill()
-        raise
-    d.track_children()
-    d.proc.send_signal(15)
-    assert d.proc.wait(30) == 0
-    n.poll(0.2)
-    assert n.count("STOPPING") >= 1, n.messages
-    d.assert_released()
-    d.cleanup()
+        d.track_children()
+        d.proc.send_signal(15)
+        assert d.proc.wait(30) == 0
+        n.poll(0.2)
+        assert n.count("STOPPING") >= 1, n.messages
+        d.assert_released()
 
 
 def test_a_hung_scheduler_loop_stops_the_watchdog(monkeypatch):
@@ -135,8 +131,7 @@ def test_the_client_socket_comes_from_listen_fds_and_outlives_a_restart():
     os.chmod(base, 0o755)
     listener = listening_socket(base)
     try:
-        d = OpsDaemon(ref_worker(lanes=2), listen=listener)
-        try:
+        with Daemon(ref_worker(lanes=2), listen=listener) as d:
             assert d.socket == base / "basertd.sock"
             assert not (d.runtime_dir / "basertd.sock").exists()  # nothing bound by the daemon
             with d.client() as c:
@@ -144,24 +139,15 @@ def test_the_client_socket_comes_from_listen_fds_and_outlives_a_restart():
                 assert out.usage.completion_tokens == 5
             started = next(e for e in d.log_events() if e.get("event") == "daemon_started")
             assert started["socket_inherited"] is True and started["socket"] == str(d.socket)
-        except BaseException:
-            d.kill()
-            raise
-        d.stop()
         # systemd's socket stays: a client connecting while no daemon runs waits in the backlog ...
         assert (base / "basertd.sock").exists()
         waiting = Client(base / "basertd.sock", timeout=60)
         waiting.send(control.Status(request_id="queued-while-down"))
         # ... and the next daemon, handed the same socket, answers it.
-        d2 = OpsDaemon(ref_worker(lanes=2), listen=listener)
-        try:
+        with Daemon(ref_worker(lanes=2), listen=listener):
             reply = waiting._recv_for("queued-while-down")
             waiting.close()
             assert isinstance(reply, control.StatusResult) and reply.workers_total == 1
-        except BaseException:
-            d2.kill()
-            raise
-        d2.stop()
     finally:
         listener.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -13,7 +13,8 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from ops_harness import OpsDaemon, ref_worker, run_as
+from daemon_harness import Daemon
+from ops_harness import ref_worker, run_as
 
 from basertd import ctl
 from basertd.client import Client, ClientError, ErrorCode
@@ -52,9 +53,8 @@ def _operator_group() -> grp.struct_group:
 
 
 def test_another_uid_is_refused_every_control_verb_but_can_generate():
-    d = OpsDaemon(ref_worker(lanes=2), open_to_all=True)
-    try:
-        pid_before = d.workers_pids()
+    with Daemon(ref_worker(lanes=2), open_to_all=True) as d:
+        pid_before = [w.pid for w in d.workers()]
 
         def as_nobody() -> dict:
             out: dict = {}
@@ -81,7 +81,7 @@ def test_another_uid_is_refused_every_control_verb_but_can_generate():
             assert st.state == "ready"
             assert c.generate("still served", max_tokens=2, temperature=0).usage.completion_tokens == 2
             metrics = c.request(control.Metrics()).text
-        assert d.workers_pids() == pid_before
+        assert [w.pid for w in d.workers()] == pid_before
         assert d.proc.poll() is None
         denied = [e for e in d.log_events() if e.get("event") == "control_denied"]
         assert len(denied) == len(VERBS) and all(e["uid"] == NOBODY for e in denied)
@@ -112,27 +112,22 @@ def test_another_uid_is_refused_every_control_verb_but_can_generate():
         code, stdout, stderr = run_as(NOBODY, NOBODY, [], ctl_as_nobody)
         assert code == ctl.EXIT_DENIED == 4, (code, stdout, stderr)
         assert stderr.count("\n") == 1 and "permission_denied" in stderr and "Traceback" not in stderr
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_operator_group_comes_from_the_kernel_and_changes_on_sighup():
     group = _operator_group()
-    d = OpsDaemon(ref_worker(lanes=2), open_to_all=True)
+    with Daemon(ref_worker(lanes=2), open_to_all=True) as d:
 
-    def status_as(groups: list[int]):
-        def call():
-            with Client(d.socket, timeout=30) as c:
-                try:
-                    return c.request(control.Status()).state
-                except ClientError as exc:
-                    return str(exc.code)
+        def status_as(groups: list[int]):
+            def call():
+                with Client(d.socket, timeout=30) as c:
+                    try:
+                        return c.request(control.Status()).state
+                    except ClientError as exc:
+                        return str(exc.code)
 
-        return run_as(NOBODY, NOBODY, groups, call)
+            return run_as(NOBODY, NOBODY, groups, call)
 
-    try:
         assert status_as([group.gr_gid]) == ErrorCode.PERMISSION_DENIED  # no operator group yet
         text = d.config_path.read_text()
         d.config_path.write_text(text + f'[operators]\noperator_group = "{group.gr_name}"\n')
@@ -144,10 +139,6 @@ def test_operator_group_comes_from_the_kernel_and_changes_on_sighup():
         assert reloaded[0]["applied"] == ["operators.operator_group"] and reloaded[0]["not_reloaded"] == []
         assert status_as([group.gr_gid]) == "ready"  # a member, through SO_PEERGROUPS
         assert status_as([]) == ErrorCode.PERMISSION_DENIED  # the same uid outside the group
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_peer_credentials_are_the_kernels_and_the_policy_fails_closed():

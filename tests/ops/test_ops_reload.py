@@ -8,7 +8,8 @@ import signal
 import time
 
 import pytest
-from ops_harness import OpsDaemon, ref_worker
+from daemon_harness import Daemon
+from ops_harness import ref_worker
 
 from basertd.client import ClientError, ErrorCode
 from basertd.schema import control
@@ -16,7 +17,7 @@ from basertd.server.config import parse_config
 from basertd.server.reload import config_changes, effective_config
 
 
-def _wait_event(d: OpsDaemon, name: str, count: int, timeout: float = 10.0) -> dict:
+def _wait_event(d: Daemon, name: str, count: int, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         found = [e for e in d.log_events() if e.get("event") == name]
@@ -27,8 +28,8 @@ def _wait_event(d: OpsDaemon, name: str, count: int, timeout: float = 10.0) -> d
 
 
 def test_sighup_applies_runtime_knobs_and_names_the_rest():
-    d = OpsDaemon(ref_worker(lanes=2, delay_us=20000) + "[scheduler]\nqueue_limit = 64\ndecode_grant = 1\n")
-    try:
+    config = ref_worker(lanes=2, delay_us=20000) + "[scheduler]\nqueue_limit = 64\ndecode_grant = 1\n"
+    with Daemon(config) as d:
         original = d.config_path.read_text()
         with d.client() as c:
             c.generate("before", max_tokens=2, temperature=0)
@@ -69,10 +70,6 @@ def test_sighup_applies_runtime_knobs_and_names_the_rest():
         assert d.proc.poll() is None
         with d.client() as c:
             assert c.health().status == "ok"
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_config_changes_split_reloadable_and_restart_keys():

@@ -8,14 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from serving_harness import (
-    Daemon,
-    access_lines,
-    assert_same_up_to_near_ties,
-    bare_reference,
-    tiny_toml,
-    wait_leases,
-)
+from daemon_harness import Daemon
+from serving_harness import access_lines, assert_same_up_to_near_ties, bare_reference, tiny_toml, wait_leases
 
 from basertd.client import AsyncClient
 
@@ -24,13 +18,8 @@ LONG = 160
 
 @pytest.fixture(scope="module")
 def daemon(tiny_gguf):
-    d = Daemon(tiny_toml(tiny_gguf, lanes=2, grant=1))
-    try:
+    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=1)) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def test_interactive_preempts_and_the_batch_lanes_resume_on_llamacpp(daemon, tiny_gguf):

@@ -14,7 +14,8 @@ import asyncio
 import time
 
 import pytest
-from serving_harness import Daemon, access_lines, direct_ref, engine_stats, ref_toml, wait_leases
+from daemon_harness import Daemon
+from serving_harness import access_lines, direct_ref, engine_stats, ref_toml, wait_leases
 
 from basertd.client import AsyncClient
 from basertd.schema import client as api
@@ -31,13 +32,8 @@ def direct():
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon(ref_toml(scheduler="aging_s = 0.4"))
-    try:
+    with Daemon(ref_toml(scheduler="aging_s = 0.4")) as d:
         yield d
-    except BaseException:
-        d.kill()
-        raise
-    d.stop()
 
 
 def uninterrupted(direct, prompt_ids: list[int], **params) -> list[int]:

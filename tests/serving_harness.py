@@ -1,23 +1,31 @@
-"""Helpers of the serving-under-contention and prefix-cache tests (issue 8): reference-engine
-daemon configurations, the daemon's access-log lines, and the engines' own counters (PONG stats
-through ``basertctl workers``)."""
+"""References for what a daemon serves, and helpers of the serving tests (e2e, and the
+serving-under-contention and prefix-cache tests of issue 8; importable from every test folder):
+``DirectRun``, an engine worker driven alone, one uninterrupted lane at a time, for token-exact
+comparisons; ``bare_reference``, a plain llama.cpp loop, with its near-tie tolerance;
+reference-engine and tiny-GGUF daemon configurations; the daemon's access-log lines and the
+engines' own counters (PONG stats through Workers). The daemon itself is ``daemon_harness.Daemon``."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from e2e_harness import Daemon, DirectRun
+import numpy as np
+from daemon_harness import Daemon
 
-from basertd.schema import control
-from basertd.server.worker_proc import WorkerSpec
+from basertd.schema import client as api
+from basertd.schema.abi import AdmitStatus, Finish
+from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, TickPlan
+from basertd.server.requests import sampler_for
+from basertd.server.worker_proc import SyncWorker, WorkerSpec
 
 __all__ = [
     "MARGIN_TOL",
     "REF",
-    "Daemon",
     "DirectRun",
     "access_lines",
     "assert_same_up_to_near_ties",
@@ -28,6 +36,65 @@ __all__ = [
     "tiny_toml",
     "wait_leases",
 ]
+
+
+class DirectRun:
+    """An engine worker driven without the coordinator, for token-exact comparisons: one lane at a
+    time, the whole prompt prefilled in the admit tick, then decode grants of up to 7 tokens until
+    the engine finishes the lane or ``max_tokens`` is reached. Sampling comes from the same
+    ``sampler_for`` the daemon uses (temperature 0 greedy, else Gumbel with rng base seed << 32)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.rundir = tempfile.mkdtemp(prefix="brt-direct-", dir="/tmp")
+        self.worker = SyncWorker(dataclasses.replace(spec, runtime_dir=self.rundir))
+        self.seq = 0
+        self.tag = 0
+
+    def run(self, prompt: list[int], gen: api.Generate) -> list[int]:
+        """Token ids the engine generates for ``prompt`` under ``gen``'s sampling and max_tokens."""
+        proc = self.worker.proc
+        sampler = sampler_for(gen)
+        self.tag += 1
+        ref = proc.prompt_ring.write(np.asarray(prompt, dtype=np.uint32))
+        admit = LaneAdmit(
+            lane_tag=self.tag,
+            prompt=ref,
+            sampling=int(sampler.mode),
+            params=sampler.params,
+            rng_counter_base=sampler.rng_counter_base(),
+        )
+        out: list[int] = []
+        first = True
+        while len(out) < gen.max_tokens:
+            self.seq += 1
+            plan = TickPlan(
+                plan_seq=self.seq,
+                prefill_token_budget=len(prompt) if first else 0,
+                max_decode_lanes=1,
+                admits=[admit] if first else [],
+                prefills=[LanePrefill(lane_tag=self.tag, token_offset=0, token_count=len(prompt))]
+                if first
+                else [],
+                decodes=[LaneDecode(lane_tag=self.tag, max_new_tokens=min(7, gen.max_tokens - len(out)))],
+            )
+            ev = self.worker.tick(plan)
+            if first:
+                assert ev.admit_results[0].status == AdmitStatus.ADMITTED, ev.admit_results
+            first = False
+            (emit,) = ev.emits
+            if emit.n_tokens:
+                out += proc.emit_ring.read(emit.token_ref).tolist()
+            if emit.finish != Finish.NONE:
+                break
+        self.seq += 1
+        self.worker.tick(TickPlan(plan_seq=self.seq, retires=[LaneRetire(lane_tag=self.tag)]))
+        return out[: gen.max_tokens]
+
+    def close(self) -> None:
+        """Stop the worker and remove its directory."""
+        self.worker.close()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
 
 REF = {"vocab_size": 259, "eos_token": 2, "eos_period": 0, "tick_delay_us": 20000}
 """Reference engine: the bytes vocabulary, no EOS (generations run to max_tokens), 20 ms ticks so
@@ -72,22 +139,12 @@ def direct_ref(*, lanes: int = 2, context: int = 512, ref: dict | None = None) -
 
 def access_lines(d: Daemon) -> dict[str, dict]:
     """The daemon's ``access`` log lines so far, by request id."""
-    out = {}
-    for line in d.log_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("event") == "access":
-            out[event["request_id"]] = event
-    return out
+    return {e["request_id"]: e for e in d.log_events() if e.get("event") == "access"}
 
 
 def engine_stats(d: Daemon) -> list[dict[str, int]]:
     """Each worker's engine counters (PONG stats), by worker id."""
-    with d.client() as c:
-        rows = c.request(control.Workers()).workers
-    return [dict(r.engine_stats) for r in sorted(rows, key=lambda r: r.worker_id)]
+    return [dict(r.engine_stats) for r in sorted(d.workers(), key=lambda r: r.worker_id)]
 
 
 def wait_leases(d: Daemon, expected: int = 0, timeout: float = 10.0) -> list[dict[str, int]]:
@@ -120,7 +177,7 @@ def bare_reference(model, prompts: list[list[int]], n_new: int) -> list[tuple[li
     tests, whose tolerance is the llamacpp issue's: outputs may differ only where this reference's
     top-2 margin is below ``MARGIN_TOL`` (batch composition may flip a near-tie, never a clear
     choice)."""
-    here = str(Path(__file__).resolve().parents[1] / "llamacpp")
+    here = str(Path(__file__).resolve().parent / "llamacpp")
     if here not in sys.path:
         sys.path.insert(0, here)
     from lc_harness import BareLlama
