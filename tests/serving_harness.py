@@ -42,7 +42,8 @@ class DirectRun:
     """An engine worker driven without the coordinator, for token-exact comparisons: one lane at a
     time, the whole prompt prefilled in the admit tick, then decode grants of up to 7 tokens until
     the engine finishes the lane or ``max_tokens`` is reached. Sampling comes from the same
-    ``sampler_for`` the daemon uses (temperature 0 greedy, else Gumbel with rng base seed << 32)."""
+    ``sampler_for`` the daemon uses (temperature 0 greedy, else Gumbel with rng base seed << 32).
+    A context manager: ``close()`` at the end of the block."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.rundir = tempfile.mkdtemp(prefix="brt-direct-", dir="/tmp")
@@ -95,6 +96,12 @@ class DirectRun:
         self.worker.close()
         shutil.rmtree(self.rundir, ignore_errors=True)
 
+    def __enter__(self) -> DirectRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 REF = {"vocab_size": 259, "eos_token": 2, "eos_period": 0, "tick_delay_us": 20000}
 """Reference engine: the bytes vocabulary, no EOS (generations run to max_tokens), 20 ms ticks so
@@ -106,6 +113,7 @@ def ref_toml(
     lanes: int = 2,
     context: int = 512,
     grant: int = 2,
+    queue_limit: int = 1000,
     ref: dict | None = None,
     scheduler: str = "",
     cache: str = "",
@@ -113,8 +121,8 @@ def ref_toml(
     worker: str = "",
 ) -> str:
     """A daemon config: ``workers`` reference-engine workers with ``lanes`` lanes of ``context``
-    tokens, ``ref`` overriding ``REF``; extra ``[[workers]]`` / ``[scheduler]`` / ``[cache]`` lines
-    verbatim."""
+    tokens, ``ref`` overriding ``REF``, a decode grant of ``grant`` tokens and a queue of
+    ``queue_limit`` requests; extra ``[[workers]]`` / ``[scheduler]`` / ``[cache]`` lines verbatim."""
     table = "\n".join(f"{k} = {v}" for k, v in {**REF, **(ref or {})}.items())
     worker = (
         f'[[workers]]\nengine = "basert"\nlanes = {lanes}\ncontext_length = {context}\n{worker}\n'
@@ -122,7 +130,7 @@ def ref_toml(
     )
     return (
         worker * workers
-        + f"[scheduler]\ndecode_grant = {grant}\nqueue_limit = 1000\n{scheduler}\n[cache]\n{cache}\n"
+        + f"[scheduler]\ndecode_grant = {grant}\nqueue_limit = {queue_limit}\n{scheduler}\n[cache]\n{cache}\n"
     )
 
 

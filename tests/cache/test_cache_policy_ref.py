@@ -44,9 +44,8 @@ async def run_burst(socket, prompts: list[str], qos: str = "interactive") -> lis
 
 @pytest.fixture(scope="module")
 def direct():
-    d = direct_ref(lanes=4)
-    yield d
-    d.close()
+    with direct_ref(lanes=4) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,9 @@ def daemon(tiny_gguf):
 
 @pytest.fixture(scope="module")
 def direct(tiny_gguf):
-    r = DirectRun(
-        WorkerSpec(engine="llamacpp", model=str(tiny_gguf), lanes=1, context_length=CONTEXT, threads=1)
-    )
-    yield r
-    r.close()
+    spec = WorkerSpec(engine="llamacpp", model=str(tiny_gguf), lanes=1, context_length=CONTEXT, threads=1)
+    with DirectRun(spec) as r:
+        yield r
 
 
 def test_generate_is_token_exact_against_the_engine_alone(daemon, direct):

@@ -18,47 +18,35 @@ import time
 import pytest
 from daemon_harness import Daemon
 from proc_testutil import pid_alive
-from serving_harness import DirectRun
+from serving_harness import DirectRun, direct_ref, ref_toml
 
 from basertd.client import AsyncClient, ClientError, ConnectionLost
 from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
 from basertd.server.tokenizer import BytesTokenizer, IncrementalDetokenizer
-from basertd.server.worker_proc import WorkerSpec
 
 REF = {"vocab_size": 259, "eos_token": 2, "eos_period": 48, "tick_delay_us": 1000}
 LANES = 8
 CONTEXT = 512
 
 
-def ref_config(ref: dict | None = None, *, lanes: int = LANES, grant: int = 4, extra: str = "") -> str:
-    ref = {**REF, **(ref or {})}
-    table = "\n".join(f"{k} = {v}" for k, v in ref.items())
-    return (
-        f'[[workers]]\nengine = "basert"\nlanes = {lanes}\ncontext_length = {CONTEXT}\n'
-        f"[workers.ref_config]\n{table}\n"
-        f"[scheduler]\ndecode_grant = {grant}\nqueue_limit = 1000\n{extra}"
-    )
+def ref_config(ref: dict | None = None, *, lanes: int = LANES, grant: int = 4, **kw) -> str:
+    """``serving_harness.ref_toml`` with this file's engine (``REF`` here: an EOS every 48 tokens,
+    1 ms ticks), ``LANES`` lanes of ``CONTEXT`` tokens and a decode grant of 4."""
+    kw.setdefault("context", CONTEXT)
+    return ref_toml(lanes=lanes, grant=grant, ref={**REF, **(ref or {})}, **kw)
 
 
 def direct_engine(ref: dict | None = None) -> DirectRun:
     """The reference engine driven without the coordinator (same config, no tick delay)."""
-    return DirectRun(
-        WorkerSpec(
-            engine="basert",
-            ref_config={**REF, **(ref or {}), "tick_delay_us": 0},
-            lanes=LANES,
-            context_length=CONTEXT,
-        )
-    )
+    return direct_ref(lanes=LANES, context=CONTEXT, ref={**REF, **(ref or {})})
 
 
 @pytest.fixture(scope="module")
 def direct():
-    d = direct_engine()
-    yield d
-    d.close()
+    with direct_engine() as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
@@ -274,66 +262,57 @@ def test_200_concurrent_with_cancels_and_disconnects(daemon, direct):
 
 
 def test_worker_sigkill_mid_stream_fails_lanes_typed_and_respawns():
-    with Daemon(ref_config({"tick_delay_us": 20000, "eos_period": 0}, grant=2)) as d:
-        direct = direct_engine({"eos_period": 0})
-        try:
-            (w0,) = d.workers()
+    with (
+        Daemon(ref_config({"tick_delay_us": 20000, "eos_period": 0}, grant=2)) as d,
+        direct_engine({"eos_period": 0}) as direct,
+    ):
+        (w0,) = d.workers()
 
-            async def scenario():
-                async with await AsyncClient.connect(d.socket) as c:
-                    streams = [
-                        await c.stream(f"kill me {i}", max_tokens=300, temperature=0.0) for i in range(4)
-                    ]
-                    got = [[] for _ in streams]
-                    errors = [None] * len(streams)
+        async def scenario():
+            async with await AsyncClient.connect(d.socket) as c:
+                streams = [await c.stream(f"kill me {i}", max_tokens=300, temperature=0.0) for i in range(4)]
+                got = [[] for _ in streams]
+                errors = [None] * len(streams)
 
-                    async def read(k):
-                        try:
-                            async for t in streams[k]:
-                                got[k] += t.ids
-                        except ClientError as exc:
-                            errors[k] = exc
+                async def read(k):
+                    try:
+                        async for t in streams[k]:
+                            got[k] += t.ids
+                    except ClientError as exc:
+                        errors[k] = exc
 
-                    readers = [asyncio.create_task(read(k)) for k in range(len(streams))]
-                    while min(len(g) for g in got) < 6:
-                        await asyncio.sleep(0.01)
-                    os.kill(w0.pid, signal.SIGKILL)
-                    await asyncio.gather(*readers)
-                    return got, errors
+                readers = [asyncio.create_task(read(k)) for k in range(len(streams))]
+                while min(len(g) for g in got) < 6:
+                    await asyncio.sleep(0.01)
+                os.kill(w0.pid, signal.SIGKILL)
+                await asyncio.gather(*readers)
+                return got, errors
 
-            got, errors = asyncio.run(scenario())
-            assert all(isinstance(e, ClientError) and e.code == ErrorCode.WORKER_FAILED for e in errors), (
-                errors
-            )
-            with d.client() as c:
-                for k, ids in enumerate(got):
-                    expected = direct.run(
-                        c.tokenize(f"kill me {k}"),
-                        api.Generate(request_id="x", prompt="", max_tokens=300, temperature=0.0),
-                    )
-                    assert 6 <= len(ids) < 300 and ids == expected[: len(ids)]  # delivered once, in order
-                deadline = time.monotonic() + 30
-                while True:  # the respawned worker serves the next request
-                    (w1,) = d.workers()
-                    if w1.state == "ready":
-                        break
-                    assert time.monotonic() < deadline, w1
-                    time.sleep(0.05)
-                assert w1.pid != w0.pid and w1.respawns == 1 and not pid_alive(w0.pid)
-                out = c.generate("after the crash", max_tokens=8, temperature=0)
-                assert out.usage.completion_tokens == 8
-            log = d.log_text()
-            assert "worker_lost" in log and "worker_lanes_failed" in log
-        finally:
-            direct.close()
+        got, errors = asyncio.run(scenario())
+        assert all(isinstance(e, ClientError) and e.code == ErrorCode.WORKER_FAILED for e in errors), errors
+        with d.client() as c:
+            for k, ids in enumerate(got):
+                expected = direct.run(
+                    c.tokenize(f"kill me {k}"),
+                    api.Generate(request_id="x", prompt="", max_tokens=300, temperature=0.0),
+                )
+                assert 6 <= len(ids) < 300 and ids == expected[: len(ids)]  # delivered once, in order
+            deadline = time.monotonic() + 30
+            while True:  # the respawned worker serves the next request
+                (w1,) = d.workers()
+                if w1.state == "ready":
+                    break
+                assert time.monotonic() < deadline, w1
+                time.sleep(0.05)
+            assert w1.pid != w0.pid and w1.respawns == 1 and not pid_alive(w0.pid)
+            out = c.generate("after the crash", max_tokens=8, temperature=0)
+            assert out.usage.completion_tokens == 8
+        log = d.log_text()
+        assert "worker_lost" in log and "worker_lanes_failed" in log
 
 
 def test_queue_full_and_cancel_of_queued_request_never_starts():
-    with Daemon(
-        ref_config(
-            {"tick_delay_us": 20000, "eos_period": 0}, lanes=1, grant=1, extra="queue_limit = 2\n"
-        ).replace("queue_limit = 1000\n", "")
-    ) as d:
+    with Daemon(ref_config({"tick_delay_us": 20000, "eos_period": 0}, lanes=1, grant=1, queue_limit=2)) as d:
 
         async def scenario():
             async with await AsyncClient.connect(d.socket) as c:
@@ -392,9 +371,7 @@ def test_rejected_plan_is_logged_and_replanned_never_a_crash():
     # request retires and publishes, a long prompt no longer fits and the engine answers
     # NEEDS_REPLAN (ABI rule 50); the daemon logs it, fails that request typed, and serves on.
     ref = {"pool_bytes": 1024 * 64, "bytes_per_token": 64, "page_size_tokens": 16, "eos_period": 0}
-    cfg = ref_config(ref, extra="[cache]\npublish_on_retire = true\nevict_in_tick = false\n").replace(
-        f"context_length = {CONTEXT}", "context_length = 1024"
-    )
+    cfg = ref_config(ref, context=1024, cache="publish_on_retire = true\nevict_in_tick = false")
     with Daemon(cfg) as d:
         with d.client() as c:
             first = c.generate("a" * 600, max_tokens=100, temperature=0)

@@ -25,9 +25,8 @@ LONG = 120  # tokens of each batch request: 60 ticks of 20 ms at a grant of 2
 
 @pytest.fixture(scope="module")
 def direct():
-    d = direct_ref()
-    yield d
-    d.close()
+    with direct_ref() as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
