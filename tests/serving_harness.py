@@ -30,6 +30,7 @@ __all__ = [
     "access_lines",
     "assert_same_up_to_near_ties",
     "bare_reference",
+    "common_prefix",
     "direct_ref",
     "engine_stats",
     "ref_toml",
@@ -143,6 +144,14 @@ def direct_ref(*, lanes: int = 2, context: int = 512, ref: dict | None = None) -
         context_length=context,
     )
     return DirectRun(spec)
+
+
+def common_prefix(seqs: list[list[int]]) -> list[int]:
+    """The longest prefix every one of ``seqs`` (token ids) starts with."""
+    n = 0
+    while all(len(s) > n and s[n] == seqs[0][n] for s in seqs):
+        n += 1
+    return seqs[0][:n]
 
 
 def access_lines(d: Daemon) -> dict[str, dict]:

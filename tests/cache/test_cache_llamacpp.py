@@ -8,7 +8,14 @@ import asyncio
 
 import pytest
 from daemon_harness import Daemon
-from serving_harness import assert_same_up_to_near_ties, bare_reference, engine_stats, tiny_toml, wait_leases
+from serving_harness import (
+    assert_same_up_to_near_ties,
+    bare_reference,
+    common_prefix,
+    engine_stats,
+    tiny_toml,
+    wait_leases,
+)
 
 from basertd.client import AsyncClient
 
@@ -33,18 +40,11 @@ def daemon(tiny_gguf):
         yield d
 
 
-def common_len(seqs: list[list[int]]) -> int:
-    n = 0
-    while all(len(s) > n and s[n] == seqs[0][n] for s in seqs):
-        n += 1
-    return n
-
-
 def test_a_shared_prefix_is_prefilled_once_and_never_changes_an_output(daemon, tiny_gguf):
     prompts = [SHARED + f"question {chr(97 + i)} is {chr(98 + i)}" for i in range(16)]
     with daemon.client() as c:
         ids = [c.tokenize(p) for p in prompts]
-    pages = common_len(ids) // PAGE * PAGE
+    pages = len(common_prefix(ids)) // PAGE * PAGE
     assert pages > 4 * PAGE
     before = engine_stats(daemon)[0]
     outs = asyncio.run(burst(daemon.socket, prompts))

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from daemon_harness import Daemon
-from serving_harness import access_lines, direct_ref, engine_stats, ref_toml, wait_leases
+from serving_harness import access_lines, common_prefix, direct_ref, engine_stats, ref_toml, wait_leases
 
 from basertd.client import AsyncClient, ClientError
 from basertd.schema import client as api
@@ -60,7 +60,7 @@ def test_sixteen_requests_sharing_a_long_prefix_prefill_it_once(daemon, direct):
     prompts = [SHARED + f"Question {i}: what is {i} times {i + 3}?" for i in range(16)]
     with daemon.client() as c:
         ids = [c.tokenize(p) for p in prompts]
-    shared_tokens = len(c_common := _common(ids))
+    shared_tokens = len(c_common := common_prefix(ids))
     pages = shared_tokens // PAGE * PAGE
     assert pages > 4 * PAGE and c_common
     before = engine_stats(daemon)[0]
@@ -97,13 +97,6 @@ def test_the_next_turn_sent_the_moment_a_request_ends_is_seeded_from_it(daemon, 
     )
     daemon.wait_idle()
     wait_leases(daemon, 0)
-
-
-def _common(seqs: list[list[int]]) -> list[int]:
-    n = 0
-    while all(len(s) > n and s[n] == seqs[0][n] for s in seqs):
-        n += 1
-    return seqs[0][:n]
 
 
 def test_the_cache_never_changes_an_output(daemon):
