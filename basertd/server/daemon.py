@@ -43,7 +43,6 @@ from basertd.server.cache_policy import PolicyCacheControl, route
 from basertd.server.config import (
     Config,
     ConfigError,
-    WorkerConfig,
     load_config,
     resolve_runtime_dir,
     socket_path,
@@ -64,7 +63,7 @@ from basertd.server.requests import (
 from basertd.server.scheduler import Scheduler, WorkerLimits
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
-from basertd.server.worker_proc import WorkerSpec
+from basertd.server.worker_specs import worker_spec
 
 log = structlog.get_logger("basertd.daemon")
 
@@ -86,16 +85,6 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
-
-
-def model_path(worker: WorkerConfig) -> str:
-    """The model file a llamacpp worker serves: its ``model`` key, else the default model
-    (assembled once; raises ``basertd.models.ModelUnavailable`` when it cannot be)."""
-    if worker.model:
-        return str(Path(worker.model).expanduser())
-    from basertd.models import default_model_path
-
-    return str(default_model_path())
 
 
 class Daemon:
@@ -166,7 +155,9 @@ class Daemon:
         os.chmod(self.workers_dir, 0o700)
         tokenizer_cache: dict[tuple[str, str], Tokenizer] = {}
         for worker_id, wcfg in enumerate(cfg.workers):
-            spec, tok_key, name = self._spec(worker_id, wcfg)
+            spec, tok_key, name = worker_spec(
+                worker_id, wcfg, runtime_dir=str(self.workers_dir), log_level=cfg.log_level
+            )
             if tok_key not in tokenizer_cache:
                 tokenizer_cache[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
             self.tokenizers.append(tokenizer_cache[tok_key])
@@ -268,27 +259,6 @@ class Daemon:
         if self.state == "ready" and self.drainer.draining:
             return "draining"
         return self.state
-
-    def _spec(self, worker_id: int, w: WorkerConfig) -> tuple[WorkerSpec, tuple[str, str], str]:
-        """The worker spec, the tokenizer it implies (kind, path) and the model's served name."""
-        common = dict(
-            worker_id=worker_id,
-            device=w.device,
-            lanes=w.lanes,
-            context_length=w.context_length,
-            threads=w.threads,
-            extra_args=tuple(w.engine_args),
-            runtime_dir=str(self.workers_dir),
-            start_timeout=120.0,
-            log_level=self.config.log_level,
-        )
-        if w.engine == "llamacpp":
-            path = model_path(w)
-            return WorkerSpec(engine="llamacpp", model=path, **common), ("gguf", path), Path(path).stem
-        lib = str(Path(w.model).expanduser()) if w.model else None
-        ref = dict(w.ref_config) if w.ref_config else None
-        name = Path(lib).stem if lib else "basert-ref"
-        return WorkerSpec(engine="basert", lib=lib, ref_config=ref, **common), ("bytes", ""), name
 
     def request_stop(self) -> None:
         """Ask ``run`` to stop now (what is in flight fails with SHUTTING_DOWN)."""

@@ -1,0 +1,52 @@
+"""From a ``[[workers]]`` table to what the coordinator starts and serves (DESIGN.md "Layout").
+
+``worker_spec`` turns one worker's configuration into the ``WorkerSpec`` its supervisor spawns,
+the key of the tokenizer the coordinator builds for it (workers sharing a key share one
+tokenizer) and the model name clients address it by.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from basertd.server.config import WorkerConfig
+from basertd.server.worker_proc import WorkerSpec
+
+WORKER_START_TIMEOUT_S = 120.0
+"""Seconds a worker may take from spawn to a finished handshake (model loading included)."""
+
+
+def model_path(worker: WorkerConfig) -> str:
+    """The model file a llamacpp worker serves: its ``model`` key, else the default model
+    (assembled once; raises ``basertd.models.ModelUnavailable`` when it cannot be)."""
+    if worker.model:
+        return str(Path(worker.model).expanduser())
+    from basertd.models import default_model_path
+
+    return str(default_model_path())
+
+
+def worker_spec(
+    worker_id: int, w: WorkerConfig, *, runtime_dir: str, log_level: str
+) -> tuple[WorkerSpec, tuple[str, str], str]:
+    """The worker spec, the tokenizer it implies as ``(kind, path)`` (``("gguf", path)`` or
+    ``("bytes", "")``) and the model's served name. Raises ``basertd.models.ModelUnavailable``
+    when the default model cannot be assembled."""
+    common = dict(
+        worker_id=worker_id,
+        device=w.device,
+        lanes=w.lanes,
+        context_length=w.context_length,
+        threads=w.threads,
+        extra_args=tuple(w.engine_args),
+        runtime_dir=runtime_dir,
+        start_timeout=WORKER_START_TIMEOUT_S,
+        log_level=log_level,
+    )
+    if w.engine == "llamacpp":
+        path = model_path(w)
+        return WorkerSpec(engine="llamacpp", model=path, **common), ("gguf", path), Path(path).stem
+    lib = str(Path(w.model).expanduser()) if w.model else None
+    ref = dict(w.ref_config) if w.ref_config else None
+    name = Path(lib).stem if lib else "basert-ref"
+    return WorkerSpec(engine="basert", lib=lib, ref_config=ref, **common), ("bytes", ""), name
