@@ -219,14 +219,16 @@ class ModelsResult(_Msg, tag="models_result"):
 
 
 class HealthResult(_Msg, tag="health_result"):
-    """Answer to Health: ``status`` "ok", "starting", "degraded" (some worker down), "draining" or
-    "stopping"; workers handshaken / configured; the daemon's version."""
+    """Answer to Health: ``status`` "ok", "starting", "degraded" (some worker down or stalled),
+    "draining" or "stopping"; workers handshaken / configured; the daemon's version; ``reason``
+    says why the status is not "ok" (e.g. "worker 1: cannot load model ...: not a GGUF file")."""
 
     request_id: str = ""
     status: str = "ok"
     workers_ready: int = 0
     workers_total: int = 0
     version: str = ""
+    reason: str = ""
 
 
 REQUESTS: tuple[type, ...] = (Generate, Cancel, Tokenize, Models, Health)

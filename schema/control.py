@@ -145,7 +145,8 @@ class ConfigCheck(_Msg, tag="config_check"):
 
 class StatusResult(_Msg, tag="status_result"):
     """``state`` "starting", "ready", "draining" or "stopping"; uptime in seconds; workers
-    handshaken / configured; lanes busy / total; queued requests; requests served since start."""
+    handshaken / configured; lanes busy / total; queued requests; requests served since start;
+    ``problems``: one line per worker an operator must look at ("worker 0: <why>")."""
 
     request_id: str = ""
     version: str = ""
@@ -157,6 +158,7 @@ class StatusResult(_Msg, tag="status_result"):
     lanes_max: int = 0
     queued: int = 0
     requests_total: int = 0
+    problems: list[str] = msgspec.field(default_factory=list)
 
 
 class WorkerRow(_Rec):
@@ -165,7 +167,8 @@ class WorkerRow(_Rec):
     ticks run; lanes and unconsumed seed leases the engine itself reports (its ``stats``; with
     the coordinator idle both are 0 but for one lease per held ``cache pin``, anything else is a
     leak); ``engine_stats``: every counter the engine reports (PONG stats: prefill_tokens_total,
-    decode_tokens_total, cache_entries, ...)."""
+    decode_tokens_total, cache_entries, ...); ``last_error``: why its last incarnation failed
+    (set while it respawns or after it gave up; "" when it serves)."""
 
     worker_id: int
     engine: str = ""
@@ -182,6 +185,7 @@ class WorkerRow(_Rec):
     engine_lanes: int = 0
     seed_leases: int = 0
     engine_stats: dict[str, int] = msgspec.field(default_factory=dict)
+    last_error: str = ""
 
 
 class WorkersResult(_Msg, tag="workers_result"):

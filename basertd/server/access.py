@@ -1,8 +1,9 @@
-"""Per-request observation: metrics, the access log line and drain accounting (issue 9).
+"""Per-request observation: metrics, the access log line and drain accounting.
 
-``ObservedSink`` is the ``RequestSink`` the daemon gives each accepted Generate. Every reply of
-the request passes through it on its way to the client connection, so one place sees the request
-from acceptance to its end without the scheduler knowing about metrics or logs:
+``ObservedSink`` is the ``RequestSink`` the front end gives each accepted Generate, around the
+transport's own sink (a native connection, an HTTP stream). Every reply of the request passes
+through it on its way to the client, so one place sees the request from acceptance to its end,
+whichever API it came through, without the scheduler knowing about metrics or logs:
 
 - the first token: TTFT, queue time and the prefix-cache hit or miss (``Metrics.first_token``);
 - later tokens: inter-token latency (``Metrics.tokens``); with ``stream`` False the tokens arrive
@@ -11,10 +12,11 @@ from acceptance to its end without the scheduler knowing about metrics or logs:
   ``Drainer``, and exactly one access log line.
 
 The access line is content-free (DESIGN.md "Operators"): event ``access`` with request_id, key,
-worker_id, qos, prompt_tokens, cached_tokens, completion_tokens, queue_s, ttft_s, tokens_per_s,
-total_s, finish_reason, preemptions (times the request was preempted for an interactive one),
-ttft_ticks (ticks from arrival to the tick that delivered its first token, issue 8) and, for an
-Error, its code. Never prompt or output text or token ids.
+api (the API it came through: native, openai, anthropic, ollama), worker_id, qos, prompt_tokens,
+cached_tokens, completion_tokens, queue_s, ttft_s, tokens_per_s, total_s, finish_reason,
+preemptions (times the request was preempted for an interactive one), ttft_ticks (ticks from
+arrival to the tick that delivered its first token) and, for an Error, its code.
+Never prompt or output text or token ids.
 """
 
 from __future__ import annotations
@@ -27,23 +29,31 @@ import structlog
 from basertd.schema import client as api
 
 if TYPE_CHECKING:
-    from basertd.server.api import ClientConnection
     from basertd.server.drain import Drainer
     from basertd.server.metrics import Metrics
-    from basertd.server.requests import GenerationRequest
+    from basertd.server.requests import GenerationRequest, RequestSink
 
 access_log = structlog.get_logger("basertd.access")
 
 
 class ObservedSink:
-    """Routes one generation's replies to its connection (forgetting the request id once it ends)
-    and observes them (module docstring). ``attach(req)`` must be called before the request is
-    submitted; ``send`` never raises."""
+    """Passes one generation's replies to the transport's ``inner`` sink and observes them
+    (module docstring). ``attach(req)`` must be called before the request is submitted; ``send``
+    never raises."""
 
-    __slots__ = ("_last_t", "conn", "drainer", "metrics", "request", "request_id")
+    __slots__ = ("_last_t", "api_name", "drainer", "inner", "metrics", "request", "request_id")
 
-    def __init__(self, conn: ClientConnection, request_id: str, metrics: Metrics, drainer: Drainer) -> None:
-        self.conn = conn
+    def __init__(
+        self,
+        inner: RequestSink,
+        request_id: str,
+        metrics: Metrics,
+        drainer: Drainer,
+        *,
+        api_name: str = "native",
+    ) -> None:
+        self.inner = inner
+        self.api_name = api_name
         self.request_id = request_id
         self.metrics = metrics
         self.drainer = drainer
@@ -58,7 +68,7 @@ class ObservedSink:
     @property
     def closed(self) -> bool:
         """True once the client went away."""
-        return self.conn.closed
+        return self.inner.closed
 
     def send(self, msg: object) -> None:
         """Observe ``msg`` and queue it on the connection."""
@@ -68,9 +78,7 @@ class ObservedSink:
                 self._observe(req, msg)
             except Exception as exc:  # observation must never break a reply
                 access_log.error("observe_failed", error=repr(exc))
-        self.conn.send(msg)
-        if isinstance(msg, (api.Done, api.Error)):
-            self.conn.generations.pop(self.request_id, None)
+        self.inner.send(msg)
 
     def _observe(self, req: GenerationRequest, msg: object) -> None:
         if isinstance(msg, api.Tokens) and msg.ids:
@@ -94,6 +102,7 @@ class ObservedSink:
         fields = dict(
             request_id=req.request_id,
             key=req.key,
+            api=self.api_name,
             worker_id=req.worker_id,
             qos=req.qos,
             prompt_tokens=usage.prompt_tokens,

@@ -1,6 +1,6 @@
-"""The control API: handlers of every ``basertctl`` verb and their peer-credential guard (issue 9).
+"""The control API: handlers of every ``basertctl`` verb and their peer-credential guard.
 
-``ControlService(daemon).handle(conn, msg)`` answers one ``basertd.schema.control`` request on the
+``ControlService(host).handle(conn, msg)`` answers one ``basertd.schema.control`` request on the
 client socket (DESIGN.md "Operators"). Before any handler runs, the peer's kernel credentials
 (``conn.credentials``, SO_PEERCRED / SO_PEERGROUPS) must satisfy the daemon's
 ``OperatorPolicy`` (root, the daemon's user, the ``[operators] operator_group``); anyone else gets
@@ -12,11 +12,10 @@ Handlers raise ``ControlError(code, message)`` for refusals (NOT_FOUND for an un
 pin, INVALID_REQUEST for bad arguments, SHUTTING_DOWN while stopping); ``handle`` turns it into
 ``Error`` and never lets anything else escape as a traceback.
 
-The prefix-cache verbs go through the ``CacheControl`` interface. ``EngineCache``, the default,
-serves ``cache stats`` and ``cache evict`` from the workers' engines (PONG stats, CACHE_EVICT)
-and the coordinator's hit / miss counters; ``cache ls`` / ``pin`` / ``unpin`` need the
-coordinator's prefix index and lease keeping (the prefix-cache policy, issue 8), which installs
-its own ``CacheControl`` as ``daemon.cache_control``; until then they answer a typed error.
+The handlers see the daemon only through ``ControlHost``, a narrow protocol (the daemon satisfies
+it); the prefix-cache verbs go through ``CacheControl``, served by the prefix-cache policy
+(``basertd.server.cache_policy.PolicyCacheControl``). ``config check`` reads its file off the event
+loop and refuses anything but a regular file (a named pipe would block the read forever).
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import grp
 import math
+import os
+import stat
 import time
 import tomllib
 from pathlib import Path
@@ -34,20 +35,20 @@ import structlog
 from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
-from basertd.schema.tick import ShedPolicy
 from basertd.server.config import Config, ConfigError, parse_config
-from basertd.server.link import LinkError
 from basertd.server.reload import config_changes
 
 if TYPE_CHECKING:
     from basertd.server.api import ClientConnection
-    from basertd.server.daemon import Daemon
+    from basertd.server.drain import Drainer
+    from basertd.server.fleet import Fleet
+    from basertd.server.metrics import Metrics
+    from basertd.server.peercred import OperatorPolicy
 
 log = structlog.get_logger("basertd.control")
 
-U64_MAX = (1 << 64) - 1
-PONG_TIMEOUT_S = 1.0
-"""Seconds a control verb waits for a worker's PONG before reporting it without engine stats."""
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest configuration file ``config check`` reads."""
 RESTART_TIMEOUT_S = 180.0
 """Seconds ``restart-worker`` waits for the new incarnation to handshake."""
 STOP_TIMEOUT_HINT_S = 90.0
@@ -110,92 +111,53 @@ class CacheControl(Protocol):
         ...
 
 
-async def worker_stats(daemon: Daemon, worker_id: int) -> dict[str, int] | None:
-    """The engine's ``stats`` of worker ``worker_id`` from a PONG (None when it is not running or
-    does not answer within ``PONG_TIMEOUT_S``)."""
-    proc = daemon.slots[worker_id].proc
-    if proc is None or not proc.link.alive:
-        return None
+class ControlHost(Protocol):
+    """What the control verbs need of the daemon (``basertd.server.daemon.Daemon`` is one)."""
+
+    config: Config
+    version: str
+    started_at: float
+    metrics: Metrics
+    operators: OperatorPolicy
+    drainer: Drainer
+    fleet: Fleet
+    cache_control: CacheControl
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def requests_total(self) -> int: ...
+
+    def public_state(self) -> str: ...
+
+    def publish_status(self) -> None: ...
+
+    def request_shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None: ...
+
+
+def _worker_ids(fleet: Fleet, worker_id: int | None) -> list[int]:
     try:
-        pong = await proc.link.ping(timeout=PONG_TIMEOUT_S)
-    except LinkError:
-        return None
-    return dict(pong.stats or {})
+        return fleet.worker_ids(worker_id)
+    except LookupError as exc:
+        raise ControlError(ErrorCode.NOT_FOUND, str(exc)) from None
 
 
-class EngineCache:
-    """``CacheControl`` over the engines themselves (module docstring)."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-
-    def _counter(self, name: str, worker: int) -> int:
-        value = self.daemon.metrics.registry.get_sample_value(name, {"worker": str(worker)})
-        return int(value or 0)
-
-    async def stats(self) -> list[control.CacheStatsRow]:
-        ids = range(len(self.daemon.slots))
-        all_stats = await asyncio.gather(*(worker_stats(self.daemon, i) for i in ids))
-        rows = []
-        for i, stats in zip(ids, all_stats, strict=True):
-            stats = stats or {}
-            rows.append(
-                control.CacheStatsRow(
-                    worker_id=i,
-                    entries=int(stats.get("cache_entries", 0)),
-                    bytes=int(stats.get("cache_bytes", 0)),
-                    hits=self._counter("basertd_prefix_cache_hits_total", i),
-                    misses=self._counter("basertd_prefix_cache_misses_total", i),
-                    cached_tokens=self._counter("basertd_cached_tokens_total", i),
-                    evictions=int(stats.get("evictions_total", 0)),
-                )
-            )
-        return rows
-
-    def _needs_policy(self, verb: str) -> ControlError:
-        return ControlError(
-            ErrorCode.INVALID_REQUEST,
-            f"{verb} needs the coordinator's prefix-cache index and pins (the prefix-cache policy), "
-            "which this build does not have; cache stats and cache evict work",
-        )
-
-    async def entries(self, worker_id: int | None, limit: int) -> list[control.CacheEntryRow]:
-        raise self._needs_policy("cache ls")
-
-    async def pin(self, tokens_by_worker: dict[int, list[int]]) -> control.CachePinResult:
-        raise self._needs_policy("cache pin")
-
-    async def unpin(self, pin_id: int) -> None:
-        raise self._needs_policy("cache unpin")
-
-    async def evict(self, worker_id: int | None, bytes_target: int) -> control.CacheEvictResult:
-        target = bytes_target or U64_MAX
-        policy = ShedPolicy(evictable_cache_classes=U64_MAX, protected_quota_bytes=0, max_evict_bytes=target)
-        freed = entries = 0
-        for i in _worker_ids(self.daemon, worker_id):
-            proc = self.daemon.slots[i].proc
-            if proc is None or not proc.link.alive:
-                continue
-            before = await worker_stats(self.daemon, i) or {}
-            try:
-                freed += await proc.link.cache_evict(policy, target)
-            except LinkError as exc:
-                raise ControlError(
-                    ErrorCode.WORKER_FAILED, f"worker {i}: cache evict failed: {exc}"
-                ) from None
-            after = await worker_stats(self.daemon, i) or {}
-            entries += max(0, int(before.get("cache_entries", 0)) - int(after.get("cache_entries", 0)))
-        log.info("cache_evicted", worker_id=worker_id, bytes_target=bytes_target, bytes_freed=freed)
-        return control.CacheEvictResult(bytes_freed=freed, entries=entries)
-
-
-def _worker_ids(daemon: Daemon, worker_id: int | None) -> list[int]:
-    n = len(daemon.slots)
-    if worker_id is None:
-        return list(range(n))
-    if not 0 <= worker_id < n:
-        raise ControlError(ErrorCode.NOT_FOUND, f"no worker {worker_id} (workers are 0..{n - 1})")
-    return [worker_id]
+def read_config_file(path: str) -> str:
+    """The text of the configuration file ``path``. Raises ``OSError`` (or ``ValueError``) for
+    anything but a readable regular file of at most ``MAX_CONFIG_BYTES`` UTF-8 bytes; opening
+    never blocks (O_NONBLOCK: a FIFO is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise OSError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8")
 
 
 def _timeout(value: float) -> float:
@@ -245,8 +207,8 @@ def check_config_text(text: str, source: str, running: Config | None = None) -> 
 class ControlService:
     """Answers control verbs for one daemon (module docstring)."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, host: ControlHost) -> None:
+        self.d = host
 
     async def handle(self, conn: ClientConnection, msg: Any) -> None:
         """Check the peer, run the verb's handler, send its result or a typed ``Error``."""
@@ -299,25 +261,27 @@ class ControlService:
             version=d.version,
             state=d.public_state(),
             uptime_s=time.monotonic() - d.started_at,
-            workers_ready=sum(1 for s in d.slots if s.state == "ready"),
-            workers_total=len(d.slots),
-            lanes_busy=sum(s.busy_lanes for s in d.schedulers),
-            lanes_max=sum(s.limits.max_lanes for s in d.schedulers),
-            queued=sum(len(s.queues) for s in d.schedulers),
+            workers_ready=d.fleet.ready_count,
+            workers_total=len(d.fleet),
+            lanes_busy=d.fleet.lanes_busy,
+            lanes_max=d.fleet.lanes_max,
+            queued=sum(d.fleet.queued_by_class().values()),
             requests_total=d.requests_total,
+            problems=d.fleet.problems(),
         )
 
     async def _Workers(self, msg: control.Workers) -> control.WorkersResult:
         d = self.d
-        all_stats = await asyncio.gather(*(worker_stats(d, i) for i in range(len(d.slots))))
+        all_stats = await asyncio.gather(*(d.fleet.worker_stats(i) for i in range(len(d.fleet))))
         rows = []
-        for i, (slot, sched, stats) in enumerate(zip(d.slots, d.schedulers, all_stats, strict=True)):
+        for m, stats in zip(d.fleet, all_stats, strict=True):
+            i, slot, sched = m.worker_id, m.slot, m.scheduler
             stats = stats or {}
             rows.append(
                 control.WorkerRow(
                     worker_id=i,
-                    engine=d.config.workers[i].engine,
-                    model=d.model_names[i],
+                    engine=m.config.engine,
+                    model=m.model_name,
                     state="draining" if slot.state == "ready" and d.drainer.draining else slot.state,
                     pid=slot.proc.pid if slot.proc is not None else 0,
                     lanes_busy=sched.busy_lanes,
@@ -330,13 +294,14 @@ class ControlService:
                     engine_lanes=int(stats.get("live_lanes", 0)),
                     seed_leases=int(stats.get("live_seed_leases", 0)),
                     engine_stats={k: int(v) for k, v in stats.items()},
+                    last_error="" if slot.state == "ready" else slot.last_error,
                 )
             )
         return control.WorkersResult(workers=rows)
 
     async def _Lanes(self, msg: control.Lanes) -> control.LanesResult:
         now = time.monotonic()
-        wanted = set(_worker_ids(self.d, msg.worker_id))
+        wanted = set(_worker_ids(self.d.fleet, msg.worker_id))
         rows = [
             control.LaneRow(
                 worker_id=sched.worker_id,
@@ -349,7 +314,7 @@ class ControlService:
                 cached_tokens=lane.request.cached_tokens,
                 age_s=now - lane.admitted_at,
             )
-            for sched in self.d.schedulers
+            for sched in self.d.fleet.schedulers
             if sched.worker_id in wanted
             for lane in sched.lanes.values()
         ]
@@ -358,7 +323,7 @@ class ControlService:
     async def _Queue(self, msg: control.Queue) -> control.QueueResult:
         now = time.monotonic()
         totals: dict[str, list[float]] = {}
-        for sched in self.d.schedulers:
+        for sched in self.d.fleet.schedulers:
             for qos, depth, wait in sched.queue_rows(now):
                 t = totals.setdefault(qos, [0, 0.0])
                 t[0] += depth
@@ -375,8 +340,8 @@ class ControlService:
             raise ControlError(ErrorCode.INVALID_REQUEST, "give exactly one of path and text")
         if msg.path is not None:
             try:
-                text = Path(msg.path).read_text()
-            except (OSError, UnicodeDecodeError) as exc:
+                text = await asyncio.to_thread(read_config_file, msg.path)
+            except (OSError, ValueError) as exc:
                 return control.ConfigCheckResult(ok=False, errors=[f"{msg.path}: cannot read: {exc}"])
             return check_config_text(text, msg.path, self.d.config)
         return check_config_text(msg.text or "", "<text>", self.d.config)
@@ -387,7 +352,7 @@ class ControlService:
         return control.CacheStatsResult(workers=await self.d.cache_control.stats())
 
     async def _CacheList(self, msg: control.CacheList) -> control.CacheListResult:
-        _worker_ids(self.d, msg.worker_id)
+        _worker_ids(self.d.fleet, msg.worker_id)
         if msg.limit < 1:
             raise ControlError(ErrorCode.INVALID_REQUEST, f"limit must be >= 1, got {msg.limit}")
         return control.CacheListResult(entries=await self.d.cache_control.entries(msg.worker_id, msg.limit))
@@ -396,10 +361,11 @@ class ControlService:
         if (msg.tokens is None) == (msg.text is None):
             raise ControlError(ErrorCode.INVALID_REQUEST, "give exactly one of tokens and text")
         by_worker: dict[int, list[int]] = {}
-        for i in _worker_ids(self.d, msg.worker_id):
-            tok = self.d.tokenizers[i]
+        for i in _worker_ids(self.d.fleet, msg.worker_id):
+            tok = self.d.fleet[i].tokenizer
             if msg.text is not None:
-                tokens = tok.encode(msg.text, add_bos=self.d.add_bos(i))
+                bos = self.d.fleet.add_bos(i)
+                tokens = await asyncio.to_thread(tok.encode, msg.text, add_bos=bos)
             else:
                 tokens = list(msg.tokens or [])
                 if any(not 0 <= t < tok.vocab_size for t in tokens):
@@ -416,7 +382,7 @@ class ControlService:
         return control.ControlOk(message=f"pin {msg.pin_id} dropped")
 
     async def _CacheEvict(self, msg: control.CacheEvict) -> control.CacheEvictResult:
-        _worker_ids(self.d, msg.worker_id)
+        _worker_ids(self.d.fleet, msg.worker_id)
         if msg.bytes_target < 0:
             raise ControlError(
                 ErrorCode.INVALID_REQUEST, f"bytes_target must be >= 0, got {msg.bytes_target}"
@@ -445,8 +411,8 @@ class ControlService:
 
     async def _RestartWorker(self, msg: control.RestartWorker) -> control.RestartWorkerResult:
         self._check_running()
-        (wid,) = _worker_ids(self.d, msg.worker_id)
-        slot = self.d.slots[wid]
+        (wid,) = _worker_ids(self.d.fleet, msg.worker_id)
+        slot = self.d.fleet[wid].slot
         old = slot.proc
         log.warning("worker_restart_by_operator", worker_id=wid, pid=old.pid if old else 0)
         if slot.given_up:

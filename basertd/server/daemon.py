@@ -1,23 +1,23 @@
-"""``basertd serve``: wiring of config, supervisors, schedulers and the client API (issue 7).
+"""``basertd serve``: wiring and lifecycle of the coordinator (DESIGN.md "Processes").
 
-``Daemon(config)`` owns, on one asyncio loop: the runtime directory (the client socket, and a
-private 0700 ``workers/`` directory holding each worker's ``ipc://`` endpoint), one
-``WorkerSlot`` (supervisor) and one ``Scheduler`` per configured worker, the coordinator-side
-tokenizers, and the ``ApiServer``. It is the API's ``Service``: it validates and tokenizes each
-Generate, routes it to the least busy worker, and answers the client and control requests.
+``Daemon(config)`` wires, on one asyncio loop: the runtime directory (the client socket, and a
+private 0700 ``workers-<pid>/`` directory holding each worker's ``ipc://`` endpoint), the
+``Fleet`` (every worker's supervisor, scheduler and tokenizer, and routing), the ``Frontend``
+(admission of every API's requests), the native API on the client socket (``NativeService`` over
+``ApiServer``), the control verbs (``ControlService``, which sees the daemon through its narrow
+``ControlHost`` protocol), metrics, drain, reload and systemd notification. It keeps only
+lifecycle: start, stop, drain, reload, notify.
 
 ``run(config)`` starts it and serves until told to stop; on every exit path it fails what is still
 queued or running with SHUTTING_DOWN, closes every worker (SHUTDOWN, then SIGKILL after a grace
 period; reaped), and removes the socket and the runtime files it created.
 
-Operators (issue 9, DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.drain``: new
-requests refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are
-cancelled typed) and then stops, exit status 0; a second SIGTERM, or SIGINT, stops at once. SIGHUP
-reloads the configuration file (``basertd.server.reload``). Control verbs are answered by
-``basertd.server.control`` behind the peer-credential guard; every accepted request is observed
-for metrics and the access log (``basertd.server.access``); systemd gets READY=1 once every worker
-has handshaken, STATUS= lines and watchdog pings, and the client socket may come from
-``LISTEN_FDS`` (``basertd.server.notify``).
+Operators (DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.drain``: new requests
+refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are cancelled
+typed) and then stops, exit status 0; a second SIGTERM, or SIGINT, stops at once. SIGHUP reloads
+the configuration file (``basertd.server.reload``). systemd gets READY=1 once every worker has
+handshaken, STATUS= lines and watchdog pings, and the client socket may come from ``LISTEN_FDS``
+(``basertd.server.notify``).
 """
 
 from __future__ import annotations
@@ -31,44 +31,29 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import structlog
 
-from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
-from basertd.server.access import ObservedSink
-from basertd.server.api import ApiServer, ClientConnection
-from basertd.server.cache_policy import PolicyCacheControl, route
-from basertd.server.config import (
-    Config,
-    ConfigError,
-    load_config,
-    resolve_runtime_dir,
-    socket_path,
-)
-from basertd.server.control import CacheControl, ControlService, EngineCache, worker_stats
+from basertd.server.api import ApiServer
+from basertd.server.cache_policy import PolicyCacheControl
+from basertd.server.config import Config, ConfigError, load_config, resolve_runtime_dir, socket_path
+from basertd.server.control import CacheControl, ControlService
 from basertd.server.drain import Drainer
-from basertd.server.metrics import Metrics, live_state
+from basertd.server.fleet import Fleet
+from basertd.server.frontend import Frontend
+from basertd.server.metrics import Metrics
+from basertd.server.native_api import NativeService
 from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
 from basertd.server.peercred import OperatorPolicy
 from basertd.server.reload import apply_reload
-from basertd.server.requests import (
-    QOS_CLASSES,
-    AdmissionError,
-    GenerationRequest,
-    sampler_for,
-    validate_generate,
-)
-from basertd.server.scheduler import Scheduler, WorkerLimits
+from basertd.server.requests import GenerationRequest
+from basertd.server.scheduler import Scheduler
 from basertd.server.supervisor import WorkerSlot
-from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
-from basertd.server.worker_specs import worker_spec
 
 log = structlog.get_logger("basertd.daemon")
 
 VERSION = "0.1.0"
-WORKER_CLOSE_GRACE_S = 5.0
 STATUS_INTERVAL_S = 2.0
 """Seconds between systemd STATUS= updates (sent only when the line changed)."""
 
@@ -92,10 +77,9 @@ class Daemon:
     ``request_stop()`` was called (a signal, or a test). ``config_path`` is the file a reload
     (SIGHUP) reads again (None: nothing to reload).
 
-    Operator state: ``metrics`` (the registry), ``drainer`` (drain state, in-flight requests),
-    ``operators`` (who may use control verbs), ``control`` (the verbs), ``cache_control`` (the
-    prefix-cache verbs' backend: ``EngineCache`` until ``start`` installs the prefix-cache policy,
-    ``basertd.server.cache_policy.PolicyCacheControl``) and ``notifier`` (systemd)."""
+    Parts: ``fleet`` (workers), ``frontend`` (admission), ``metrics`` (the registry), ``drainer``
+    (drain state, in-flight requests), ``operators`` (who may use control verbs), ``control`` (the
+    verbs), ``cache_control`` (the prefix-cache verbs' backend) and ``notifier`` (systemd)."""
 
     def __init__(self, config: Config, *, config_path: str | os.PathLike[str] | None = None) -> None:
         self.config = config
@@ -105,7 +89,6 @@ class Daemon:
         self.drainer = Drainer(self._cancel)
         self.operators = OperatorPolicy(config.operators.operator_group)
         self.control = ControlService(self)
-        self.cache_control: CacheControl = EngineCache(self)
         self.notifier = Notifier.from_env()
         self._watchdog_interval = watchdog_interval()
         self._listen_fds = listen_fds()
@@ -114,18 +97,30 @@ class Daemon:
         self.runtime_dir: Path | None = None
         self.socket: Path | None = None
         self.workers_dir: Path | None = None
-        self.slots: list[WorkerSlot] = []
-        self.schedulers: list[Scheduler] = []
-        self.tokenizers: list[Tokenizer] = []
-        self.model_names: list[str] = []
+        self.fleet: Fleet | None = None  # type: ignore[assignment]
+        self.frontend: Frontend | None = None
+        self.cache_control: CacheControl | None = None  # type: ignore[assignment]
         self.api: ApiServer | None = None
         self.started_at = time.monotonic()
-        self.requests_total = 0
         self.state = "starting"
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self._created_runtime_dir = False
-        self._bos: dict[int, bool] = {}
+
+    # --- views -----------------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> list[WorkerSlot]:
+        return self.fleet.slots if self.fleet is not None else []
+
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        return self.fleet.schedulers if self.fleet is not None else []
+
+    @property
+    def requests_total(self) -> int:
+        """Requests accepted since start."""
+        return self.frontend.requests_total if self.frontend is not None else 0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -153,46 +148,19 @@ class Daemon:
         self.workers_dir = self.runtime_dir / f"workers-{os.getpid()}"
         self.workers_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.workers_dir, 0o700)
-        tokenizer_cache: dict[tuple[str, str], Tokenizer] = {}
-        for worker_id, wcfg in enumerate(cfg.workers):
-            spec, tok_key, name = worker_spec(
-                worker_id, wcfg, runtime_dir=str(self.workers_dir), log_level=cfg.log_level
-            )
-            if tok_key not in tokenizer_cache:
-                tokenizer_cache[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
-            self.tokenizers.append(tokenizer_cache[tok_key])
-            self.model_names.append(name)
-            sched_holder: list[Scheduler] = []
-            slot = WorkerSlot(
-                spec,
-                close_grace_s=WORKER_CLOSE_GRACE_S,
-                on_give_up=lambda err, h=sched_holder: h and h[0].on_give_up(err),
-            )
-            limits = WorkerLimits(
-                context_length=wcfg.context_length,
-                max_lanes=wcfg.lanes,
-                max_batch_size=wcfg.lanes,
-                page_tokens=1,
-                kv_tokens=wcfg.lanes * wcfg.context_length,
-                max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
-            )
-            sched = Scheduler(
-                slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics, tokenizer=self.tokenizers[-1]
-            )
-            sched_holder.append(sched)
-            self.slots.append(slot)
-            self.schedulers.append(sched)
-        self.cache_control = PolicyCacheControl(
-            self.schedulers, lambda i: worker_stats(self, i), self._counter
-        )  # the prefix-cache policy (issue 8) serves every cache verb
-        for slot, sched in zip(self.slots, self.schedulers, strict=True):
-            slot.start()
-            self._tasks.append(
-                asyncio.get_running_loop().create_task(sched.run(), name=f"scheduler-{slot.worker_id}")
-            )
-        self.api = ApiServer(self.socket, int(cfg.socket_mode), self, sock=inherited)
+        fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
+        await fleet.build()
+        self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state)
+        self.cache_control = PolicyCacheControl(fleet.schedulers, fleet.worker_stats, self._counter)
+        fleet.start()
+        self.api = ApiServer(
+            self.socket,
+            int(cfg.socket_mode),
+            NativeService(self.frontend, self.control, VERSION),
+            sock=inherited,
+        )
         await self.api.start()
-        self.metrics.bind(lambda: live_state(self), VERSION)
+        self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)
@@ -201,16 +169,16 @@ class Daemon:
         self._tasks.append(loop.create_task(self._notify_ready(), name="sd-notify"))
         if self._watchdog_interval is not None:
             watchdog = Watchdog(
-                self.notifier, self._watchdog_interval, lambda: [s.heartbeat for s in self.schedulers]
+                self.notifier, self._watchdog_interval, lambda: [s.heartbeat for s in fleet.schedulers]
             )
-            for sched in self.schedulers:
+            for sched in fleet.schedulers:
                 sched.heartbeat.interval = min(sched.heartbeat.interval, self._watchdog_interval / 4)
             self._tasks.append(loop.create_task(watchdog.run(), name="sd-watchdog"))
         log.info(
             "daemon_started",
             socket=str(self.socket),
             socket_inherited=inherited is not None,
-            workers=len(self.slots),
+            workers=len(fleet),
             version=VERSION,
             pid=os.getpid(),
             uid=os.geteuid(),
@@ -236,15 +204,18 @@ class Daemon:
             self.publish_status()
 
     def status_line(self) -> str:
-        """The one-line summary systemd shows (``systemctl status``): state, workers, lanes, queue."""
-        ready = sum(1 for s in self.slots if s.state == "ready")
-        busy = sum(s.busy_lanes for s in self.schedulers)
-        lanes = sum(s.limits.max_lanes for s in self.schedulers)
-        queued = {q: sum(s.queues.depth(q) for s in self.schedulers) for q in QOS_CLASSES}
+        """The one-line summary systemd shows (``systemctl status``): state (with the reason when
+        degraded), workers, lanes, queue."""
+        fleet = self.fleet
+        if fleet is None or self.frontend is None:
+            return f"{self.public_state()}: no workers yet"
+        queued = fleet.queued_by_class()
         per_class = ", ".join(f"{q} {n}" for q, n in queued.items())
+        status, reason = self.frontend.health()
+        head = self.public_state() if status in ("ok", "starting") or not reason else f"{status}: {reason}"
         return (
-            f"{self.public_state()}: workers {ready}/{len(self.slots)}, lanes {busy}/{lanes} busy, "
-            f"queued {sum(queued.values())} ({per_class}), in flight {self.drainer.in_flight}"
+            f"{head}: workers {fleet.ready_count}/{len(fleet)}, lanes {fleet.lanes_busy}/{fleet.lanes_max} "
+            f"busy, queued {sum(queued.values())} ({per_class}), in flight {self.drainer.in_flight}"
         )
 
     def publish_status(self) -> None:
@@ -302,7 +273,7 @@ class Daemon:
             log.error("reload_failed", error=str(exc), note="the running configuration is unchanged")
             self.notifier.ready(self.status_line())
             return
-        report = apply_reload(self, new)
+        report, self.config = apply_reload(self.config, self.schedulers, new)
         self.operators.operator_group = self.config.operators.operator_group
         self.metrics.reloads.inc()
         # a reload that left keys unapplied is worth a warning: the file and the daemon disagree
@@ -317,8 +288,8 @@ class Daemon:
         self.notifier.ready(self.status_line())
 
     def _cancel(self, req: GenerationRequest, code: ErrorCode, message: str) -> None:
-        if req.worker_id is not None:
-            self.schedulers[req.worker_id].cancel(req, code=code, message=message)
+        if self.frontend is not None:
+            self.frontend.cancel(req, code=code, message=message)
 
     async def wait_stopped(self) -> None:
         """Wait until ``request_stop`` is called."""
@@ -335,21 +306,21 @@ class Daemon:
             self._shutdown.cancel()
         if self.api is not None:
             self.api.stop_listening()
-        for sched in self.schedulers:
-            await sched.stop()
+        if self.fleet is not None:
+            for sched in self.fleet.schedulers:
+                await sched.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
-        await asyncio.gather(*(slot.stop() for slot in self.slots), return_exceptions=True)
+        if self.fleet is not None:
+            await self.fleet.stop()
         if self.api is not None:
             await self.api.stop()
-        for tok in {id(t): t for t in self.tokenizers}.values():
-            close = getattr(tok, "close", None)
-            if close is not None:
-                close()
+        if self.frontend is not None:
+            self.frontend.close()
         self.metrics.close()
         self.notifier.close()
         if self.workers_dir is not None:
@@ -360,160 +331,9 @@ class Daemon:
         self.state = "stopped"
         log.info("daemon_stopped")
 
-    # --- routing -----------------------------------------------------------------------------
-
-    def _route(self, model: str) -> int:
-        """The worker a new request goes to: among those serving ``model`` ("" = any), the least
-        loaded one that has not given up (any, if all have)."""
-        ids = [i for i, name in enumerate(self.model_names) if model in ("", name)]
-        if not ids:
-            raise AdmissionError(ErrorCode.NOT_FOUND, f"model {model!r} is not served here")
-        alive = [i for i in ids if not self.slots[i].given_up] or ids
-        return min(alive, key=lambda i: self.schedulers[i].load())
-
-    def _route_prefix(self, wid: int, prompt: list[int]) -> int:
-        """Among the live workers serving the same model with the same vocabulary as ``wid``, the
-        one holding the longest cached prefix of ``prompt``, unless it is much busier
-        (``cache_policy.route``, ``[cache] route_slack``)."""
-        peers = [
-            i
-            for i, name in enumerate(self.model_names)
-            if name == self.model_names[wid]
-            and self.tokenizers[i] is self.tokenizers[wid]
-            and not self.slots[i].given_up
-        ]
-        if len(peers) < 2:
-            return wid
-        options = [(i, self.schedulers[i].cached_prefix(prompt), self.schedulers[i].load()) for i in peers]
-        return route(options, self.config.cache.route_slack)
-
     def _counter(self, name: str, worker_id: int) -> int:
         value = self.metrics.registry.get_sample_value(name, {"worker": str(worker_id)})
         return int(value or 0)
-
-    def add_bos(self, worker_id: int) -> bool:
-        """Whether prompts for this worker start with BOS: the capability record of its current (or
-        last) incarnation, else what the vocabulary itself says."""
-        proc = self.slots[worker_id].proc
-        if proc is not None:
-            self._bos[worker_id] = bool(proc.capabilities.add_bos)
-        known = self._bos.get(worker_id)
-        return self.tokenizers[worker_id].add_bos if known is None else known
-
-    # --- Service ---------------------------------------------------------------------------------
-
-    async def handle(self, conn: ClientConnection, msg: Any) -> None:
-        """Answer one request (``basertd.server.api.Service``)."""
-        try:
-            if isinstance(msg, api.Generate):
-                self._generate(conn, msg)
-            elif isinstance(msg, api.Cancel):
-                req = conn.generations.get(msg.request_id)
-                if req is not None:
-                    self.schedulers[req.worker_id].cancel(req)
-            elif isinstance(msg, api.Tokenize):
-                wid = self._route(msg.model)
-                tokens = self.tokenizers[wid].encode(msg.text, add_bos=msg.add_special and self.add_bos(wid))
-                conn.send(api.TokenizeResult(request_id=msg.request_id, tokens=tokens))
-            elif isinstance(msg, api.Models):
-                conn.send(api.ModelsResult(request_id=msg.request_id, models=self._models()))
-            elif isinstance(msg, api.Health):
-                ready = sum(1 for s in self.slots if s.state == "ready")
-                status = self.public_state()
-                if status == "ready":
-                    status = "ok" if ready == len(self.slots) else ("degraded" if ready else "starting")
-                conn.send(
-                    api.HealthResult(
-                        request_id=msg.request_id,
-                        status=status,
-                        workers_ready=ready,
-                        workers_total=len(self.slots),
-                        version=VERSION,
-                    )
-                )
-            else:
-                await self.control.handle(conn, msg)
-        except AdmissionError as exc:
-            if isinstance(msg, api.Generate):
-                self.metrics.admission_error(exc.code)
-            conn.send(
-                api.Error(code=exc.code, request_id=getattr(msg, "request_id", ""), message=exc.message)
-            )
-        except TokenizerError as exc:
-            conn.send(
-                api.Error(
-                    code=ErrorCode.INVALID_REQUEST,
-                    request_id=getattr(msg, "request_id", ""),
-                    message=str(exc),
-                )
-            )
-
-    def _generate(self, conn: ClientConnection, gen: api.Generate) -> None:
-        rid = gen.request_id
-        if self.state != "ready":
-            raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        refusal = self.drainer.refusal()
-        if refusal is not None:
-            raise AdmissionError(*refusal)
-        if rid in conn.generations:
-            raise AdmissionError(
-                ErrorCode.INVALID_REQUEST, f"request id {rid!r} is already running on this connection"
-            )
-        validate_generate(gen)
-        wid = self._route(gen.model)
-        tok = self.tokenizers[wid]
-        if gen.prompt is not None:
-            prompt = tok.encode(gen.prompt, add_bos=self.add_bos(wid))
-        else:
-            prompt = list(gen.prompt_tokens or [])
-            bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
-            if bad:
-                raise AdmissionError(
-                    ErrorCode.INVALID_REQUEST,
-                    f"prompt_tokens hold ids outside the vocabulary (0..{tok.vocab_size - 1})",
-                )
-        wid = self._route_prefix(wid, prompt)
-        sched = self.schedulers[wid]
-        sched.check_admission(len(prompt), gen.max_tokens, gen.qos)
-        sink = ObservedSink(conn, rid, self.metrics, self.drainer)
-        req = GenerationRequest(
-            request_id=rid,
-            prompt=prompt,
-            max_tokens=gen.max_tokens,
-            sampler=sampler_for(gen),
-            sink=sink,
-            tokenizer=tok,
-            stop=list(gen.stop),
-            qos=gen.qos,
-            stream=gen.stream,
-        )
-        conn.generations[rid] = req
-        self.requests_total += 1
-        sink.attach(req)
-        conn.send(api.Accepted(request_id=rid, prompt_tokens=len(prompt), seed=req.sampler.seed))
-        sched.submit(req)
-
-    def connection_lost(self, conn: ClientConnection) -> None:
-        """Cancel every generation of a gone client (its lanes retire in the next plan)."""
-        for req in list(conn.generations.values()):
-            if req.worker_id is not None:
-                self.schedulers[req.worker_id].cancel(req, message="client disconnected")
-        conn.generations.clear()
-
-    def _models(self) -> list[api.ModelInfo]:
-        out: dict[str, api.ModelInfo] = {}
-        for i, name in enumerate(self.model_names):
-            info = out.get(name)
-            if info is None:
-                w = self.config.workers[i]
-                info = out[name] = api.ModelInfo(
-                    id=name,
-                    engine=w.engine,
-                    context_length=self.schedulers[i].limits.context_length,
-                    vocab_size=self.tokenizers[i].vocab_size,
-                )
-            info.workers += 1
-        return list(out.values())
 
 
 async def run(

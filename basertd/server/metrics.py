@@ -1,15 +1,16 @@
-"""The daemon's Prometheus metrics: one prometheus-client registry (DESIGN.md "Operators", issue 9).
+"""The daemon's Prometheus metrics: one prometheus-client registry (DESIGN.md "Operators").
 
 ``Metrics`` owns a private ``CollectorRegistry`` and every metric of the coordinator. Two kinds:
 
 - **Event metrics** are prometheus-client objects updated where things happen, through the helper
   methods below: the request observer (``basertd.server.access``) calls ``first_token``,
-  ``tokens`` and ``request_finished``; the daemon ``admission_error``; the scheduler ``tick``
-  (and ``preempted`` once preemption exists, issue 8); the control guard ``control_denied``.
+  ``tokens`` and ``request_finished``; the front end ``admission_error``; the scheduler ``tick``
+  and ``preempted``; the control guard ``control_denied``.
 - **Live gauges and engine counters** are read from the daemon's state at scrape time by a
-  collector (``LiveState``, built by ``live_state(daemon)`` on the daemon's event loop), so queue
-  depth, lanes active, KV usage and in-flight requests are exactly 0 once traffic stops, and the
-  per-worker token / tick / respawn counters need no bookkeeping of their own.
+  collector (``LiveState``, built by ``basertd.server.fleet.Fleet.live_state`` on the daemon's
+  event loop), so queue depth, lanes active, KV usage and in-flight requests are exactly 0 once
+  traffic stops, and the per-worker token / tick / respawn counters need no bookkeeping of their
+  own.
 
 The text exposition is ``exposition()`` (``basertctl metrics``); ``serve_http(host, port)`` also
 serves it at ``/metrics`` on a loopback port (prometheus-client's own HTTP server, in a thread;
@@ -91,36 +92,6 @@ class LiveState:
     queue_depth: dict[str, int] = field(default_factory=dict)
     in_flight: int = 0
     draining: bool = False
-
-
-def live_state(daemon: Any) -> LiveState:
-    """The ``LiveState`` of a ``basertd.server.daemon.Daemon`` (call on its event loop)."""
-    state = LiveState(
-        queue_depth={q: sum(s.queues.depth(q) for s in daemon.schedulers) for q in QOS_CLASSES},
-        in_flight=daemon.drainer.in_flight,
-        draining=daemon.drainer.draining,
-    )
-    for slot, sched in zip(daemon.slots, daemon.schedulers, strict=True):
-        mem = sched.last_mem
-        state.workers.append(
-            WorkerState(
-                worker=str(sched.worker_id),
-                ready=slot.state == "ready",
-                lanes_active=len(sched.lanes),
-                lanes_max=sched.limits.max_lanes,
-                kv_reserved_tokens=sum(lane.reserved for lane in sched.lanes.values()),
-                kv_capacity_tokens=sched.limits.kv_tokens,
-                pool_blocks_used=mem.pool_blocks_used if mem is not None else 0,
-                pool_blocks_total=mem.pool_blocks_total if mem is not None else 0,
-                pool_evictable_bytes=mem.pool_bytes_evictable if mem is not None else 0,
-                prefill_tokens=sched.prefill_tokens_total,
-                decode_tokens=sched.decode_tokens_total,
-                ticks=sched.ticks_run,
-                plans_rejected=sched.plans_rejected,
-                respawns=slot.respawns,
-            )
-        )
-    return state
 
 
 class _LiveCollector(Collector):

@@ -7,12 +7,13 @@ Reloadable: ``log_level`` (the coordinator's; workers keep theirs until they res
 a reload keeps the running values and names those keys in its report and log line.
 
 ``config_changes(old, new)`` is the pure comparison (also used by ``basertctl config check``
-through the ConfigCheck verb); ``apply_reload(daemon, new)`` applies it.
+through the ConfigCheck verb); ``apply_reload(running, schedulers, new)`` applies it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -71,20 +72,19 @@ def effective_config(old: Config, new: Config) -> Config:
     )
 
 
-def apply_reload(daemon: Any, new: Config) -> ReloadReport:
-    """Apply ``new`` to a running ``basertd.server.daemon.Daemon``: its config becomes
-    ``effective_config`` and each scheduler gets the new ``[scheduler]`` / ``[cache]`` knobs (its
-    measured tick rates are kept, their caps updated). The caller switches the log level (after
-    logging the report, so the report is written at the level it was asked under). Returns what
-    was applied and what needs a restart."""
-    report = config_changes(daemon.config, new)
-    running = effective_config(daemon.config, new)
-    daemon.config = running
-    for sched in daemon.schedulers:
+def apply_reload(old: Config, schedulers: Iterable[Any], new: Config) -> tuple[ReloadReport, Config]:
+    """Apply ``new`` over the running configuration ``old``: each scheduler gets the new
+    ``[scheduler]`` / ``[cache]`` knobs (its measured tick rates are kept, their caps updated).
+    Returns what was applied and what needs a restart, and the configuration now running
+    (``effective_config``), which the caller keeps. The caller switches the log level (after
+    logging the report, so the report is written at the level it was asked under)."""
+    report = config_changes(old, new)
+    running = effective_config(old, new)
+    for sched in schedulers:
         sched.config = running.scheduler
         sched.cache = running.cache
         rates = sched.rates
         rates.tick_target_s = running.scheduler.tick_target_s
         rates.max_prefill = running.scheduler.prefill_budget
         rates.max_grant = running.scheduler.decode_grant
-    return report
+    return report, running

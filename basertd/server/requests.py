@@ -1,4 +1,4 @@
-"""Generation requests: validation, the request record, and its output stream (issue 7).
+"""Generation requests: the request record, its sampler, and its output stream.
 
 A ``GenerationRequest`` is everything the coordinator knows about one Generate: its prompt ids,
 its parameters, where its replies go (a ``RequestSink``), the tokens already delivered to the
@@ -32,11 +32,7 @@ from basertd.server.tokenizer import IncrementalDetokenizer, StopMatcher, Tokeni
 QOS_CLASSES: tuple[str, ...] = ("interactive", "batch", "background")
 """QoS classes, highest first (DESIGN.md "Scheduling")."""
 MAX_SEED = (1 << 32) - 1
-"""Largest request seed: ``rng_counter_base = seed << 32`` must fit a u64 (ABI rule 73)."""
-MAX_STOPS = 16
-"""Most stop strings one Generate may carry."""
-MAX_STOP_CHARS = 256
-"""Longest stop string (characters)."""
+"""Largest RNG stream key: ``rng_counter_base = key << 32`` must fit a u64 (ABI rule 73)."""
 
 FINISH_REASONS = ("stop", "length", "eos", "cancelled", "error")
 """Finish reasons of a generation: a stop string, max_tokens (or the context window), the model's
@@ -86,9 +82,17 @@ class Sampler:
         return (self.seed << 32) + generated
 
 
-def sampler_for(gen: api.Generate) -> Sampler:
-    """The ``Sampler`` of a validated Generate (see ``validate_generate``)."""
-    seed = gen.seed if gen.seed is not None else secrets.randbelow(MAX_SEED + 1)
+def fold_seed(seed: int) -> int:
+    """A u64 request seed folded to the 32-bit key of the RNG stream (``rng_counter_base = key <<
+    32``, ABI rule 73); seeds up to ``MAX_SEED`` are their own key."""
+    return (seed ^ (seed >> 32)) & MAX_SEED
+
+
+def sampler_for(gen: api.Generate, vocab_size: int | None = None) -> Sampler:
+    """The ``Sampler`` of a Generate that passed ``basertd.server.limits.check_generate``: the
+    seed folded to 32 bits (drawn at random when none was given) and a ``top_k`` at or above
+    ``vocab_size`` turned off."""
+    seed = fold_seed(gen.seed) if gen.seed is not None else secrets.randbelow(MAX_SEED + 1)
     flags = SamplingFlag.IGNORE_EOS if gen.ignore_eos else 0
     if gen.temperature == 0.0:
         return Sampler(Sampling.GPU_GREEDY, SamplingParams(flags=int(flags)), seed)
@@ -96,51 +100,13 @@ def sampler_for(gen: api.Generate) -> Sampler:
         temperature=gen.temperature,
         top_p=0.0 if gen.top_p >= 1.0 else gen.top_p,
         min_p=gen.min_p,
-        top_k=gen.top_k,
+        top_k=0 if vocab_size is not None and gen.top_k >= vocab_size else gen.top_k,
         freq_penalty=gen.frequency_penalty,
         presence_penalty=gen.presence_penalty,
         repeat_penalty=0.0 if gen.repeat_penalty == 1.0 else gen.repeat_penalty,
         flags=int(flags),
     )
     return Sampler(Sampling.GPU_GUMBEL, params, seed)
-
-
-def validate_generate(gen: api.Generate) -> None:
-    """Check a Generate's parameter values (types were checked by the codec). Raises
-    ``AdmissionError``: EMPTY_PROMPT for an empty prompt, INVALID_REQUEST naming the field for
-    everything else (both or neither of prompt/prompt_tokens, max_tokens < 1, temperature < 0,
-    top_p outside [0, 1], top_k < 0, min_p outside [0, 1], repeat_penalty <= 0, a seed outside
-    0..2**32-1, logprobs (not served yet), too many or too long stop strings)."""
-
-    def bad(message: str) -> AdmissionError:
-        return AdmissionError(ErrorCode.INVALID_REQUEST, f"request {gen.request_id!r}: {message}")
-
-    if (gen.prompt is None) == (gen.prompt_tokens is None):
-        raise bad("give exactly one of prompt and prompt_tokens")
-    if (gen.prompt is not None and gen.prompt == "") or (
-        gen.prompt_tokens is not None and not gen.prompt_tokens
-    ):
-        raise AdmissionError(ErrorCode.EMPTY_PROMPT, f"request {gen.request_id!r}: the prompt is empty")
-    if not gen.request_id:
-        raise bad("request_id is empty")
-    checks = (
-        (gen.max_tokens >= 1, f"max_tokens must be >= 1, got {gen.max_tokens}"),
-        (gen.temperature >= 0.0, f"temperature must be >= 0, got {gen.temperature}"),
-        (0.0 <= gen.top_p <= 1.0, f"top_p must be within [0, 1], got {gen.top_p}"),
-        (gen.top_k >= 0, f"top_k must be >= 0, got {gen.top_k}"),
-        (0.0 <= gen.min_p <= 1.0, f"min_p must be within [0, 1], got {gen.min_p}"),
-        (gen.repeat_penalty > 0.0, f"repeat_penalty must be > 0, got {gen.repeat_penalty}"),
-        (gen.seed is None or 0 <= gen.seed <= MAX_SEED, f"seed must be within 0..{MAX_SEED}"),
-        (gen.logprobs == 0, "logprobs are not served by this daemon yet"),
-        (len(gen.stop) <= MAX_STOPS, f"at most {MAX_STOPS} stop strings"),
-        (all(len(s) <= MAX_STOP_CHARS for s in gen.stop), f"stop strings are at most {MAX_STOP_CHARS} chars"),
-    )
-    for ok, message in checks:
-        if not ok:
-            raise bad(message)
-    for x in (gen.temperature, gen.top_p, gen.min_p, gen.repeat_penalty, gen.frequency_penalty):
-        if x != x or x in (float("inf"), float("-inf")):
-            raise bad("sampling parameters must be finite numbers")
 
 
 _keys = itertools.count(1)
@@ -158,7 +124,7 @@ class GenerationRequest:
     cache at its first admission: a re-admission after a preemption or checkpoint never counts),
     timings, ``finish_reason`` once finished, ``cancelled`` once the client cancelled or went away.
 
-    Issue 8: ``admissions`` (times admitted into a lane), ``preemptions`` (times preempted for an
+    Under contention: ``admissions`` (times admitted into a lane), ``preemptions`` (times preempted for an
     interactive request), ``checkpointed`` (it led a prefix checkpoint, which it does at most once),
     ``page_hashes`` (the prompt's page hash path at its worker's page size,
     ``basertd.server.cache_policy.page_hashes``), ``plan_seq_received`` (the last plan submitted to

@@ -207,6 +207,7 @@ async def _storm(sock, n: int, seed: int):
         )
         cancel_after = rng.choice([None, None, None, 1, 3])
         rec = {"i": i, "conn": conn, "prompt": prompt, "gen": gen, "ids": [], "outcome": None}
+        rec["cancel_after"] = cancel_after
         records.append(rec)
         try:
             s = await clients[conn].stream(prompt, **gen)
@@ -223,7 +224,9 @@ async def _storm(sock, n: int, seed: int):
             rec["outcome"] = exc.code
 
     async def dropper():
-        await asyncio.sleep(0.15)
+        # drop connections 3 and 7 once each has a stream under way (a condition, not a sleep)
+        while not all(any(r["conn"] == k and r["ids"] for r in records) for k in (3, 7)):
+            await asyncio.sleep(0.005)
         for k in (3, 7):
             clients[k]._writer.transport.abort()  # the client vanishes mid-stream
 
@@ -258,7 +261,10 @@ def test_200_concurrent_with_cancels_and_disconnects(daemon, direct):
             checked += 1
         else:
             assert r["ids"] == expected[: len(r["ids"])], r["i"]  # a prefix, never a repeat
-    assert checked > 100
+    # every request on a surviving connection that was not cancelled completed
+    kept = [r for r in records if r["conn"] not in (3, 7) and r["cancel_after"] is None]
+    assert all(r["outcome"] in ("eos", "length") for r in kept)
+    assert checked >= len(kept) > 60
 
 
 def test_worker_sigkill_mid_stream_fails_lanes_typed_and_respawns():
@@ -358,7 +364,9 @@ def test_worker_that_cannot_start_is_given_up_then_retried_on_the_next_request(t
             time.sleep(0.1)
         assert d.log_text().count("worker_start_failed") == 5
         with d.client() as c:
-            assert c.health().status == "starting"
+            health = c.health()  # a given-up worker is named with its reason, not "starting"
+            assert health.status == "degraded" and health.workers_ready == 0
+            assert health.reason.startswith("worker 0: ") and "exit code 3" in health.reason, health.reason
             with pytest.raises(ClientError) as info:
                 c.generate("anyone there?", max_tokens=4)
             assert info.value.code == ErrorCode.WORKER_FAILED
@@ -393,7 +401,7 @@ def test_one_connection_multiplexes_and_refuses_a_duplicate_live_request_id(daem
         c.send(api.Generate(request_id="dup", prompt="first", max_tokens=30, temperature=0))
         c.send(api.Generate(request_id="dup", prompt="second", max_tokens=30, temperature=0))
         c.send(api.Generate(request_id="other", prompt="third", max_tokens=5, temperature=0))
-        replies: dict[str, list] = {"dup": [], "other": []}
+        replies: dict[str, list] = {"dup": [], "other": [], "": []}
         while not any(isinstance(m, api.Done) for m in replies["dup"]) or not any(
             isinstance(m, api.Done) for m in replies["other"]
         ):
@@ -401,7 +409,11 @@ def test_one_connection_multiplexes_and_refuses_a_duplicate_live_request_id(daem
             replies[m.request_id].append(m)
         dup = replies["dup"]
         assert isinstance(dup[0], api.Accepted)
-        errors = [m for m in dup if isinstance(m, api.Error)]
-        assert len(errors) == 1 and errors[0].code == ErrorCode.INVALID_REQUEST  # the second one only
+        # the refusal of the second "dup" is not an event of the running one: no request id, and
+        # its message names the id it refers to; the running "dup" ends normally
+        assert not [m for m in dup if isinstance(m, api.Error)]
+        (refusal,) = replies[""]
+        assert isinstance(refusal, api.Error) and refusal.code == ErrorCode.INVALID_REQUEST
+        assert "'dup'" in refusal.message and "already running" in refusal.message
         assert sum(isinstance(m, api.Done) for m in dup) == 1
         assert sum(len(m.ids) for m in replies["other"] if isinstance(m, api.Tokens)) == 5

@@ -8,7 +8,8 @@ from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.client import ErrorCode
 from basertd.server.lanes import RequestQueues, candidate, reservation
-from basertd.server.requests import AdmissionError, GenerationRequest, sampler_for, validate_generate
+from basertd.server.limits import check_generate
+from basertd.server.requests import AdmissionError, GenerationRequest, fold_seed, sampler_for
 from basertd.server.tokenizer import BytesTokenizer
 
 TOK = BytesTokenizer()
@@ -144,7 +145,10 @@ def test_sampler_greedy_and_gumbel_and_rng_stream():  # ABI rule 73
         ({"top_p": 1.5}, ErrorCode.INVALID_REQUEST),
         ({"top_k": -1}, ErrorCode.INVALID_REQUEST),
         ({"repeat_penalty": 0.0}, ErrorCode.INVALID_REQUEST),
-        ({"seed": 1 << 32}, ErrorCode.INVALID_REQUEST),
+        ({"top_k": 1 << 32}, ErrorCode.INVALID_REQUEST),
+        ({"presence_penalty": float("inf")}, ErrorCode.INVALID_REQUEST),
+        ({"frequency_penalty": float("nan")}, ErrorCode.INVALID_REQUEST),
+        ({"max_tokens": 1 << 32}, ErrorCode.INVALID_REQUEST),
         ({"seed": -1}, ErrorCode.INVALID_REQUEST),
         ({"logprobs": 3}, ErrorCode.INVALID_REQUEST),
         ({"stop": ["x"] * 17}, ErrorCode.INVALID_REQUEST),
@@ -155,7 +159,7 @@ def test_invalid_generates_are_refused_typed(fields, code):
     base = {"request_id": "r", "prompt": "hello"}
     base.update(fields)
     with pytest.raises(AdmissionError) as info:
-        validate_generate(api.Generate(**base))
+        check_generate(api.Generate(**base))
     assert info.value.code == code
 
 
@@ -173,3 +177,14 @@ def test_queues_are_fifo_per_class_in_class_order_and_skip_gone_requests():
     assert len(q) == 2 and q.tokens == 4
     assert q.remove(reqs["b1"]) and not q.remove(reqs["b1"])
     assert candidate(reqs["g1"], page_tokens=16).reserve == reservation(2 + 10, 16) == 16
+
+
+def test_u64_seeds_fold_to_a_32_bit_stream_key_and_big_top_k_is_off():
+    assert fold_seed(7) == 7 and fold_seed((1 << 32) - 1) == (1 << 32) - 1
+    big = (1 << 64) - 1
+    check_generate(api.Generate(request_id="r", prompt="x", seed=big))  # a u64 seed is accepted
+    s = sampler_for(api.Generate(request_id="r", prompt="x", seed=big, temperature=1.0))
+    assert s.seed == fold_seed(big) <= (1 << 32) - 1
+    assert s.rng_counter_base() == s.seed << 32 < 1 << 64
+    s = sampler_for(api.Generate(request_id="r", prompt="x", top_k=1000, temperature=1.0), vocab_size=259)
+    assert s.params.top_k == 0  # a top_k over the vocabulary keeps every token: off

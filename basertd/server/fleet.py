@@ -1,0 +1,280 @@
+"""The fleet: every configured worker with its supervisor, scheduler and tokenizer, and routing.
+
+``Fleet(config, workers_dir, metrics)`` builds, per ``[[workers]]`` table, one ``WorkerSlot``
+(the supervisor: spawn, respawn, give up), one ``Scheduler`` (its plans and ticks) and the
+coordinator-side tokenizer of its vocabulary (workers sharing a vocabulary share one). It answers
+the questions the front end and the operator verbs ask about the workers: which worker serves a
+model and holds the longest cached prefix of a prompt (``route``), whether prompts start with
+BOS, which models are served, how loaded the workers are, and each worker's engine counters
+(``worker_stats``, a PONG). It owns no client and no request: DESIGN.md "Scheduling" and
+"Prefix cache policy" for what the schedulers do with what it routes to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import structlog
+
+from basertd.schema import client as api
+from basertd.schema.client import ErrorCode
+from basertd.server.cache_policy import route as route_by_prefix
+from basertd.server.config import Config, WorkerConfig
+from basertd.server.drain import Drainer
+from basertd.server.link import LinkError
+from basertd.server.metrics import LiveState, Metrics, WorkerState
+from basertd.server.requests import QOS_CLASSES, AdmissionError
+from basertd.server.scheduler import Scheduler, WorkerLimits
+from basertd.server.supervisor import WorkerSlot
+from basertd.server.tokenizer import Tokenizer, make_tokenizer
+from basertd.server.worker_specs import worker_spec
+
+log = structlog.get_logger("basertd.fleet")
+
+WORKER_CLOSE_GRACE_S = 5.0
+"""Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
+PONG_TIMEOUT_S = 1.0
+"""Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
+
+
+@dataclass
+class Member:
+    """One configured worker: its id, configuration, served model name, supervisor, scheduler and
+    the tokenizer of its vocabulary."""
+
+    worker_id: int
+    config: WorkerConfig
+    model_name: str
+    slot: WorkerSlot
+    scheduler: Scheduler
+    tokenizer: Tokenizer
+
+
+class Fleet:
+    """The workers of one daemon (module docstring). ``build()`` (async: tokenizers load in a
+    thread) then ``start()``; ``stop()`` stops every scheduler and worker and frees the
+    tokenizers. Raises ``basertd.models.ModelUnavailable`` or ``TokenizerError`` from ``build``."""
+
+    def __init__(self, config: Config, workers_dir: str, metrics: Metrics) -> None:
+        self.config = config
+        self.workers_dir = workers_dir
+        self.metrics = metrics
+        self.members: list[Member] = []
+        self._tasks: list[asyncio.Task] = []
+        self._bos: dict[int, bool] = {}
+
+    # --- construction and lifecycle --------------------------------------------------------------
+
+    async def build(self) -> None:
+        """Create every worker's spec, tokenizer, supervisor and scheduler (nothing started)."""
+        cfg = self.config
+        tokenizers: dict[tuple[str, str], Tokenizer] = {}
+        for worker_id, wcfg in enumerate(cfg.workers):
+            spec, tok_key, name = worker_spec(
+                worker_id, wcfg, runtime_dir=self.workers_dir, log_level=cfg.log_level
+            )
+            if tok_key not in tokenizers:
+                tokenizers[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
+            tok = tokenizers[tok_key]
+            holder: list[Scheduler] = []
+            slot = WorkerSlot(
+                spec,
+                close_grace_s=WORKER_CLOSE_GRACE_S,
+                on_give_up=lambda err, h=holder: h and h[0].on_give_up(err),
+            )
+            limits = WorkerLimits(
+                context_length=wcfg.context_length,
+                max_lanes=wcfg.lanes,
+                max_batch_size=wcfg.lanes,
+                page_tokens=1,
+                kv_tokens=wcfg.lanes * wcfg.context_length,
+                max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
+            )
+            sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics, tokenizer=tok)
+            holder.append(sched)
+            self.members.append(Member(worker_id, wcfg, name, slot, sched, tok))
+
+    def start(self) -> None:
+        """Start every supervisor and scheduler task."""
+        loop = asyncio.get_running_loop()
+        for m in self.members:
+            m.slot.start()
+            self._tasks.append(loop.create_task(m.scheduler.run(), name=f"scheduler-{m.worker_id}"))
+
+    async def stop(self) -> None:
+        """Stop every scheduler (what is queued or running fails SHUTTING_DOWN), then every
+        worker (SHUTDOWN, SIGKILL after a grace period, reaped); free the tokenizers. Never
+        raises; idempotent."""
+        for m in self.members:
+            await m.scheduler.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        await asyncio.gather(*(m.slot.stop() for m in self.members), return_exceptions=True)
+        for tok in {id(m.tokenizer): m.tokenizer for m in self.members}.values():
+            close = getattr(tok, "close", None)
+            if close is not None:
+                close()
+
+    # --- views -----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __iter__(self) -> Iterator[Member]:
+        return iter(self.members)
+
+    def __getitem__(self, worker_id: int) -> Member:
+        return self.members[worker_id]
+
+    @property
+    def slots(self) -> list[WorkerSlot]:
+        return [m.slot for m in self.members]
+
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        return [m.scheduler for m in self.members]
+
+    def worker_ids(self, worker_id: int | None) -> list[int]:
+        """``[worker_id]`` (every id for None). Raises ``LookupError`` naming the valid range for
+        an unknown id."""
+        n = len(self.members)
+        if worker_id is None:
+            return list(range(n))
+        if not 0 <= worker_id < n:
+            raise LookupError(f"no worker {worker_id} (workers are 0..{n - 1})")
+        return [worker_id]
+
+    @property
+    def ready_count(self) -> int:
+        """Workers whose current incarnation is serving."""
+        return sum(1 for m in self.members if m.slot.state == "ready")
+
+    @property
+    def lanes_busy(self) -> int:
+        return sum(m.scheduler.busy_lanes for m in self.members)
+
+    @property
+    def lanes_max(self) -> int:
+        return sum(m.scheduler.limits.max_lanes for m in self.members)
+
+    def queued_by_class(self) -> dict[str, int]:
+        """Requests waiting for a lane, per QoS class (every class present)."""
+        return {q: sum(m.scheduler.queues.depth(q) for m in self.members) for q in QOS_CLASSES}
+
+    def problems(self) -> list[str]:
+        """One line per worker that is not serving for a reason an operator must see: given up
+        (with its last error), or a scheduler that stopped making progress. Empty when all is well
+        (a worker still starting or respawning is not a problem yet)."""
+        out = []
+        for m in self.members:
+            if m.slot.state == "given_up":
+                out.append(f"worker {m.worker_id}: {m.slot.last_error or 'gave up starting'}")
+                continue
+            stall = getattr(m.scheduler, "stall_reason", None)
+            if stall:
+                out.append(f"worker {m.worker_id}: {stall}")
+        return out
+
+    def models(self) -> list[api.ModelInfo]:
+        """One entry per served model name, with the number of workers serving it."""
+        out: dict[str, api.ModelInfo] = {}
+        for m in self.members:
+            info = out.get(m.model_name)
+            if info is None:
+                info = out[m.model_name] = api.ModelInfo(
+                    id=m.model_name,
+                    engine=m.config.engine,
+                    context_length=m.scheduler.limits.context_length,
+                    vocab_size=m.tokenizer.vocab_size,
+                )
+            info.workers += 1
+        return list(out.values())
+
+    # --- routing ---------------------------------------------------------------------------------
+
+    def route(self, model: str) -> int:
+        """The worker a new request for ``model`` ("" = any) goes to: the least loaded one that has
+        not given up (any, if all have). Raises ``AdmissionError(NOT_FOUND)`` for a model no
+        worker serves."""
+        ids = [m.worker_id for m in self.members if model in ("", m.model_name)]
+        if not ids:
+            served = ", ".join(sorted({m.model_name for m in self.members}))
+            raise AdmissionError(
+                ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {served})"
+            )
+        alive = [i for i in ids if not self.members[i].slot.given_up] or ids
+        return min(alive, key=lambda i: self.members[i].scheduler.load())
+
+    def route_prefix(self, worker_id: int, prompt: list[int]) -> int:
+        """Among the live workers serving the same model with the same vocabulary as
+        ``worker_id``, the one holding the longest cached prefix of ``prompt`` unless it is much
+        busier (``cache_policy.route``, ``[cache] route_slack``)."""
+        me = self.members[worker_id]
+        peers = [
+            m.worker_id
+            for m in self.members
+            if m.model_name == me.model_name and m.tokenizer is me.tokenizer and not m.slot.given_up
+        ]
+        if len(peers) < 2:
+            return worker_id
+        options = [
+            (i, self.members[i].scheduler.cached_prefix(prompt), self.members[i].scheduler.load())
+            for i in peers
+        ]
+        return route_by_prefix(options, self.config.cache.route_slack)
+
+    def add_bos(self, worker_id: int) -> bool:
+        """Whether prompts for this worker start with BOS: the capability record of its current
+        (or last) incarnation, else what the vocabulary itself says."""
+        m = self.members[worker_id]
+        if m.slot.proc is not None:
+            self._bos[worker_id] = bool(m.slot.proc.capabilities.add_bos)
+        known = self._bos.get(worker_id)
+        return m.tokenizer.add_bos if known is None else known
+
+    async def worker_stats(self, worker_id: int) -> dict[str, int] | None:
+        """The engine's counters of worker ``worker_id`` from a PONG (None when it is not running
+        or does not answer within ``PONG_TIMEOUT_S``)."""
+        proc = self.members[worker_id].slot.proc
+        if proc is None or not proc.link.alive:
+            return None
+        try:
+            pong = await proc.link.ping(timeout=PONG_TIMEOUT_S)
+        except LinkError:
+            return None
+        return dict(pong.stats or {})
+
+    def live_state(self, drainer: Drainer) -> LiveState:
+        """The load gauges and engine counters of every worker now (call on the event loop)."""
+        state = LiveState(
+            queue_depth=self.queued_by_class(), in_flight=drainer.in_flight, draining=drainer.draining
+        )
+        for m in self.members:
+            sched, slot = m.scheduler, m.slot
+            mem = sched.last_mem
+            state.workers.append(
+                WorkerState(
+                    worker=str(m.worker_id),
+                    ready=slot.state == "ready",
+                    lanes_active=len(sched.lanes),
+                    lanes_max=sched.limits.max_lanes,
+                    kv_reserved_tokens=sum(lane.reserved for lane in sched.lanes.values()),
+                    kv_capacity_tokens=sched.limits.kv_tokens,
+                    pool_blocks_used=mem.pool_blocks_used if mem is not None else 0,
+                    pool_blocks_total=mem.pool_blocks_total if mem is not None else 0,
+                    pool_evictable_bytes=mem.pool_bytes_evictable if mem is not None else 0,
+                    prefill_tokens=sched.prefill_tokens_total,
+                    decode_tokens=sched.decode_tokens_total,
+                    ticks=sched.ticks_run,
+                    plans_rejected=sched.plans_rejected,
+                    respawns=slot.respawns,
+                )
+            )
+        return state

@@ -1,0 +1,288 @@
+"""The front end: one transport-independent path from a request to a stream of outputs.
+
+Every API the daemon speaks (the native Unix-socket protocol, the HTTP dialects) turns its request
+into a ``basertd.schema.client.Generate`` and hands it to ``Frontend``; everything after that is
+the same for all of them (DESIGN.md "Client API"):
+
+1. admission: the daemon is ready and not draining; the request's values are inside the limits
+   table (``basertd.server.limits``); the prompt's byte length can fit the context at all;
+2. tokenizing, with BOS as the worker wants it: long texts off the event loop (a bounded thread
+   pool), so a megabyte prompt never stalls other streams;
+3. routing: the least loaded worker serving the model, then the peer holding the longest cached
+   prefix (``Fleet.route`` / ``route_prefix``); the scheduler's own admission check (context
+   window, KV pool, queue caps);
+4. the request record (``GenerationRequest``) with an ``ObservedSink`` around the transport's
+   sink, so metrics, the access log and drain accounting see every API alike; ``Accepted`` is the
+   first reply; the scheduler then sends Tokens / Done / Error through the same sink.
+
+A transport either gives its own ``RequestSink`` (``submit``: the native API writes frames
+straight to its connection) or takes an async iterator (``stream``: ``GenerationStream``, used
+by HTTP). A consumer that goes away cancels its request: its lane retires in the next plan and a
+queued request never starts. Refusals raise ``AdmissionError`` (a typed ``ErrorCode``) before
+anything is queued, and are counted in ``basertd_admission_errors_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import structlog
+
+from basertd.schema import client as api
+from basertd.schema.client import ErrorCode
+from basertd.server.access import ObservedSink
+from basertd.server.drain import Drainer
+from basertd.server.fleet import Fleet
+from basertd.server.limits import check_generate, check_prompt_bytes, check_prompt_tokens
+from basertd.server.metrics import Metrics
+from basertd.server.requests import AdmissionError, GenerationRequest, RequestSink, sampler_for
+from basertd.server.tokenizer import TokenizerError
+
+log = structlog.get_logger("basertd.frontend")
+
+TOKENIZER_THREADS = 2
+"""Threads that tokenize and detokenize off the event loop."""
+MAX_PENDING_TOKENIZE = 64
+"""Tokenize jobs allowed to wait for a thread at once; more are refused QUEUE_FULL."""
+INLINE_TOKENIZE_CHARS = 4096
+"""Texts up to this many characters are tokenized on the event loop (tens of microseconds: cheaper
+than a thread hop); longer ones go to the pool."""
+
+
+class Frontend:
+    """The front end of one daemon (module docstring). ``state()`` returns the daemon's public
+    state (``ready`` admits); ``api`` labels requests in logs by the API they came through."""
+
+    def __init__(self, fleet: Fleet, metrics: Metrics, drainer: Drainer, state: Callable[[], str]) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.drainer = drainer
+        self._state = state
+        self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._pending = 0
+        self.requests_total = 0
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (running jobs finish)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- off-loop work ---------------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the tokenizer pool. Raises ``AdmissionError(QUEUE_FULL)`` when
+        ``MAX_PENDING_TOKENIZE`` jobs already wait."""
+        if self._pending >= MAX_PENDING_TOKENIZE:
+            raise AdmissionError(ErrorCode.QUEUE_FULL, "too many prompts are being tokenized; retry shortly")
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._pending -= 1
+
+    async def encode(self, worker_id: int, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` for ``worker_id``'s vocabulary (BOS as the worker wants it when
+        ``add_special``), tokenized off the loop. Raises ``AdmissionError(INVALID_REQUEST)`` for
+        text the tokenizer refuses."""
+        tok = self.fleet[worker_id].tokenizer
+        bos = add_special and self.fleet.add_bos(worker_id)
+        try:
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                return tok.encode(text, add_bos=bos)
+            return await self._off_loop(lambda: tok.encode(text, add_bos=bos))
+        except TokenizerError as exc:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    async def tokenize(self, model: str, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` with ``model``'s vocabulary. Raises ``AdmissionError``
+        (NOT_FOUND for an unknown model, INVALID_REQUEST for text over the byte limit)."""
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        check_prompt_bytes(text, m.config.context_length, m.tokenizer, what="text")
+        return await self.encode(wid, text, add_special=add_special)
+
+    async def detokenize(self, model: str, tokens: list[int]) -> str:
+        """The text of ``tokens`` (ids outside the vocabulary are INVALID_REQUEST); special tokens
+        render as nothing, invalid UTF-8 as U+FFFD."""
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        check_prompt_tokens(tokens, m.tokenizer.vocab_size, m.config.context_length * 16, what="tokens")
+        tok = m.tokenizer
+
+        def run() -> str:
+            return b"".join(tok.piece(t) for t in tokens).decode("utf-8", "replace")
+
+        return await self._off_loop(run)
+
+    def template_tokenizer(self, model: str) -> tuple[int, Any]:
+        """``(worker_id, tokenizer)`` of the worker a request for ``model`` would go to (for chat
+        templates: BOS/EOS texts and the end-of-turn token)."""
+        wid = self.fleet.route(model)
+        return wid, self.fleet[wid].tokenizer
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def _admissible(self) -> None:
+        state = self._state()
+        if state in ("stopping", "stopped"):
+            raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        if state == "starting":
+            pass  # accepted and queued: served once a worker is ready
+        refusal = self.drainer.refusal()
+        if refusal is not None:
+            raise AdmissionError(*refusal)
+
+    async def submit(
+        self, gen: api.Generate, sink: RequestSink, *, api_name: str = "native"
+    ) -> GenerationRequest:
+        """Admit ``gen`` (module docstring) and queue it; ``Accepted`` is sent through ``sink``
+        before this returns, then the scheduler's replies. Raises ``AdmissionError`` with nothing
+        queued (counted in ``basertd_admission_errors_total``)."""
+        try:
+            return await self._submit(gen, sink, api_name)
+        except AdmissionError as exc:
+            self.metrics.admission_error(exc.code)
+            raise
+
+    async def _submit(self, gen: api.Generate, sink: RequestSink, api_name: str) -> GenerationRequest:
+        self._admissible()
+        check_generate(gen)
+        wid = self.fleet.route(gen.model)
+        m = self.fleet[wid]
+        if gen.prompt is not None:
+            check_prompt_bytes(gen.prompt, m.config.context_length, m.tokenizer)
+            prompt = await self.encode(wid, gen.prompt)
+        else:
+            prompt = list(gen.prompt_tokens or [])
+            check_prompt_tokens(prompt, m.tokenizer.vocab_size, m.config.context_length)
+        self._admissible()  # the daemon may have begun draining while the prompt was tokenized
+        if sink.closed:
+            raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
+        wid = self.fleet.route_prefix(wid, prompt)
+        m = self.fleet[wid]
+        m.scheduler.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
+        req = GenerationRequest(
+            request_id=gen.request_id,
+            prompt=prompt,
+            max_tokens=gen.max_tokens,
+            sampler=sampler_for(gen),
+            sink=observed,
+            tokenizer=m.tokenizer,
+            stop=list(gen.stop),
+            qos=gen.qos,
+            stream=gen.stream,
+        )
+        self.requests_total += 1
+        observed.attach(req)
+        observed.send(
+            api.Accepted(request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed)
+        )
+        m.scheduler.submit(req)
+        return req
+
+    def cancel(
+        self, req: GenerationRequest, *, code: ErrorCode = ErrorCode.CANCELLED, message: str = "cancelled"
+    ) -> None:
+        """End ``req`` with ``Error(code)`` after what it already delivered: its lane retires in
+        the next plan, a queued request never starts. Ignored once finished."""
+        if req.worker_id is not None and not req.finished:
+            self.fleet[req.worker_id].scheduler.cancel(req, code=code, message=message)
+
+    async def stream(self, gen: api.Generate, *, api_name: str) -> GenerationStream:
+        """Admit ``gen`` and return its outputs as an async iterator (``GenerationStream``).
+        Raises ``AdmissionError`` like ``submit``."""
+        sink = QueueSink()
+        req = await self.submit(gen, sink, api_name=api_name)
+        accepted = sink.queue.get_nowait()
+        return GenerationStream(self, req, sink, accepted)
+
+    # --- health ----------------------------------------------------------------------------------
+
+    def health(self) -> tuple[str, str]:
+        """``(status, reason)``: status ``ok`` while every worker serves and nothing stalls,
+        ``degraded`` when some serve and a worker gave up or stalled (the reason names it and
+        why), ``starting`` while no worker serves yet, ``draining`` / ``stopping`` / ``stopped``
+        from the daemon's state. The reason is "" for ``ok``."""
+        state = self._state()
+        problems = self.fleet.problems()
+        ready = self.fleet.ready_count
+        if state != "ready":
+            return state, state
+        if problems:
+            return "degraded", "; ".join(problems)
+        if ready == len(self.fleet):
+            return "ok", ""
+        if ready == 0:
+            return "starting", "no worker has finished starting yet"
+        return "degraded", f"workers {ready}/{len(self.fleet)} ready"
+
+
+class QueueSink:
+    """A ``RequestSink`` that queues replies for a ``GenerationStream`` (never blocks: replies of
+    one request are bounded by its max_tokens)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+
+    def send(self, msg: object) -> None:
+        if not self._closed:
+            self.queue.put_nowait(msg)
+
+
+class GenerationStream:
+    """The outputs of one admitted request as an async iterator of ``Tokens`` (and ``Queued``
+    notices), ending after ``Done`` or ``Error`` (both yielded). ``accepted`` is the Accepted
+    reply. ``aclose()`` (or leaving ``async with``) before the end cancels the request."""
+
+    def __init__(
+        self, frontend: Frontend, request: GenerationRequest, sink: QueueSink, accepted: Any
+    ) -> None:
+        self.frontend = frontend
+        self.request = request
+        self.accepted = accepted
+        self._sink = sink
+        self._ended = False
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        while not self._ended:
+            msg = await self._sink.queue.get()
+            if isinstance(msg, (api.Done, api.Error)):
+                self._ended = True
+            yield msg
+
+    def pending(self) -> list[Any]:
+        """Replies already queued, taken without waiting (in order)."""
+        out = []
+        while not self._sink.queue.empty():
+            msg = self._sink.queue.get_nowait()
+            if isinstance(msg, (api.Done, api.Error)):
+                self._ended = True
+            out.append(msg)
+        return out
+
+    async def aclose(self, message: str = "client disconnected") -> None:
+        """Stop consuming: a request that has not ended is cancelled."""
+        if not self._ended:
+            self._ended = True
+            self.frontend.cancel(self.request, message=message)
+        self._sink.close()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
