@@ -117,6 +117,10 @@ JOB_TIMEOUT_S = 60.0
 """Seconds a job queued for the gap between two ticks (a cache verb) may wait for it."""
 PIN_RETRY_S = 5.0
 """Seconds before a pin that could not be warmed again is retried."""
+QUEUED_FIRST_S = 1.0
+"""Seconds a request waits in the queue before its first ``Queued`` notice."""
+QUEUED_EVERY_S = 5.0
+"""Seconds between two ``Queued`` notices of a request that still waits."""
 
 
 class _WarmupSink:
@@ -254,6 +258,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
         self.watchdog = ProgressWatchdog(config.stall_timeout_s)
+        self._queued_notices: dict[int, float] = {}  # request key -> when its last Queued was sent
         self._phase = Phase.NO_WORKER
 
     # --- API side ---------------------------------------------------------------------------
@@ -345,6 +350,30 @@ class Scheduler:
         if n:
             log.warning("queued_requests_failed", worker_id=self.worker_id, count=n)
 
+    def notify_queued(self, now: float) -> int:
+        """Send ``Queued`` to each request still waiting for its first token that has waited
+        ``QUEUED_FIRST_S`` seconds and had no notice for ``QUEUED_EVERY_S`` seconds (``now``:
+        monotonic seconds); returns how many."""
+        sent = 0
+        ahead = 0
+        notices: dict[int, float] = {}
+        for qos in QOS_CLASSES:
+            for req in list(self.queues.classes[qos]):
+                if req.finished or req.t_first_token is not None:
+                    ahead += not req.finished
+                    continue  # the notice is for the wait before the first token
+                last = self._queued_notices.get(req.key)
+                if last is not None:
+                    notices[req.key] = last
+                waited = now - req.t_received
+                if waited >= QUEUED_FIRST_S and (last is None or now - last >= QUEUED_EVERY_S):
+                    req.sink.send(api.Queued(request_id=req.request_id, position=ahead, qos=qos))
+                    notices[req.key] = now
+                    sent += 1
+                ahead += 1
+        self._queued_notices = notices
+        return sent
+
     @property
     def stall_reason(self) -> str | None:
         """Why this scheduler is stalled (``basertd.server.watchdog``), or None while it progresses."""
@@ -354,7 +383,8 @@ class Scheduler:
         """The progress watchdog's task (``basertd.server.watchdog``); runs beside ``run``."""
         wd = self.watchdog
         while True:
-            await asyncio.sleep(wd.poll_s)
+            await asyncio.sleep(min(wd.poll_s, QUEUED_FIRST_S / 2))
+            self.notify_queued(time.monotonic())
             wd.bound_s = self.config.stall_timeout_s  # a reload may have changed it
             live = sum(1 for lane in self.lanes.values() if not lane.request.finished)
             phase = self._phase
