@@ -1,7 +1,8 @@
 """The client API of the Unix socket (DESIGN.md "Client API").
 
-Requests: Generate, Cancel, Tokenize, Models, Health. Replies: Accepted, Tokens (zero or more),
-then Done or Error for a Generate; TokenizeResult, ModelsResult, HealthResult; Error for any
+Requests: Generate, Cancel, Tokenize, Models, Health. Replies: Accepted, Queued (zero or more,
+while the request waits for a lane), Tokens (zero or more), then Done or Error for a Generate;
+TokenizeResult, ModelsResult, HealthResult; Error for any
 request. Frames are msgpack maps tagged by ``"type"`` (``{"type": "generate", ...}``), framed and
 decoded by ``basertd.schema.codec.ClientCodec``; control verbs share the socket
 (``basertd.schema.control``).
@@ -128,6 +129,18 @@ class Accepted(_Msg, tag="accepted"):
     seed: int | None = None
 
 
+class Queued(_Msg, tag="queued"):
+    """Generate ``request_id`` waits in its worker's queue: ``position`` requests are ahead of it
+    (the earlier ones of its class and every queued request of a higher class; aging may reorder
+    them), ``qos`` its class. Sent after Accepted when the request was not admitted within about a
+    second, then every few seconds while it waits, so a client sees bytes before its first token;
+    a client may ignore it."""
+
+    request_id: str
+    position: int
+    qos: str
+
+
 class TopLogprob(_Rec):
     """One alternative: token ``id`` and its natural-log probability."""
 
@@ -233,5 +246,14 @@ class HealthResult(_Msg, tag="health_result"):
 
 REQUESTS: tuple[type, ...] = (Generate, Cancel, Tokenize, Models, Health)
 """Client API requests (client -> daemon)."""
-REPLIES: tuple[type, ...] = (Accepted, Tokens, Done, Error, TokenizeResult, ModelsResult, HealthResult)
+REPLIES: tuple[type, ...] = (
+    Accepted,
+    Queued,
+    Tokens,
+    Done,
+    Error,
+    TokenizeResult,
+    ModelsResult,
+    HealthResult,
+)
 """Client API replies (daemon -> client); Error also answers control requests."""

@@ -19,7 +19,8 @@ _CLOSED = object()
 
 class AsyncStream:
     """Replies of one Generate: ``async for`` yields ``api.Tokens``; ``done`` holds the
-    ``api.Done`` afterwards; ``prompt_tokens`` and ``seed`` come from ``api.Accepted``. Raises
+    ``api.Done`` afterwards; ``prompt_tokens`` and ``seed`` come from ``api.Accepted``; ``queued``
+    holds the latest ``api.Queued`` wait notice (None when the request never waited). Raises
     ``ClientError`` for an ``Error`` reply, ``ConnectionLost``."""
 
     def __init__(
@@ -36,6 +37,7 @@ class AsyncStream:
         self.prompt_tokens = prompt_tokens
         self.seed = seed
         self.done: api.Done | None = None
+        self.queued: api.Queued | None = None
 
     async def __aiter__(self) -> AsyncIterator[api.Tokens]:
         try:
@@ -47,6 +49,8 @@ class AsyncStream:
                     yield msg
                 elif isinstance(msg, api.Done):
                     self.done = msg
+                elif isinstance(msg, api.Queued):
+                    self.queued = msg  # the latest wait notice, for the caller; never yielded
                 elif isinstance(msg, api.Error):
                     raise ClientError(msg.code, msg.message, msg.request_id)
         finally:

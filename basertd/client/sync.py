@@ -16,7 +16,8 @@ from ._common import ClientError, Completion, ConnectionLost, generate_message, 
 
 class Stream:
     """The replies of one Generate as they arrive: iterate for ``api.Tokens`` messages; afterwards
-    ``done`` holds the ``api.Done``. ``prompt_tokens`` and ``seed`` come from ``api.Accepted``.
+    ``done`` holds the ``api.Done``. ``prompt_tokens`` and ``seed`` come from ``api.Accepted``;
+    ``queued`` holds the latest ``api.Queued`` wait notice (None when the request never waited).
     Iteration raises ``ClientError`` for an ``Error`` reply (``CANCELLED`` after ``cancel()``) and
     ``ConnectionLost`` if the daemon goes away."""
 
@@ -26,6 +27,7 @@ class Stream:
         self.prompt_tokens = prompt_tokens
         self.seed = seed
         self.done: api.Done | None = None
+        self.queued: api.Queued | None = None
 
     def __iter__(self) -> Iterator[api.Tokens]:
         while self.done is None:
@@ -34,6 +36,8 @@ class Stream:
                 yield msg
             elif isinstance(msg, api.Done):
                 self.done = msg
+            elif isinstance(msg, api.Queued):
+                self.queued = msg  # the latest wait notice, for the caller; never yielded
             elif isinstance(msg, api.Error):
                 raise ClientError(msg.code, msg.message, msg.request_id)
 

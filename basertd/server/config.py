@@ -31,6 +31,7 @@ Example (every key shown with its default)::
     preempt = true              # a waiting interactive request preempts a lower-class lane
     aging_s = 10.0              # a queued request moves up one class per aging_s seconds (0: off)
     lane_caps = {}              # most lanes per class, e.g. {background = 2} (absent or 0: no cap)
+    stall_timeout_s = 60.0      # no tick this long while work waits: stalled, worker restarted
 
     [cache]                     # DESIGN.md "Prefix cache policy"
     publish_on_retire = true    # finished lanes publish their KV to the engine's prefix cache
@@ -115,7 +116,11 @@ class SchedulerConfig(_Section):
     QoS (``basertd.server.qos``): ``preempt``: an interactive request that finds no lane preempts
     the lowest-class lane (it resumes exactly, ABI rules 71-73); ``aging_s``: seconds after which a
     queued request competes one class higher (0: strict class order); ``lane_caps``: most live
-    lanes per class (0 or absent: no cap)."""
+    lanes per class (0 or absent: no cap).
+
+    ``stall_timeout_s``: the progress watchdog's bound (seconds): a worker with work waiting that
+    completes no tick for this long is reported stalled (``/health``), its worker restarted and
+    its stuck work failed (``basertd.server.watchdog``)."""
 
     prefill_budget: _Pos = 512
     decode_grant: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8
@@ -128,6 +133,7 @@ class SchedulerConfig(_Section):
     lane_caps: dict[Literal["interactive", "batch", "background"], _NonNeg] = msgspec.field(
         default_factory=dict
     )
+    stall_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 60.0
 
 
 class CacheConfig(_Section):

@@ -36,8 +36,11 @@ class Lane:
     ``replay_left``: replayed tokens its decode units must still feed (ABI rule 72); ``emitted``:
     tokens the engine emitted on this lane (all of them, delivered or not); ``checkpoint``: 0, or
     where its prefill stops for it to publish its prefix and be requeued (prefix coalescing);
-    ``preemptible``: an interactive request may preempt it; ``requeue``: once retired, its request
-    goes back to the head of its class (preemption, checkpoint)."""
+    ``preemptible``: an interactive request may preempt it (any lane of a lower class); ``aged``:
+    it was admitted at an effective rank above its class (aging, ``basertd.server.qos``), and is
+    preemptible only once it emitted a token, so every admission of it makes progress;
+    ``requeue``: once retired, its request goes back to the head of its class (preemption,
+    checkpoint)."""
 
     tag: int
     request: GenerationRequest
@@ -56,6 +59,7 @@ class Lane:
     emitted: list[int] = field(default_factory=list)
     checkpoint: int = 0
     preemptible: bool = False
+    aged: bool = False
     requeue: bool = False
 
     @property
@@ -79,7 +83,10 @@ class Lane:
             publish=self.publish,
             replay=self.replay_left,
             checkpoint=self.checkpoint,
-            preemptible=self.preemptible and not done and not self.checkpoint,
+            preemptible=self.preemptible
+            and not done
+            and not self.checkpoint
+            and (not self.aged or bool(self.emitted)),
         )
 
     @property

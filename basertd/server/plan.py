@@ -11,7 +11,10 @@
    fit stops admission (strict order: a large request is never overtaken forever). A candidate of
    a class at its lane cap is skipped. An *urgent* (interactive) candidate that does not fit
    preempts lower-class lanes (``qos.choose_victim``): they retire in this very plan with
-   ``publish_to_cache`` and are listed in ``PlanDraft.preempted`` for the scheduler to requeue;
+   ``publish_to_cache`` and are listed in ``PlanDraft.preempted`` for the scheduler to requeue.
+   When a non-urgent candidate (an aged request) stops admission, the ``urgent_after``
+   candidates (the interactive requests behind it) are still tried, in their order, so aging
+   never holds back a fresh interactive request (the QoS rule of ``basertd.server.qos``);
 3. **prefills**: first every interactive lane whose remaining prompt fits what is left of
    ``urgent_prefill_budget`` prefills it whole (so a short interactive request gets its first token
    in the tick that admits it, whatever else waits); then the prefill budget (tokens) is shared
@@ -149,11 +152,17 @@ class PlanDraft:
 
 
 def build_plan(
-    lanes: Sequence[LaneView], queue: Iterable[Candidate], limits: PlanLimits, next_tag: int
+    lanes: Sequence[LaneView],
+    queue: Iterable[Candidate],
+    limits: PlanLimits,
+    next_tag: int,
+    urgent_after: Iterable[Candidate] = (),
 ) -> PlanDraft:
     """Decide one tick (see the module docstring). ``lanes``: every live lane of the worker;
     ``queue``: admission candidates in admission order (consumed lazily, only as far as admission
-    goes); ``next_tag``: the first unused lane tag, new lanes get ``next_tag``, ``next_tag + 1``, ...
+    goes); ``next_tag``: the first unused lane tag, new lanes get ``next_tag``, ``next_tag + 1``, ...;
+    ``urgent_after``: urgent candidates not yet read from ``queue``, in their order, tried once a
+    non-urgent candidate stopped admission (consumed lazily; only after ``queue`` stopped).
     Pure: the inputs are not modified."""
     draft = PlanDraft()
     live: list[LaneView] = []
@@ -171,14 +180,18 @@ def build_plan(
     victims = VictimPool.of(live) if limits.preempt else VictimPool()
     admit_tokens = 0
     tag = next_tag
-    for cand in queue:
+
+    def admit(cand: Candidate) -> bool | None:
+        """Admit ``cand`` if it fits: True; None when it is skipped (lane cap); False when it
+        stops admission."""
+        nonlocal free_lanes, kv_free, admit_tokens, tag
         if not limits.lane_caps.allows(cand.qos_rank, per_class):
-            continue  # its class is at its cap: the classes after it go on
+            return None  # its class is at its cap: the classes after it go on
         if (
             len(draft.admits) >= limits.max_admits
             or admit_tokens + cand.admit_tokens > limits.max_admit_tokens
         ):
-            break
+            return False
         taken: list[LaneView] = []
         while cand.urgent and (free_lanes <= 0 or cand.reserve > kv_free):
             victim = victims.take(cand.qos_rank)
@@ -193,7 +206,7 @@ def build_plan(
                 free_lanes -= 1
                 kv_free -= victim.reserved
             victims.put_back(taken)
-            break
+            return False
         for victim in taken:
             live.remove(victim)
             per_class[victim.qos_rank] -= 1
@@ -217,6 +230,17 @@ def build_plan(
         free_lanes -= 1
         kv_free -= cand.reserve
         admit_tokens += cand.admit_tokens
+        return True
+
+    stopped_by: Candidate | None = None
+    for cand in queue:
+        if admit(cand) is False:
+            stopped_by = cand
+            break
+    if stopped_by is not None and not stopped_by.urgent and limits.preempt:
+        for cand in urgent_after:
+            if admit(cand) is False:
+                break
 
     budget = limits.prefill_budget
     urgent = limits.urgent_prefill_budget

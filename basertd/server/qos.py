@@ -1,5 +1,5 @@
 """QoS classes: admission order with aging, per-class lane caps, and the preemption choice
-(DESIGN.md "Scheduling", issue 8).
+(DESIGN.md "Scheduling").
 
 Everything here is pure: functions of queue heads, lane views and seconds waited; the scheduler
 (``basertd.server.scheduler``) and the plan builder (``basertd.server.plan``) call them.
@@ -8,20 +8,30 @@ Everything here is pure: functions of queue heads, lane views and seconds waited
   per class (``basertd.server.lanes.RequestQueues``).
 - **Aging**: a request that has waited ``w`` seconds competes at
   ``effective_rank = max(0, rank - floor(w / aging_s))``; among class heads the lowest effective
-  rank goes first, then the oldest (receipt time), then the original class. So a background
-  request that waited ``2 * aging_s`` seconds is admitted ahead of every interactive request that
-  arrived after it: no class starves, whatever the load of the classes above it. ``aging_s`` 0
-  turns aging off (strict class order).
+  rank goes first, then the oldest (receipt time), then the original class. ``aging_s`` 0 turns
+  aging off (strict class order).
+- **The rule aging keeps**: aging raises a request's rank against requests of its own and lower
+  classes, so nothing starves, but it never holds back a fresh interactive request:
+
+  1. an aged request that cannot be admitted (no lane free, its KV reservation does not fit)
+     does not block the interactive requests queued behind it: they are still tried, and may
+     preempt (``basertd.server.plan.build_plan``, ``urgent_after``);
+  2. a lane admitted by aging stays preemptible by an interactive request once it has emitted a
+     token in that admission (so each admission of an aged request makes progress, and it
+     resumes exactly where it stopped: it cannot starve either);
+  3. an interactive request itself is never preempted.
+
+  So an interactive request is admitted in the plan after it arrives whatever the backlog of
+  aged batch or background requests (first token within two ticks), and an aged request is
+  admitted, at the latest, when a lane frees with no interactive request waiting for it.
 - **Lane caps**: ``LaneCaps`` bounds the live lanes of a class (0 = no cap); a capped class is
   skipped, it never blocks the classes after it.
 - **Preemption**: an *interactive* request that cannot be admitted (no lane free, or its KV
   reservation does not fit) may preempt lanes of a lower class. ``choose_victim`` takes the lowest
-  class first and, within it, the youngest lane (highest tag, so the least work is paused).
-  A lane admitted at effective rank 0 (an aged request, or an interactive one) is never a victim,
-  so an aged request cannot be preempted forever by a stream of interactive ones. The victim
-  retires with ``publish_to_cache`` and is requeued at the head of its class; it resumes with its
-  generated tokens as ``decode_replay`` (ABI rules 71-73), so its client sees a pause, never a
-  repeated or different token.
+  class first and, within it, the youngest lane (highest tag, so the least work is paused). The
+  victim retires with ``publish_to_cache`` and is requeued at the head of its class; it resumes
+  with its generated tokens as ``decode_replay`` (ABI rules 71-73), so its client sees a pause,
+  never a repeated or different token.
 """
 
 from __future__ import annotations

@@ -85,6 +85,7 @@ from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
 from basertd.server.plan import Candidate, PlanDraft, PlanLimits, TickRates, build_plan
 from basertd.server.qos import INTERACTIVE, LaneCaps, effective_rank, qos_rank
+from basertd.server.rejects import CLIENT_FIELD, Action, suspect_field, triage
 from basertd.server.requests import (
     QOS_CLASSES,
     AdmissionError,
@@ -94,6 +95,7 @@ from basertd.server.requests import (
 )
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer
+from basertd.server.watchdog import Phase, ProgressWatchdog
 from basertd.server.worker_proc import WorkerProcess
 from basertd.shm import RingError
 
@@ -115,6 +117,10 @@ JOB_TIMEOUT_S = 60.0
 """Seconds a job queued for the gap between two ticks (a cache verb) may wait for it."""
 PIN_RETRY_S = 5.0
 """Seconds before a pin that could not be warmed again is retried."""
+QUEUED_FIRST_S = 1.0
+"""Seconds a request waits in the queue before its first ``Queued`` notice."""
+QUEUED_EVERY_S = 5.0
+"""Seconds between two ``Queued`` notices of a request that still waits."""
 
 
 class _WarmupSink:
@@ -179,10 +185,11 @@ class _Plan:
     """One plan in the making: the draft, the requests its admits name (by key), the seed
     leases acquired for them and the prompt-ring refs those were matched on (by key)."""
 
-    __slots__ = ("draft", "refs", "requests", "seeds")
+    __slots__ = ("admits", "draft", "refs", "requests", "seeds")
 
     def __init__(self) -> None:
         self.draft = PlanDraft()
+        self.admits: list[LaneAdmit] = []
         self.requests: dict[int, GenerationRequest] = {}
         self.seeds: dict[int, Seed] = {}
         self.refs: dict[int, TokenRef] = {}
@@ -250,6 +257,9 @@ class Scheduler:
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
+        self.watchdog = ProgressWatchdog(config.stall_timeout_s)
+        self._queued_notices: dict[int, float] = {}  # request key -> when its last Queued was sent
+        self._phase = Phase.NO_WORKER
 
     # --- API side ---------------------------------------------------------------------------
 
@@ -340,13 +350,78 @@ class Scheduler:
         if n:
             log.warning("queued_requests_failed", worker_id=self.worker_id, count=n)
 
+    def notify_queued(self, now: float) -> int:
+        """Send ``Queued`` to each request still waiting for its first token that has waited
+        ``QUEUED_FIRST_S`` seconds and had no notice for ``QUEUED_EVERY_S`` seconds (``now``:
+        monotonic seconds); returns how many."""
+        sent = 0
+        ahead = 0
+        notices: dict[int, float] = {}
+        for qos in QOS_CLASSES:
+            for req in list(self.queues.classes[qos]):
+                if req.finished or req.t_first_token is not None:
+                    ahead += not req.finished
+                    continue  # the notice is for the wait before the first token
+                last = self._queued_notices.get(req.key)
+                if last is not None:
+                    notices[req.key] = last
+                waited = now - req.t_received
+                if waited >= QUEUED_FIRST_S and (last is None or now - last >= QUEUED_EVERY_S):
+                    req.sink.send(api.Queued(request_id=req.request_id, position=ahead, qos=qos))
+                    notices[req.key] = now
+                    sent += 1
+                ahead += 1
+        self._queued_notices = notices
+        return sent
+
+    @property
+    def stall_reason(self) -> str | None:
+        """Why this scheduler is stalled (``basertd.server.watchdog``), or None while it progresses."""
+        return self.watchdog.reason
+
+    async def watch(self) -> None:
+        """The progress watchdog's task (``basertd.server.watchdog``); runs beside ``run``."""
+        wd = self.watchdog
+        while True:
+            await asyncio.sleep(min(wd.poll_s, QUEUED_FIRST_S / 2))
+            self.notify_queued(time.monotonic())
+            wd.bound_s = self.config.stall_timeout_s  # a reload may have changed it
+            live = sum(1 for lane in self.lanes.values() if not lane.request.finished)
+            phase = self._phase
+            reason = wd.check(phase, len(self.queues) + live)
+            if reason is None:
+                continue
+            log.error("scheduler_stalled", worker_id=self.worker_id, reason=reason)
+            if phase is Phase.IDLE:
+                now = time.monotonic()
+                stuck = [r for r in self.queues if now - r.t_received >= wd.bound_s]
+                for req in stuck:
+                    self.queues.remove(req)
+                    req.fail(ErrorCode.INTERNAL, f"worker {self.worker_id} stalled: {reason}")
+                    self.requests_done += 1
+                self._max_admits = None
+                self._prefill_cap = None
+                if not live:
+                    continue
+            self.slot.restart(f"scheduler stalled: {reason}")
+
     # --- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve forever: wait for a live worker, tick it while there is work, and when it dies
-        fail its lanes and wait for the next incarnation. Ends only by cancellation."""
+        fail its lanes and wait for the next incarnation; the progress watchdog runs beside it.
+        Ends only by cancellation."""
+        watch = asyncio.ensure_future(self.watch())
+        try:
+            await self._run()
+        finally:
+            watch.cancel()
+
+    async def _run(self) -> None:
         while True:
+            self._phase = Phase.NO_WORKER
             proc = await self.heartbeat.wait(self.slot.ready())
+            self.watchdog.progress()
             self._proc = proc
             self.cache_policy.attach(proc.capabilities)
             self.limits = WorkerLimits.from_worker(proc)
@@ -390,11 +465,14 @@ class Scheduler:
                     raise dead.result()
                 self._wake.clear()
                 self.heartbeat.beat()
+                self._phase = Phase.BETWEEN
                 await self._between(proc)
+                self._phase = Phase.PLANNING
                 plan = await self._plan(proc)
                 if plan.draft.empty and self._release:
                     continue  # release the leases it did not use before waiting
                 if plan.draft.empty:
+                    self._phase = Phase.IDLE
                     waiter = asyncio.ensure_future(self._wake.wait())
                     try:
                         await asyncio.wait(
@@ -653,8 +731,28 @@ class Scheduler:
                         checkpoint=coal.leader_checkpoints.get(req.key, 0),
                     )
 
+            def urgent_after(
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of
+            ) -> Iterator[Candidate]:
+                if not self.config.preempt:
+                    return
+                read = {r.key for r in seen}
+                for req in list(self.queues.classes[QOS_CLASSES[INTERACTIVE]]):
+                    if req.finished or req.key in read or req.key in coal.blocked:
+                        continue
+                    seen.append(req)
+                    yield candidate(
+                        req,
+                        self.limits.page_tokens,
+                        seed=seed_of(req),
+                        urgent=True,
+                        checkpoint=coal.leader_checkpoints.get(req.key, 0),
+                    )
+
             views = [lane.view() for lane in self.lanes.values()]
-            plan.draft = build_plan(views, candidates(), limits, next_tag=self._next_tag)
+            plan.draft = build_plan(
+                views, candidates(), limits, next_tag=self._next_tag, urgent_after=urgent_after()
+            )
             by_key = {req.key: req for req in seen}
             plan.requests = {cand.key: by_key[cand.key] for _, cand in plan.draft.admits}
             todo = [c for _, c in plan.draft.admits if c.prefilled > 0 and c.key not in plan.seeds]
@@ -723,6 +821,7 @@ class Scheduler:
                     decode_replay=len(req.generated),
                 )
             )
+        plan.admits = admits
         self._plan_seq += 1
         flags = TickFlag.PARTIAL_EMITS if self.config.partial_emits else 0
         tick_plan = TickPlan(
@@ -759,12 +858,14 @@ class Scheduler:
                 seed=cand.prefilled,
                 replay_left=max(0, len(tokens) - max(cand.prefilled, cand.prompt_len)),
                 checkpoint=cand.checkpoint if cand.checkpoint > cand.prefilled else 0,
-                preemptible=effective_rank(rank, now - req.t_received, self.config.aging_s) > 0,
+                preemptible=rank > INTERACTIVE,
+                aged=effective_rank(rank, now - req.t_received, self.config.aging_s) < rank,
             )
             if lane.checkpoint:
                 req.checkpointed = True
             self.lanes[tag] = lane
         self._in_tick = True
+        self._phase = Phase.TICK
         t_tick = time.monotonic()
         try:
             events = await self.heartbeat.wait(
@@ -783,6 +884,7 @@ class Scheduler:
         self._prefill_cap = None
         self.metrics.tick(self.worker_id, time.monotonic() - t_tick)
         self.ticks_run += 1
+        self.watchdog.progress()
         self.cache_policy.on_tick(events.shed.entries)
         self.slot.progress()
         self._apply(proc, plan, events)
@@ -1033,10 +1135,31 @@ class Scheduler:
                 self.requests_done += 1
                 youngest.retire = True
             return
-        if self._rejections == 1:
-            self._max_admits = 0  # our view and the engine's disagree: stop admitting for a tick
-        else:
+        verdict = triage(len(draft.admits), self._rejections, self.limits.max_lanes)
+        if verdict.action is Action.FAIL_ADMIT:
+            tag, cand = draft.admits[0]
+            req = requests[cand.key]
+            admit = next((a for a in plan.admits if a.lane_tag == tag), None)
+            field_ = suspect_field(admit, exc.message) if admit is not None else ""
+            field_ = CLIENT_FIELD.get(field_, field_)
+            if not req.finished:
+                self.queues.remove(req)
+                what = f"its {field_} is out of the engine's range" if field_ else "the engine cannot run it"
+                req.fail(ErrorCode.INVALID_REQUEST, f"the engine refused this request: {what} ({status})")
+                self.requests_done += 1
+            log.warning(
+                "admit_rejected_alone",
+                worker_id=self.worker_id,
+                request_key=req.key,
+                field=field_,
+                status=status,
+            )
+            self._max_admits = None
+        elif verdict.action is Action.RESTART:
+            self._max_admits = None
             self.slot.restart(f"plans rejected {self._rejections} times in a row ({status})")
+        else:  # bisect the admits, or retry once without any
+            self._max_admits = verdict.max_admits
 
     def _worker_lost(self, proc: WorkerProcess, exc: LinkError) -> None:
         n = 0

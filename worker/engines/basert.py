@@ -26,11 +26,18 @@ The reference engine's synthetic model uses the "bytes" vocabulary (``TokenizerS
 ids 0 unk, 1 BOS, 2 EOS, 3..258 the bytes); ``tokenize`` / ``detokenize`` implement it here.
 ``model_id`` is an xxh3-128 of the config fields that decide the tokens (the tick delay is left
 out), so two workers with the same model answer the same id.
+
+Test hooks (``TEST_HOOK_KEYS``, never set in production configs) ride in ``--ref-config`` and wrap
+the engine in ``HookedEngine``, so the production ``tick`` carries no test code:
+``test_reject_top_k`` = K: a plan with an admit whose ``top_k`` is K is rejected (REJECT_BOUNDS,
+naming the lane), as a value outside the ABI's u32 would be; ``test_stall_top_k`` = K: such a plan
+hangs the tick (sleeps ``test_stall_s`` seconds, default 3600) before running.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from importlib import metadata
@@ -63,7 +70,7 @@ from basertd.worker.engines.base import (
     TokenizerSpec,
 )
 
-__all__ = ["BOS_ID", "BYTE_BASE", "EOS_ID", "BasertEngine", "open_engine"]
+__all__ = ["BOS_ID", "BYTE_BASE", "EOS_ID", "TEST_HOOK_KEYS", "BasertEngine", "HookedEngine", "open_engine"]
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 """Special ids of the "bytes" vocabulary."""
@@ -304,9 +311,34 @@ class BasertEngine:
         self._keepalive.clear()
 
 
+class HookedEngine(BasertEngine):
+    """A ``BasertEngine`` with the test hooks of ``--ref-config`` (module docstring): ``hooks``
+    maps a ``TEST_HOOK_KEYS`` name to its value."""
+
+    def __init__(self, *args: Any, hooks: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hooks = dict(hooks)
+
+    def tick(self, plan: TickPlan, on_partial_emit: PartialEmit | None = None) -> TickEvents:
+        """``BasertEngine.tick`` after the hooks: a marked admit rejects or stalls the plan."""
+        reject = self.hooks.get("test_reject_top_k")
+        stall = self.hooks.get("test_stall_top_k")
+        for i, admit in enumerate(plan.admits):
+            if reject is not None and admit.params.top_k == reject:
+                raise PlanRejected(
+                    Status.REJECT_BOUNDS,
+                    f"admits[{i}] (lane {admit.lane_tag}): params.top_k {admit.params.top_k} is out of range",
+                )
+            if stall is not None and admit.params.top_k == stall:
+                time.sleep(float(self.hooks.get("test_stall_s", 3600.0)))
+        return super().tick(plan, on_partial_emit)
+
+
 # --- the factory --------------------------------------------------------------------------------
 
 _MODEL_FIELDS_EXCLUDED = frozenset({"tick_delay_us"})
+TEST_HOOK_KEYS = frozenset({"test_reject_top_k", "test_stall_top_k", "test_stall_s"})
+"""``--ref-config`` keys that install ``HookedEngine`` test hooks (module docstring)."""
 
 
 def model_digest(cfg: Any) -> str:
@@ -330,6 +362,7 @@ def open_engine(options: EngineOptions) -> BasertEngine:
         from basertd.native import ref as nref
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         raise EngineLoadError(f"the reference engine surface is unavailable: {exc}") from None
+    hooks = {k: v for k, v in options.ref_config.items() if k in TEST_HOOK_KEYS}
     cfg = _ref_config(nref, options)
     try:
         lib = nref.open_ref_lib(lib_path)
@@ -381,6 +414,8 @@ def open_engine(options: EngineOptions) -> BasertEngine:
     except BaseException:
         bundle.close()
         raise
+    if hooks:
+        return HookedEngine(bundle, info, stats=bundle.stats, keepalive=(lib,), hooks=hooks)
     return BasertEngine(bundle, info, stats=bundle.stats, keepalive=(lib,))
 
 
@@ -389,7 +424,7 @@ def _ref_config(nref: Any, options: EngineOptions) -> Any:
     ``--context-length``. JSON forms: ``spaces`` a list of ``RefSpace`` field objects, ``identity``
     64 hex digits. Raises ``EngineOptionError`` naming the flag."""
     known = {f.name for f in fields(nref.RefConfig)}
-    values = dict(options.ref_config)
+    values = {k: v for k, v in options.ref_config.items() if k not in TEST_HOOK_KEYS}
     unknown = sorted(set(values) - known)
     if unknown:
         raise EngineOptionError(
