@@ -45,6 +45,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -366,7 +367,10 @@ def loads_by_path(options: EngineOptions) -> bool:
     model = options.model
     if model is None or model == options.lib:
         return False
-    return not (options.lib is None and _is_shared_object(model))
+    library_like = _is_shared_object(model) or Path(model).suffix == ".so" or ".so." in Path(model).name
+    if library_like and options.lib is not None:
+        raise EngineOptionError("--model", "basert takes one library, as --lib or --model")
+    return not library_like
 
 
 def open_engine(options: EngineOptions) -> BasertEngine:
@@ -400,8 +404,8 @@ def open_engine(options: EngineOptions) -> BasertEngine:
             ) from None
         if all(name.startswith("baseRT_ref_") for name in exc.missing):
             raise EngineLoadError(
-                f"{lib_path} has no reference-engine factory: name the bundle to load with "
-                "baseRT_load_model_ex as --model (worker config key `model`)"
+                f"{lib_path} offers no way to create a bundle without --model: name the bundle to "
+                "load with baseRT_load_model_ex as --model (worker config key `model`)"
             ) from None
         raise EngineLoadError(f"{lib_path} is not a tick-ABI library: {exc}") from None
     except nabi.LibraryError as exc:
