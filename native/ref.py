@@ -392,6 +392,93 @@ def create_ref_bundle(
     return bundle
 
 
+def _escape(text: str) -> str:
+    if "\0" in text:
+        raise ArgumentError("bundle strings must not contain NUL")
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+
+
+def write_ref_bundle(
+    path: str | Path,
+    config: RefConfig | None = None,
+    *,
+    add_bos: bool = False,
+    prefix_cache: bool = True,
+    chat_template: str = "",
+    bos_token: str = "<s>",
+    eos_token_text: str = "</s>",
+    **overrides,
+) -> Path:
+    """Write a reference bundle file (the descriptor ``baseRT_load_model_ex`` of the reference
+    engine loads; format in ``ref_engine/loader.c``) for ``config`` with ``overrides``, plus the
+    tokenizer facts: ``add_bos`` (``baseRT_encode`` prepends BOS), ``prefix_cache`` (False: the
+    bundle never reports BASERT_CAP_PREFIX_CACHE), the chat template and the BOS/EOS strings.
+    Returns the path. Raises ``ArgumentError`` for values the format cannot hold."""
+    try:
+        cfg = replace(config or RefConfig(), **overrides)
+    except TypeError as e:
+        raise ArgumentError(f"RefConfig: {e}") from e
+    lines = ["# basertd reference bundle (native/ref_engine/loader.c)", "basertd-ref-bundle 1"]
+    for f in fields(RefConfig):
+        v = getattr(cfg, f.name)
+        if f.name == "spaces":
+            for sp in v:
+                if "," in sp.name or "\n" in sp.name or len(sp.name.encode()) > 31:
+                    raise ArgumentError(f"space {sp.space_id}: name must be at most 31 bytes without ','")
+                row = (sp.space_id, int(sp.kind), int(sp.flags), sp.blob_bytes, sp.version_tag)
+                row += (sp.snapshot_cadence, sp.snapshot_interval_tokens, sp.name)
+                lines.append("space = " + ",".join(str(x) for x in row))
+        elif f.name == "scripted_tokens":
+            if v:
+                lines.append("scripted_tokens = " + ",".join(str(int(t)) for t in v))
+        elif f.name == "identity":
+            if v:
+                if len(v) != 32:
+                    raise ArgumentError(f"identity must be 32 bytes, got {len(v)}")
+                lines.append(f"identity = {bytes(v).hex()}")
+        elif f.name == "arch":
+            lines.append(f"arch = {_escape(str(v))}")
+        else:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ArgumentError(f"RefConfig.{f.name} must be a non-negative integer, got {v!r}")
+            lines.append(f"{f.name} = {v}")
+    lines += [
+        f"add_bos = {int(bool(add_bos))}",
+        f"prefix_cache = {int(bool(prefix_cache))}",
+        f"bos_token = {_escape(bos_token)}",
+        f"eos_token_text = {_escape(eos_token_text)}",
+    ]
+    if chat_template:
+        lines.append(f"chat_template = {_escape(chat_template)}")
+    out = Path(path)
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def open_ref_api_lib(path: str | None = None) -> BasertLib:
+    """The reference engine with the tick ABI, the baseRT.h subset (``basertd.native.basert_api``)
+    and the test surface declared; one per path per process. Raises as ``open_basert_lib``."""
+    from basertd.native.basert_api import open_basert_lib
+
+    return open_basert_lib(path or ref_engine_path(), extra_cdef=ref_cdef())
+
+
+def load_ref_bundle(
+    model_path: str | Path, *, lib: BasertLib | None = None, max_context: int = 0, options=None
+) -> RefBundle:
+    """A reference bundle loaded by path through ``baseRT_load_model_ex`` (the one loading path
+    a real libbaseRT takes); ``close()`` calls ``baseRT_free_model``. ``options`` is a
+    ``basert_api.LoadOptions`` (default: paged KV and prefix cache on). Raises ``LoadError``.
+    ``config`` is left unset: the file is the source of truth (``stats()`` etc. still work)."""
+    from basertd.native.basert_api import load_model
+
+    loaded = load_model(lib or open_ref_api_lib(), model_path, None, max_context, options)
+    bundle = loaded.bundle(RefBundle)
+    bundle.loaded = loaded
+    return bundle
+
+
 __all__ = [
     "REF_HEADER",
     "STAT_FIELDS",
@@ -404,6 +491,9 @@ __all__ = [
     "SpaceInfo",
     "cert",
     "create_ref_bundle",
+    "load_ref_bundle",
+    "open_ref_api_lib",
     "open_ref_lib",
     "ref_cdef",
+    "write_ref_bundle",
 ]

@@ -8,13 +8,15 @@ Started by the coordinator (``basertd.server.worker_proc``), never by hand in pr
 
 Engines (``basertd.worker.engines.ENGINES``):
 
-- ``basert`` (default): a tick-ABI library through ``basertd.native.abi``. Without ``--lib`` it is
-  the C reference engine, configured with ``--ref-config`` (a JSON object, or ``key=value`` pairs
-  separated by commas, of ``basertd.native.ref`` config fields) and ``--lanes`` /
-  ``--context-length``. ``--lib PATH`` (or ``--model PATH``) names another library; a real
-  libbaseRT creates bundles through baseRT.h, which is not part of the tick ABI header we have, so
-  such a library is refused with exit 3 unless it also exports the reference engine's creation
-  functions.
+- ``basert`` (default): a tick-ABI library through ``basertd.native.abi``. ``--model BUNDLE``
+  loads a bundle file with baseRT.h's ``baseRT_load_model_ex`` from ``--lib PATH`` (a libbaseRT
+  build; default the C reference engine, whose bundle files are small descriptors) with
+  ``--kernel-library PATH`` and ``--lanes`` / ``--context-length``. A library lacking a needed
+  function, a baseRT version other than 0.3.x, or a bundle that does not load: one line on stderr
+  and exit 3. Without ``--model`` it is the reference engine's private factory, configured with
+  ``--ref-config`` (a JSON object, or ``key=value`` pairs separated by commas, of
+  ``basertd.native.ref`` config fields). The process sees only its own GPU: the coordinator sets
+  CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES from the worker's ``device``.
 - ``llamacpp``: a GGUF ``--model`` through llama-cpp-python, ``--lanes``, ``--context-length``
   (tokens per lane), ``--threads``.
 
@@ -129,7 +131,19 @@ def build_parser() -> _Parser:
         metavar="JSON|K=V,...",
         help="basert reference engine: config fields as a JSON object or key=value pairs",
     )
-    p.add_argument("--model", default=None, metavar="PATH", help="llamacpp: GGUF file; basert: library path")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="llamacpp: GGUF file; basert: bundle file loaded with baseRT_load_model_ex (.base, or a "
+        "reference bundle file)",
+    )
+    p.add_argument(
+        "--kernel-library",
+        default=None,
+        metavar="PATH",
+        help="basert: GPU kernel library for baseRT_load_model_ex (default: the library's auto-detection)",
+    )
     p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda:0 (default cpu)")
     p.add_argument("--lanes", type=_positive, default=None, help="concurrent lanes")
     p.add_argument("--context-length", type=_positive, default=None, help="tokens per lane")
@@ -233,6 +247,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         rings = attach_rings(parser, args.ring)
         options = EngineOptions(
             lib=args.lib,
+            kernel_library=args.kernel_library,
             ref_config=ref_config,
             model=args.model,
             device=args.device,

@@ -89,13 +89,19 @@ class WorkerConfig(_Section):
     """One engine worker (one process, one device).
 
     ``engine``: "llamacpp" (GGUF through llama-cpp-python) or "basert" (a tick-ABI library; the C
-    reference engine when ``model`` is ""). ``model``: the GGUF path for llamacpp ("" = the default
-    model, ``basertd.models.default_model_path()``), the engine library path for basert.
+    reference engine's built-in config when ``model`` is ""). ``model``: the GGUF path for llamacpp
+    ("" = the default model, ``basertd.models.default_model_path()``); for basert the bundle file
+    loaded with baseRT.h's ``baseRT_load_model_ex`` (a ``.base`` bundle, or a reference bundle
+    file). ``lib``: basert's library (a libbaseRT build; "" = the C reference engine);
+    ``kernel_library``: its GPU kernel library ("" = the library's auto-detection). ``device``:
+    "cpu", or "cuda:N" / "rocm:N" / "gpu:N", which makes GPU N the only one the worker sees.
     ``lanes``: concurrent generations; ``context_length``: tokens per lane (prompt + generated);
     ``threads``: engine CPU threads; ``engine_args``: extra ``basertd-worker`` flags passed as is."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""
+    lib: str = ""
+    kernel_library: str = ""
     device: str = "cpu"
     lanes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
     context_length: Annotated[int, msgspec.Meta(ge=16)] = 2048

@@ -7,6 +7,13 @@ worker's engine uses, named by the capability record's ``TokenizerDesc``:
   the bytes 0x00..0xFF; higher ids decode to nothing.
 - ``GgufTokenizer`` ("gguf"): the model's vocabulary loaded vocab-only with llama-cpp-python (no
   weights; about 0.3 s for the 262k-token Gemma 3 vocabulary).
+- ``BaseRTTokenizer`` ("basert"): a libbaseRT bundle's own tokenizer, through a tokenizer-only
+  handle (``baseRT_load_tokenizer_only``) held by a small child process
+  (``basertd.worker.tokenizer_proc``). A process, not an in-process binding: the coordinator never
+  loads libbaseRT (the layering keeps ``basertd.native`` out of it, and a GPU runtime's start-up or
+  a crash in its tokenizer stays out of the coordinator), and it never shares a handle with the
+  worker, so tokenizing never waits behind a tick. Pieces are fetched once at start; encoding is
+  one pipe round trip.
 
 Generated text is streamed as UTF-8 deltas that never split a character
 (``IncrementalDetokenizer``) and cut at the first stop string, holding back any tail that could
@@ -16,8 +23,12 @@ still be the beginning of one (``StopMatcher``).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import logging
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -157,13 +168,127 @@ class GgufTokenizer:
                 self._model = None
 
 
-def make_tokenizer(kind: str, path: str = "", vocab_size: int = 0) -> BytesTokenizer | GgufTokenizer:
+_FRAME = struct.Struct("<I")
+BASERT_TOKENIZER_START_S = 60.0
+"""Seconds the tokenizer process may take to load the bundle's tokenizer and list its pieces."""
+
+
+def basert_tokenizer_key(lib: str, model: str) -> str:
+    """The ``path`` part of a "basert" tokenizer key: library and bundle joined by NUL (which no
+    path contains). ``make_tokenizer("basert", key)`` splits it again."""
+    return f"{lib}\0{model}"
+
+
+class BaseRTTokenizer:
+    """A libbaseRT bundle's tokenizer in a child process (module docstring). ``vocab_size``,
+    ``bos_id``, ``eos_id``, ``bos_token``, ``eos_token``, ``chat_template`` (Jinja source from
+    ``baseRT_chat_template_jinja``, "" when none) and ``add_bos`` come from the handle.
+    Thread-safe; ``close()`` ends the process. Raises ``TokenizerError`` when the process cannot
+    start or load the tokenizer (its stderr line is the message)."""
+
+    kind = "basert"
+
+    def __init__(self, lib: str, model: str) -> None:
+        import msgspec
+
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder()
+        self.lib, self.path = lib, model
+        self._lock = threading.Lock()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "basertd.worker.tokenizer_proc", "--lib", lib, "--model", model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+        )
+        try:
+            info = self._call(["info"])
+            pieces = self._call(["pieces"])
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_size = int(info["vocab_size"])
+        self.bos_id = int(info["bos_id"])
+        self.eos_id = int(info["eos_id"])
+        self.bos_token = str(info["bos_token"])
+        self.eos_token = str(info["eos_token"])
+        self.chat_template = str(info["chat_template"])
+        self.add_bos = bool(info["add_bos"])
+        self.version = str(info["version"])
+        self._pieces: list[bytes] = [bytes(p) for p in pieces]
+
+    def _call(self, req: list) -> object:
+        with self._lock:
+            proc = self._proc
+            if proc is None:
+                raise TokenizerError("tokenizer is closed")
+            body = self._enc.encode(req)
+            try:
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(_FRAME.pack(len(body)) + body)
+                proc.stdin.flush()
+                head = proc.stdout.read(4)
+                data = proc.stdout.read(_FRAME.unpack(head)[0]) if len(head) == 4 else b""
+            except (OSError, struct.error):
+                head = b""
+            if len(head) < 4:
+                err = b""
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=BASERT_TOKENIZER_START_S)
+                    err = proc.stderr.read() if proc.stderr else b""
+                line = err.decode("utf-8", "replace").strip().splitlines()
+                raise TokenizerError(line[-1] if line else f"tokenizer process exited ({proc.returncode})")
+        out = self._dec.decode(data)
+        if isinstance(out, dict) and "error" in out:
+            raise TokenizerError(str(out["error"]))
+        return out
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        """``baseRT_encode`` in the tokenizer process, BOS first exactly when ``add_bos``.
+        Raises ``TokenizerError`` (text with NUL or lone surrogates, a dead process)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"prompt is not valid Unicode: {exc.reason}") from None
+        return [int(t) for t in self._call(["encode", text, bool(add_bos)])]  # type: ignore[union-attr]
+
+    def piece(self, token: int) -> bytes:
+        """The token's raw bytes (``baseRT_decode_token_raw``); b"" for control and unknown ids."""
+        return self._pieces[token] if 0 <= token < len(self._pieces) else b""
+
+    def close(self) -> None:
+        """End the tokenizer process (its handle is freed as it exits); idempotent."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            with contextlib.suppress(OSError):
+                if f is not None:
+                    f.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def make_tokenizer(
+    kind: str, path: str = "", vocab_size: int = 0
+) -> BytesTokenizer | GgufTokenizer | BaseRTTokenizer:
     """The tokenizer a capability record's ``TokenizerDesc(kind, path)`` names; ``vocab_size``
-    (tokens) sizes the "bytes" vocabulary. Raises ``TokenizerError`` for an unknown kind."""
+    (tokens) sizes the "bytes" vocabulary; for "basert" ``path`` is ``basert_tokenizer_key(lib,
+    model)``. Raises ``TokenizerError`` for an unknown kind or a tokenizer that cannot load."""
     if kind == "bytes":
         return BytesTokenizer(max(vocab_size, BYTE_BASE + 256))
     if kind == "gguf":
         return GgufTokenizer(path)
+    if kind == "basert":
+        lib, sep, model = path.partition("\0")
+        if not sep:
+            raise TokenizerError("a basert tokenizer key is basert_tokenizer_key(lib, model)")
+        return BaseRTTokenizer(lib, model)
     raise TokenizerError(f"unknown tokenizer kind {kind!r}")
 
 

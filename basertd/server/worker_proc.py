@@ -219,6 +219,28 @@ class WorkerSpec:
         return args + [str(a) for a in self.extra_args]
 
 
+def device_env(device: str | None) -> dict[str, str]:
+    """Environment that gives a worker process only its own GPU (DESIGN.md "Processes": one
+    worker per GPU): ``cuda:N`` -> CUDA_VISIBLE_DEVICES=N, ``rocm:N`` / ``hip:N`` ->
+    HIP_VISIBLE_DEVICES=N, ``gpu:N`` or a bare ``N`` -> both; ``cpu``, None or anything else ->
+    nothing. Set for that child only; the coordinator's own environment is untouched."""
+    if not device:
+        return {}
+    kind, sep, index = device.strip().partition(":")
+    if not sep:
+        kind, index = "gpu", kind
+    if not index.isdigit():
+        return {}
+    kind = kind.lower()
+    if kind == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": index}
+    if kind in ("rocm", "hip"):
+        return {"HIP_VISIBLE_DEVICES": index}
+    if kind == "gpu":
+        return {"CUDA_VISIBLE_DEVICES": index, "HIP_VISIBLE_DEVICES": index}
+    return {}
+
+
 def _default_runtime_root() -> str:
     root = os.environ.get("XDG_RUNTIME_DIR")
     if root and os.path.isdir(root) and os.access(root, os.W_OK):
@@ -356,8 +378,8 @@ class WorkerProcess:
             for a in attach:
                 argv += ["--ring", f"{a.ring_id}:{_RING_NAMES[a.ring_id]}:{a.fd}:{a.slots}:{a.slot_bytes}"]
             env = None
-            if spec.env:
-                env = {**os.environ, **spec.env}
+            if spec.env or device_env(spec.device):
+                env = {**os.environ, **device_env(spec.device), **(spec.env or {})}
             res.proc = subprocess.Popen(
                 argv,
                 pass_fds=[a.fd for a in attach],

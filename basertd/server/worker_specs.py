@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from basertd.server.config import WorkerConfig
+from basertd.server.tokenizer import basert_tokenizer_key
 from basertd.server.worker_proc import WorkerSpec
 
 WORKER_START_TIMEOUT_S = 120.0
@@ -46,7 +47,39 @@ def worker_spec(
     if w.engine == "llamacpp":
         path = model_path(w)
         return WorkerSpec(engine="llamacpp", model=path, **common), ("gguf", path), Path(path).stem
-    lib = str(Path(w.model).expanduser()) if w.model else None
+    model = str(Path(w.model).expanduser()) if w.model else ""
+    lib = str(Path(w.lib).expanduser()) if w.lib else ""
+    if model and (lib or not _is_shared_object(model)):
+        # A bundle loaded with baseRT_load_model_ex; the coordinator tokenizes with its own
+        # tokenizer-only handle of the same bundle (basertd.server.tokenizer.BaseRTTokenizer).
+        if w.kernel_library:
+            common["extra_args"] = (
+                "--kernel-library",
+                str(Path(w.kernel_library).expanduser()),
+                *common["extra_args"],
+            )
+        spec = WorkerSpec(engine="basert", lib=lib or None, model=model, **common)
+        return spec, ("basert", basert_tokenizer_key(lib, model)), Path(model).stem
+    lib = lib or model or None  # the reference engine's factory (a library named as `model`)
     ref = dict(w.ref_config) if w.ref_config else None
     name = Path(lib).stem if lib else "basert-ref"
     return WorkerSpec(engine="basert", lib=lib, ref_config=ref, **common), ("bytes", ""), name
+
+
+def _is_shared_object(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def prefix_cache_usable(capabilities) -> tuple[bool, str]:
+    """Whether the prefix-cache policy (seeds, coalescing, pins) may run for a worker with this
+    capability record (``basertd.schema.link.Capabilities``), and why not. A basert worker loaded
+    by path reports ``extra["prefix_cache"]`` "0" when its bundle lacks paged KV or a prefix cache
+    (``baseRT_capabilities``), with ``extra["prefix_cache_reason"]``; every other worker can."""
+    extra = getattr(capabilities, "extra", None) or {}
+    if extra.get("prefix_cache", "1") == "0":
+        return False, extra.get("prefix_cache_reason") or "the engine reports no prefix cache"
+    return True, ""

@@ -2,12 +2,14 @@
 
 Every test names its rule (``# ABI rule N``). Tests that need a library run against:
 
-- ``ref``: the C reference engine, always (``basertd.native.ref_engine_path()``; a missing
-  build fails with "run make native", it is never skipped);
-- ``libbasert``: the library named by ``$BASERT_LIB`` (a real libbaseRT), skipped with a message
-  when the variable is unset. Creating a bundle of a real libbaseRT needs its baseRT.h model
-  loader, which basertd does not declare, so bundle-level tests against it additionally need
-  ``$BASERT_BUNDLE_FACTORY="package.module:function"``: ``function(lib: BasertLib) -> Bundle``.
+- ``ref``: the C reference engine, its bundles made by its private factory
+  (``basertd.native.ref.create_ref_bundle``); a missing build fails with "run make native";
+- ``libbasert``: a library loaded the way a real libbaseRT is, bundles made by path with
+  ``baseRT_load_model_ex`` (``basertd.native.basert_api``). By default it is the reference engine
+  again, each bundle written as a reference bundle file (``write_ref_bundle``) and loaded from it.
+  Set ``$BASERT_LIB`` to a real libbaseRT build and ``$BASERT_MODEL`` to a ``.base`` bundle
+  (``$BASERT_KERNEL_LIB`` optionally names the kernel library) to run the very same tests on it;
+  tests that ask for a reference-engine config then skip with the reason.
 
 Fixtures here: ``tick_ffi`` (cffi view of our header), ``abi_lib`` (a ``BasertLib`` per engine),
 ``make_bundle`` (a factory of fresh bundles per engine, closed after the test). The reference
@@ -16,7 +18,6 @@ engine's own bundle factory is ``ref_bundle_factory``, provided by ``basertd.nat
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,7 +30,8 @@ from basertd.native.abi import BasertLib, Bundle
 
 ENGINES = ["ref", "libbasert"]
 BASERT_LIB_ENV = "BASERT_LIB"
-BASERT_BUNDLE_FACTORY_ENV = "BASERT_BUNDLE_FACTORY"
+BASERT_MODEL_ENV = "BASERT_MODEL"
+BASERT_KERNEL_LIB_ENV = "BASERT_KERNEL_LIB"
 _REF_SOURCES = Path(__file__).resolve().parents[2] / "native" / "ref_engine"
 
 
@@ -46,14 +48,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_report_header(config) -> str:
     lib = os.environ.get(BASERT_LIB_ENV)
-    shown = lib or "(unset: real-libbaseRT tests skip)"
+    shown = lib or "(unset: libbasert runs the reference engine loaded by path)"
     return f"tick-ABI conformance: reference engine always; ${BASERT_LIB_ENV}={shown}"
-
-
-def _skip_unset() -> None:
-    pytest.skip(
-        f"${BASERT_LIB_ENV} is unset: no real libbaseRT to check against (reference engine still runs)"
-    )
 
 
 @pytest.fixture(scope="session")
@@ -76,11 +72,16 @@ def ref_lib() -> BasertLib:
 
 @pytest.fixture(scope="session")
 def real_lib() -> BasertLib:
-    """``$BASERT_LIB`` opened through the binding; skipped when the variable is unset."""
+    """``$BASERT_LIB`` (else the reference engine) opened with the tick ABI and the baseRT.h
+    subset declared (``basertd.native.basert_api.open_basert_lib``)."""
     path = os.environ.get(BASERT_LIB_ENV)
     if not path:
-        _skip_unset()
-    return BasertLib(path)
+        from basertd.native.ref import open_ref_api_lib
+
+        return open_ref_api_lib(_ref_lib_path())
+    from basertd.native.basert_api import open_basert_lib
+
+    return open_basert_lib(path)
 
 
 @pytest.fixture(params=ENGINES)
@@ -106,17 +107,7 @@ def make_bundle(request) -> Iterator[Callable[..., Bundle]]:
             return make_llamacpp_bundle(model, **config)
 
     else:
-        lib = request.getfixturevalue("real_lib")
-        spec = os.environ.get(BASERT_BUNDLE_FACTORY_ENV)
-        if not spec:
-            pytest.skip(f"${BASERT_BUNDLE_FACTORY_ENV} is unset: cannot create bundles of {lib.path}")
-        mod, _, fn = spec.partition(":")
-        make = getattr(importlib.import_module(mod), fn)
-
-        def factory(**config):
-            if config:
-                pytest.skip(f"reference-engine config {sorted(config)} has no real-libbaseRT equivalent")
-            return make(lib)
+        factory = _path_loaded_factory(request.getfixturevalue("real_lib"), request)
 
     made: list[Bundle] = []
 
@@ -128,6 +119,38 @@ def make_bundle(request) -> Iterator[Callable[..., Bundle]]:
     yield make_one
     for b in made:
         b.close()
+
+
+def _path_loaded_factory(lib: BasertLib, request) -> Callable[..., Bundle]:
+    """Bundles loaded by path with ``baseRT_load_model_ex`` (paged KV and prefix cache on)."""
+    from basertd.native.basert_api import load_model
+
+    real = os.environ.get(BASERT_LIB_ENV)
+    if real:
+        model = os.environ.get(BASERT_MODEL_ENV)
+        if not model:
+            pytest.skip(f"${BASERT_MODEL_ENV} is unset: no .base bundle to load into {real}")
+
+        def factory(**config):
+            if config:
+                pytest.skip(f"reference-engine config {sorted(config)} has no real-libbaseRT equivalent")
+            return load_model(lib, model, os.environ.get(BASERT_KERNEL_LIB_ENV) or None).bundle()
+
+        return factory
+
+    from basertd.native.ref import RefBundle, RefConfig, write_ref_bundle
+
+    tmp = request.getfixturevalue("tmp_path")
+    counter = iter(range(1 << 30))
+
+    def factory(**config):
+        cfg = RefConfig(**config)
+        path = write_ref_bundle(tmp / f"bundle{next(counter)}.ref", cfg)
+        b = load_model(lib, path).bundle(RefBundle)
+        b.config = cfg
+        return b
+
+    return factory
 
 
 # -- sections C-G and J: reference bundles and bundles with rings (lanekit.Rig) ----------------

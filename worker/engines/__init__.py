@@ -53,11 +53,15 @@ class EngineOptions:
     """What the worker's command line says about the engine (``basertd-worker --help``).
 
     ``lib``: a tick-ABI library path (basert; None = the C reference engine). ``ref_config``: fields
-    of the reference engine's config (``basertd.native.ref``). ``model``: a GGUF path (llamacpp) or,
-    for basert, the library path (same as ``lib``). ``device``: e.g. "cpu", "cuda:0". ``lanes``,
+    of the reference engine's built-in config (``basertd.native.ref``). ``model``: a GGUF path
+    (llamacpp); for basert a bundle file loaded with baseRT.h's ``baseRT_load_model_ex`` (a ``.base``
+    bundle, or a reference bundle file for the reference engine), or, as before, the library itself
+    when it is a shared object and ``lib`` is unset. ``kernel_library``: basert's GPU kernel library
+    (None: the library's auto-detection). ``device``: e.g. "cpu", "cuda:0". ``lanes``,
     ``context_length`` (tokens) and ``threads``: None leaves the engine's default."""
 
     lib: str | None = None
+    kernel_library: str | None = None
     ref_config: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
     device: str = "cpu"

@@ -11,16 +11,27 @@ call goes through the binding; its errors are mapped, so the worker sees only th
   (REJECT_BOUNDS) for a plan, else ``EngineError(REJECT_BOUNDS)``;
 - ``HandleCreateFailed`` -> ``EngineError(ERR_OP_UNSUPPORTED)``.
 
-``open_engine(options)`` is the registry's factory. Bundles are created by the reference engine's
-own surface (``basertd.native.ref``): the tick ABI has no model-loading call, and a real libbaseRT
-loads models through baseRT.h, which basertd does not have. So:
+``open_engine(options)`` is the registry's factory. Two ways to get a bundle:
 
-- no ``--lib`` (or ``--lib`` naming the reference engine, or any library that also exports the
-  ``baseRT_ref_*`` creation functions): a reference bundle built from ``--ref-config`` (fields of
-  ``basertd.native.ref.RefConfig``), with ``--lanes`` setting max_lanes and max_batch_size and
-  ``--context-length`` the context length;
-- any other library: ``EngineLoadError`` (exit 3) saying that it offers no way to create a bundle.
-  Supporting a real libbaseRT means adding its baseRT.h loader here, next to the reference one.
+- **by path** (``--model BUNDLE``, with ``--lib LIB`` or the reference engine by default): the
+  library is opened with the tick ABI and baseRT.h's loader (``basertd.native.basert_api``;
+  ``MissingSymbols`` -> exit 3 listing every absent function, a baseRT version other than 0.3.x ->
+  exit 3), and ``baseRT_load_model_ex(model, kernel_library, context_length or 0, {paged_kv,
+  prefix_cache, max_batch_size = lanes})`` loads the bundle (NULL -> exit 3 with
+  ``baseRT_get_error``). ``baseRT_capabilities`` and ``baseRT_capability_descriptor`` go into the
+  capability record's ``extra`` (``basert_caps``, ``capability_descriptor``, ``prefix_cache`` and
+  ``prefix_cache_reason``); sizes come from the descriptor's ``serving`` object where it has them,
+  else from the options and the tick ABI. The vocabulary facts come from a tokenizer-only handle
+  (``baseRT_load_tokenizer_only``), which also serves ``tokenize`` / ``detokenize``. The tokenizer
+  named in the record is ``TokenizerSpec("basert", path=model)`` with the library in
+  ``extra["library"]``, so the coordinator opens its own tokenizer-only handle.
+- **the reference engine's private factory** (no ``--model``, or ``--model`` naming the library):
+  a reference bundle built from ``--ref-config`` (fields of ``basertd.native.ref.RefConfig``),
+  with ``--lanes`` setting max_lanes and max_batch_size and ``--context-length`` the context
+  length. A library without the ``baseRT_ref_*`` factory and no ``--model`` is refused (exit 3).
+
+The model is freed (``baseRT_free_model``) on every exit path: a failure after loading closes the
+bundle before raising, and ``close()`` frees it.
 
 The reference engine's synthetic model uses the "bytes" vocabulary (``TokenizerSpec("bytes")``:
 ids 0 unk, 1 BOS, 2 EOS, 3..258 the bytes); ``tokenize`` / ``detokenize`` implement it here.
@@ -41,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -121,8 +133,10 @@ class BasertEngine:
         *,
         stats: Callable[[], dict[str, int]] | None = None,
         keepalive: Sequence[Any] = (),
+        tokenizer: Any = None,
     ) -> None:
         self.bundle = bundle
+        self._tokenizer = tokenizer
         self._info = info
         self._stats_fn = stats
         self._keepalive = list(keepalive)
@@ -291,15 +305,22 @@ class BasertEngine:
         self._call(self.bundle.logit_bias_free, handle)
 
     def tokenize(self, text: bytes, add_special: bool) -> list[int]:
-        """ "bytes" vocabulary: ``[BOS]`` when ``add_special``, then ``3 + b`` per byte. Raises
+        """With a tokenizer handle: ``baseRT_encode`` (BOS first when ``add_special`` and the
+        library did not add it, dropped when not). Else the "bytes" vocabulary: ``[BOS]`` when
+        ``add_special``, then ``3 + b`` per byte. Raises
         ``EngineError(ERR_OP_UNSUPPORTED)`` when the vocabulary cannot hold the byte ids."""
+        if self._tokenizer is not None:
+            return encode_with_bos(self._tokenizer, bytes(text).decode("utf-8", "replace"), add_special)
         if self._info.tokenizer.kind != "bytes" or self._info.vocab_size < BYTE_BASE + 256:
             raise EngineError(Status.ERR_OP_UNSUPPORTED, "this bundle's vocabulary has no byte tokens")
         ids = [BYTE_BASE + b for b in bytes(text)]
         return [BOS_ID, *ids] if add_special else ids
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
-        """ "bytes" vocabulary: one byte per id in 3..258, nothing for the others."""
+        """The tokens' raw bytes (``baseRT_decode_token_raw``), or for the "bytes" vocabulary one
+        byte per id in 3..258, nothing for the others."""
+        if self._tokenizer is not None:
+            return b"".join(self._tokenizer.piece(int(t)) for t in tokens)
         return bytes(t - BYTE_BASE for t in tokens if BYTE_BASE <= t < BYTE_BASE + 256)
 
     def close(self) -> None:
@@ -307,8 +328,24 @@ class BasertEngine:
         if self._closed:
             return
         self._closed = True
-        self.bundle.close()
-        self._keepalive.clear()
+        try:
+            self.bundle.close()
+        finally:
+            if self._tokenizer is not None:
+                self._tokenizer.close()
+            self._keepalive.clear()
+
+
+def encode_with_bos(tok: Any, text: str, add_bos: bool) -> list[int]:
+    """``tok.encode(text)`` with BOS first exactly when ``add_bos`` (a BOS the library added
+    itself is dropped when not asked for, unless the text spells the BOS string)."""
+    ids = tok.encode(text)
+    has = bool(ids) and ids[0] == tok.bos_id
+    if add_bos and not has:
+        return [tok.bos_id, *ids]
+    if not add_bos and has and not (tok.bos_token and text.startswith(tok.bos_token)):
+        return ids[1:]
+    return ids
 
 
 class HookedEngine(BasertEngine):
@@ -348,11 +385,36 @@ def model_digest(cfg: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(fields_, sort_keys=True, default=repr).encode())
 
 
+def _is_shared_object(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def loads_by_path(options: EngineOptions) -> bool:
+    """Whether ``options`` name a bundle file to load with ``baseRT_load_model_ex`` (module
+    docstring) rather than the reference engine's private factory."""
+    model = options.model
+    if model is None or model == options.lib:
+        return False
+    library_like = _is_shared_object(model) or Path(model).suffix == ".so" or ".so." in Path(model).name
+    if library_like and options.lib is not None:
+        raise EngineOptionError("--model", "basert takes one library, as --lib or --model")
+    return not library_like
+
+
 def open_engine(options: EngineOptions) -> BasertEngine:
     """The registry's factory (module docstring). Raises ``EngineOptionError`` (exit 2: a
-    ``--ref-config`` field that does not exist or does not fit), ``EngineLoadError`` (exit 3:
-    the library is missing, cannot be opened, does not export the tick ABI, or offers no way to
-    create a bundle, or the engine refused the config)."""
+    ``--ref-config`` field that does not exist or does not fit, or one given with a bundle file),
+    ``EngineLoadError`` (exit 3: the library is missing, cannot be opened, lacks a needed
+    function, reports another baseRT version, the bundle does not load, or the engine refused the
+    config)."""
+    if loads_by_path(options):
+        from basertd.worker.engines.basert_load import open_path_loaded
+
+        return open_path_loaded(options)
     lib_path = options.lib
     if options.model is not None:
         if lib_path is not None and options.model != lib_path:
@@ -375,9 +437,8 @@ def open_engine(options: EngineOptions) -> BasertEngine:
             ) from None
         if all(name.startswith("baseRT_ref_") for name in exc.missing):
             raise EngineLoadError(
-                f"{lib_path} exports the tick ABI but offers no way to create a bundle: a real libbaseRT "
-                "loads models through baseRT.h, which basertd does not bind yet (only the reference "
-                "engine's baseRT_ref_create is supported)"
+                f"{lib_path} offers no way to create a bundle without --model: name the bundle to "
+                "load with baseRT_load_model_ex as --model (worker config key `model`)"
             ) from None
         raise EngineLoadError(f"{lib_path} is not a tick-ABI library: {exc}") from None
     except nabi.LibraryError as exc:
