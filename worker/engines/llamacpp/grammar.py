@@ -25,6 +25,7 @@ model, on its first grammar.
 from __future__ import annotations
 
 import json
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -90,11 +91,13 @@ def tokenizer_for(model: object) -> llguidance.LLTokenizer:
     vocabulary pointer, so it must not outlive the model)."""
     tok = _TOKENIZERS.get(model)
     if tok is None:
-        tok = llguidance.llamacpp.lltokenizer_from_vocab(
-            model.vocab,  # type: ignore[attr-defined]
-            n_vocab=model.n_vocab,  # type: ignore[attr-defined]
-            eos_token=list(model.eog_ids),  # type: ignore[attr-defined]
-        )
+        with warnings.catch_warnings():  # it calls llama-cpp-python's deprecated llama_token_get_attr
+            warnings.simplefilter("ignore", DeprecationWarning)
+            tok = llguidance.llamacpp.lltokenizer_from_vocab(
+                model.vocab,  # type: ignore[attr-defined]
+                n_vocab=model.n_vocab,  # type: ignore[attr-defined]
+                eos_token=list(model.eog_ids),  # type: ignore[attr-defined]
+            )
         _TOKENIZERS[model] = tok
     return tok
 
