@@ -93,7 +93,7 @@ def validate_spec(kind: str, text: str) -> GrammarSpec:
 
 def schema_spec(schema: dict[str, Any] | bool) -> GrammarSpec:
     """A validated json_schema spec of a schema value (GrammarRequestError if it does not compile)."""
-    return validate_spec("json_schema", json.dumps(schema, separators=(",", ":"), sort_keys=True))
+    return validate_spec("json_schema", json.dumps(schema, separators=(",", ":")))
 
 
 def spec_from_request(
@@ -210,9 +210,9 @@ def tool_choice_mode(tool_choice: Any, tools: list[Tool]) -> tuple[str, str | No
     raise GrammarRequestError("tool_choice must be 'none', 'auto', 'required' or a named function")
 
 
-def call_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+def call_schema(tools: list[Tool], parallel: bool, max_calls: int | None = None) -> dict[str, Any]:
     """JSON schema of the tool-call output: one ``{"name", "arguments"}`` object per tool (anyOf
-    when several), or with ``parallel`` a non-empty array of them."""
+    when several), or with ``parallel`` a non-empty array of them (at most ``max_calls``)."""
     one = [
         {
             "type": "object",
@@ -224,16 +224,22 @@ def call_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
     ]
     call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
     if parallel:
-        return {"type": "array", "items": call, "minItems": 1}
+        arr: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if max_calls is not None:
+            arr["maxItems"] = max(1, max_calls)
+        return arr
     return call
 
 
-def tool_grammar(tools: Any, tool_choice: Any = None, parallel_tool_calls: bool = True) -> GrammarSpec | None:
+def tool_grammar(
+    tools: Any, tool_choice: Any = None, parallel_tool_calls: bool = True, max_calls: int | None = None
+) -> GrammarSpec | None:
     """The grammar of a chat request's tool fields, or None when the output is free.
 
     ``tools`` None or empty with ``tool_choice`` None/"none": None. "required": the output is
     tool-call JSON (``call_schema`` over all tools); a named function: one call of that function
-    (never an array); "auto": a Lark grammar accepting either a call (its output starts with ``{``,
+    (never an array); parallel calls are an array of at most ``max_calls`` (None: no bound);
+    "auto": a Lark grammar accepting either a call (its output starts with ``{``,
     or ``[`` for parallel calls) or free text that does not start with ``{``, ``[`` or whitespace.
     Raises GrammarRequestError for malformed ``tools`` or ``tool_choice``."""
     if tools is None or tools == []:
@@ -245,13 +251,14 @@ def tool_grammar(tools: Any, tool_choice: Any = None, parallel_tool_calls: bool 
         return None
     if mode == "function":
         return schema_spec(call_schema([t for t in parsed if t.name == name], parallel=False))
-    schema = call_schema(parsed, parallel=bool(parallel_tool_calls))
+    schema = call_schema(parsed, parallel=bool(parallel_tool_calls), max_calls=max_calls)
     if mode == "required":
         return schema_spec(schema)
+    schema = {**schema, "x-guidance": dict(_JSON_OPTIONS)}  # compact JSON inside Lark too
     lark = (
         "start: call | TEXT\n"
         "TEXT: /[^{\\[ \\t\\r\\n][\\s\\S]*/\n"
-        f"call: %json {json.dumps(schema, separators=(',', ':'), sort_keys=True)}\n"
+        f"call: %json {json.dumps(schema, separators=(',', ':'))}\n"
     )
     return validate_spec("lark", lark)
 
