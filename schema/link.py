@@ -609,9 +609,14 @@ class CacheEvictEntries(_Msg):
 
 
 class GrammarCreate(_Msg):
-    """GRAMMAR_CREATE: compile a JSON-Schema grammar; GRAMMAR_CREATED (handle 0 = failed)."""
+    """GRAMMAR_CREATE: compile a grammar; GRAMMAR_CREATED (handle 0 = failed).
+
+    ``json_schema`` carries the spec text, whose form ``kind`` names: "json_schema" (the default,
+    and all a sender that omits ``kind`` can mean), "lark" or "regex". Engines serving only JSON
+    schemas answer 0 for the other kinds."""
 
     json_schema: str
+    kind: str = "json_schema"
 
 
 class GrammarCreated(_Msg):

@@ -54,7 +54,6 @@ NOT_APPLICABLE = {
     "test_rule_037_": "no speculation strategies are registered on the llama.cpp engine",
     "test_rule_064_no_partial_emits_from_a_legacy_plan": "drives the 152-byte C plan through cffi",
     "test_rule_070_": "reads engine-owned C event memory through cffi; Python events are objects",
-    "test_rule_074_": "the llama.cpp engine serves no grammars (grammar_create returns 0)",
     "test_rule_125_": "hand-corrupts C ring descriptors through cffi",
 }
 """Conformance tests that cannot run on the llama.cpp engine, by file or test-name prefix, with the

@@ -555,7 +555,7 @@ class LinkServer:
     # -- grammar, bias, vocabulary ---------------------------------------------------------------
 
     def _on_grammar_create(self, env: link.Envelope, msg: link.GrammarCreate) -> Any:
-        return link.GrammarCreated(handle=self.engine.grammar_create(msg.json_schema))
+        return link.GrammarCreated(handle=self.engine.grammar_create(msg.json_schema, msg.kind))
 
     def _on_grammar_free(self, env: link.Envelope, msg: link.GrammarFree) -> Any:
         self.engine.grammar_free(msg.handle)

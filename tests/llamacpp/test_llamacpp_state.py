@@ -241,8 +241,10 @@ def test_bare_sequences(lc):
 def test_grammar_and_bias_handles(lc):
     # ABI rule 113
     eng, _ = lc
-    assert eng.grammar_create('{"type": "object"}') == 0
-    err(Status.ERR_UNKNOWN_HANDLE, eng.grammar_free, 1)
+    g = eng.grammar_create('{"type": "object"}')
+    assert g > 0
+    eng.grammar_free(g)
+    err(Status.ERR_UNKNOWN_HANDLE, eng.grammar_free, g)
     assert eng.logit_bias_create([], []) == 0
     assert eng.logit_bias_create([1, 2], [1.0]) == 0
     assert eng.logit_bias_create([eng.n_vocab], [1.0]) == 0

@@ -222,8 +222,9 @@ class Engine(Protocol):
         """The sealed bytes a DONE snapshot or demote wrote (envelope + payload)."""
         ...
 
-    def grammar_create(self, json_schema: str) -> int:
-        """A grammar handle, or 0 on failure."""
+    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
+        """A grammar handle for ``json_schema`` (spec text of ``kind``: "json_schema", "lark" or
+        "regex"), or 0 on failure (including a kind the engine does not serve)."""
         ...
 
     def grammar_free(self, handle: int) -> None:

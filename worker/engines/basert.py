@@ -288,8 +288,10 @@ class BasertEngine:
 
     # -- grammar, bias, vocabulary ---------------------------------------------------------------
 
-    def grammar_create(self, json_schema: str) -> int:
-        """A grammar handle or 0."""
+    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
+        """A grammar handle or 0 (the tick ABI compiles JSON schemas only: 0 for other kinds)."""
+        if kind != "json_schema":
+            return 0
         return self._call(self.bundle.grammar_create, json_schema)
 
     def grammar_free(self, handle: int) -> None:

@@ -94,6 +94,7 @@ from basertd.worker.engines.base import (
 )
 from basertd.worker.engines.llamacpp import sampling
 from basertd.worker.engines.llamacpp.batch import BatchDecodeError, TokenBatch
+from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.model import LlamaModel
 from basertd.worker.engines.llamacpp.ops import StateOps
@@ -252,6 +253,7 @@ class LlamaCppEngine:
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
         self.logit_biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.grammars = GrammarSet(self.model, self.n_vocab, n_threads)
         self._next_bias = 1
         self._next_handle = 1
         self.last_plan_seq: int | None = None
@@ -546,8 +548,13 @@ class LlamaCppEngine:
             lane.pending_nonce = 0
             lane.append(token)
             self._stats["decode_tokens_total"] += 1
+            g_finish = self._grammar_consume(lane, token, sc)
+            if g_finish < 0:
+                continue
             if self.model.eog_mask[token] and not lane.cfg.ignore_eos:
                 lane.finish = Finish.EOS
+            elif g_finish == Finish.GRAMMAR:
+                lane.finish = Finish.GRAMMAR
             elif lane.n_tokens >= self.context_length:
                 lane.finish = Finish.LENGTH
             if lane.finished:
@@ -625,6 +632,7 @@ class LlamaCppEngine:
             determinism_class=a.determinism_class,
             taint=taint,
             seeded_tokens=0 if cold else w.share_len,
+            grammar=self.grammars.lane_grammar(a.grammar_handle, w.prompt[n - a.grammar_replay :]),
         )
 
     # -- prefill and decode rounds
@@ -658,6 +666,7 @@ class LlamaCppEngine:
             active = [t for t in decode_order if sc.grant.get(t, 0) > 0 and t in self.lanes]
             if not active and not feed:
                 break
+            self._grammar_fill(active)
             self._round(active, feed, sc)
             feed = []
             if sc.on_partial is not None:
@@ -766,6 +775,11 @@ class LlamaCppEngine:
             sc.finish[tag] = lane.finish
             return
         cfg = lane.cfg
+        if lane.grammar is not None:
+            row = self.grammars.mask_row(lane.grammar, row)
+            if row is None:  # the grammar allows no token
+                self._fault(lane, FaultCode.GRAMMAR_OVERFLOW, 0, sc)
+                return
         if lane.is_host:
             try:
                 ref = self.rings.write_row(sampling.adjusted_row(row, cfg, lane.tokens[:0], 0))
@@ -793,13 +807,40 @@ class LlamaCppEngine:
             sc.fresh[tag] = [tok]
         else:
             fresh.append(tok)
+        g_finish = self._grammar_consume(lane, tok, sc)
+        if g_finish < 0:
+            return
         if self.model.eog_mask[tok] and not cfg.ignore_eos:
             lane.finish = Finish.EOS
+        elif g_finish == Finish.GRAMMAR:
+            lane.finish = Finish.GRAMMAR
         elif lane.n_tokens >= self.context_length:
             lane.finish = Finish.LENGTH
         if lane.finished:
             sc.grant[tag] = 0
             sc.finish[tag] = lane.finish
+
+    # -- grammar hooks (``grammar``): masks for a round, committed tokens
+
+    def _grammar_fill(self, active: list[int]) -> None:
+        """Fill the bitmasks of the round's constrained lanes that sample (not replaying) in one
+        llguidance call, before their rows exist."""
+        gs = []
+        for tag in active:
+            lane = self.lanes[tag]
+            if lane.grammar is not None and lane.produced >= lane.n_tokens:
+                gs.append(lane.grammar)
+        self.grammars.fill(gs)
+
+    def _grammar_consume(self, lane: Lane, token: int, sc: _TickScratch) -> int:
+        """Feed a committed token to the lane's matcher: Finish.NONE, Finish.GRAMMAR (complete),
+        or -1 after faulting the lane with GRAMMAR_OVERFLOW (the grammar refused the token)."""
+        if lane.grammar is None:
+            return Finish.NONE
+        res = self.grammars.consume(lane.grammar, token)
+        if res < 0:
+            self._fault(lane, FaultCode.GRAMMAR_OVERFLOW, token, sc)
+        return res
 
     def _fault(self, lane: Lane, code: int, detail: int, sc: _TickScratch) -> None:
         """Stop one lane with a typed fault; the tick goes on (ABI rules 60-62)."""
@@ -1059,13 +1100,16 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ grammar, bias, vocabulary
 
-    def grammar_create(self, json_schema: str) -> int:
-        """Grammars are not served by this engine: always 0 (failure)."""
-        return 0
+    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
+        """A grammar handle for a spec of ``kind`` ("json_schema", "lark" or "regex"; ``grammar``),
+        or 0 when it does not compile. Lanes admitted with it sample only what it allows and
+        finish with Finish.GRAMMAR when it is complete."""
+        return self.grammars.create(json_schema, kind)
 
     def grammar_free(self, handle: int) -> None:
-        """No grammar exists: EngineError(ERR_UNKNOWN_HANDLE) (ABI rule 113)."""
-        raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no grammar {handle}")
+        """Free a grammar handle (live lanes keep their matchers); EngineError(ERR_UNKNOWN_HANDLE)
+        when absent (ABI rule 113)."""
+        self.grammars.free(handle)
 
     def logit_bias_create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
         """Register an additive logit bias; 0 when empty, mismatched or out of the vocabulary."""

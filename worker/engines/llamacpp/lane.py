@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from basertd.schema.abi import Finish, Sampling
+from basertd.worker.engines.llamacpp.grammar import LaneGrammar
 from basertd.worker.engines.llamacpp.sampling import SamplerConfig
 
 
@@ -60,6 +61,7 @@ class Lane:
     pending_nonce: int = 0
     content_gen: int = 0
     seeded_tokens: int = 0
+    grammar: LaneGrammar | None = None  # the lane's matcher when admitted with a grammar handle
 
     @property
     def is_host(self) -> bool:

@@ -14,8 +14,9 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
 4. DRAIN with admits, a tag in admits and retires/commits, or in retires and commits/prefills/
    decodes: ILLEGAL_COMBINATION [28, 29, 33].
 5. Retires: unknown tag UNKNOWN_LANE [38, 61]; a sequence with an op in flight TRANSFER_LOCKED [49].
-6. Admits: a live (or faulted, not yet retired) tag, sampling > 2, a strategy slot, a grammar
-   handle or grammar_replay, an unknown logit-bias handle: ILLEGAL_COMBINATION [34, 36, 74]; HOST
+6. Admits: a live (or faulted, not yet retired) tag, sampling > 2, a strategy slot, an unknown
+   grammar handle, grammar_replay without a grammar or above the prompt length, an unknown
+   logit-bias handle: ILLEGAL_COMBINATION [34, 36, 74]; HOST
    without a logits ring HOST_RULES; a stale prompt ref BAD_REF_GENERATION [35]; an empty prompt,
    a token outside the vocabulary, a prompt longer than the lane context, decode_replay >=
    prompt length, want_logprobs > 1 + 20: BOUNDS [71]; an expired, unknown or doubly used seed, or
@@ -50,6 +51,7 @@ import numpy as np
 from basertd.schema.abi import Exactness, Sampling, ShedKind, Status, TickFlag
 from basertd.schema.tick import LaneAdmit, ShedEntry, TickPlan
 from basertd.worker.engines.base import EngineError, PlanRejected
+from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.pool import CellLedger
 from basertd.worker.engines.llamacpp.prefix_cache import CacheEntry, Lease, PrefixCache, common_prefix
@@ -82,6 +84,7 @@ class EngineState(Protocol):
     faulted: set[int]
     locked: set[int]
     logit_biases: dict[int, tuple[np.ndarray, np.ndarray]]
+    grammars: GrammarSet
     rings: EngineRings
     cache: PrefixCache
     ledger: CellLedger
@@ -312,8 +315,10 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: sampling {a.sampling}")
     if a.strategy_slot != 0:
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: no strategy is registered")
-    if a.grammar_handle != 0 or a.grammar_replay != 0:
+    if a.grammar_handle != 0 and not st.grammars.known(a.grammar_handle):
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: no such grammar")
+    if a.grammar_replay != 0 and a.grammar_handle == 0:
+        raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: grammar_replay without a grammar")
     if a.logit_bias_handle != 0 and a.logit_bias_handle not in st.logit_biases:
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: unknown logit bias")
     if a.sampling == Sampling.HOST and (
@@ -335,6 +340,9 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
         raise _reject(Status.REJECT_BOUNDS, f"lane {tag}: token outside the vocabulary")
     if a.decode_replay >= n:
         raise _reject(Status.REJECT_BOUNDS, f"lane {tag}: decode_replay {a.decode_replay} >= prompt {n}")
+    if a.grammar_replay > n:
+        msg = f"lane {tag}: grammar_replay {a.grammar_replay} > prompt {n}"
+        raise _reject(Status.REJECT_ILLEGAL_COMBINATION, msg)
     n_p = n - a.decode_replay
     w = AdmitWork(a, prompt.astype(np.int32), prefill_end=n_p)
     w.produced = n_p

@@ -1,0 +1,321 @@
+"""Structured outputs and tool calls in the coordinator: request fields to one grammar spec.
+
+A request constrains its output with at most one of: ``response_format`` (OpenAI:
+``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+{"name", "schema", "strict"}}``), ``grammar`` (a Lark grammar, llguidance's dialect) or ``regex``;
+or, on chat requests, with the tool-call grammar ``tool_grammar`` builds from ``tools`` and
+``tool_choice``. The result is a ``GrammarSpec`` (kind + text) that the Link W GRAMMAR_CREATE
+message carries (``to_message``); the worker answers a grammar handle for ``LaneAdmit.
+grammar_handle`` (DESIGN.md "Link W", ABI rules 74 and 113).
+
+Every spec is compiled and validated here with llguidance (no tokenizer needed), so an invalid
+schema, grammar or regex is a ``GrammarRequestError`` carrying the library's message (an HTTP 400)
+and never reaches a worker. JSON schemas compile with compact separators and no free whitespace,
+as the llama.cpp engine compiles them.
+
+Tool calls are JSON: one call is ``{"name": <function name>, "arguments": {...}}``; parallel calls
+(when allowed) are a JSON array of calls. ``parse_tool_calls`` turns generated text into OpenAI
+``tool_calls`` (id, type, function.name, function.arguments as a JSON string).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from basertd.schema import link
+from basertd.schema.client import ErrorCode
+
+KINDS = ("json_schema", "lark", "regex")
+"""Spec kinds a GRAMMAR_CREATE carries."""
+
+_JSON_OPTIONS: llguidance.JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ",",
+    "key_separator": ":",
+}
+_FN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class GrammarRequestError(ValueError):
+    """A request's structured-output or tool fields are invalid; ``code`` is the client error code
+    (INVALID_REQUEST, an HTTP 400), ``str()`` says why (llguidance's message for a spec that does
+    not compile)."""
+
+    code = ErrorCode.INVALID_REQUEST
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One validated grammar: ``kind`` in KINDS and its ``text`` (JSON-schema text, Lark or regex)."""
+
+    kind: str
+    text: str
+
+    def to_message(self) -> link.GrammarCreate:
+        """The Link W GRAMMAR_CREATE carrying this spec."""
+        return link.GrammarCreate(json_schema=self.text, kind=self.kind)
+
+
+def validate_spec(kind: str, text: str) -> GrammarSpec:
+    """Compile ``text`` of ``kind`` with llguidance; the spec, or GrammarRequestError with the
+    library's message (unknown kind, schema text that is not a JSON object or boolean, a schema,
+    grammar or regex that does not compile)."""
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise GrammarRequestError(f"JSON schema is not JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarRequestError("a JSON schema is an object or a boolean")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise GrammarRequestError(f"invalid JSON schema: {exc}") from None
+    elif kind == "lark":
+        grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    elif kind == "regex":
+        grammar = llguidance.LLMatcher.grammar_from_regex(text)
+    else:
+        raise GrammarRequestError(f"unknown grammar kind {kind!r}")
+    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        what = {"json_schema": "JSON schema", "lark": "grammar", "regex": "regex"}[kind]
+        raise GrammarRequestError(f"invalid {what}: {msgs[0] if msgs else 'does not compile'}")
+    return GrammarSpec(kind, text)
+
+
+def schema_spec(schema: dict[str, Any] | bool) -> GrammarSpec:
+    """A validated json_schema spec of a schema value (GrammarRequestError if it does not compile)."""
+    return validate_spec("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def spec_from_request(
+    response_format: Any = None, grammar: Any = None, regex: Any = None
+) -> GrammarSpec | None:
+    """The one grammar a request's ``response_format`` / ``grammar`` / ``regex`` ask for, or None.
+
+    ``response_format`` ``{"type": "text"}`` (or None) asks for nothing; ``json_object`` is any
+    JSON object; ``json_schema`` needs ``json_schema.schema`` (an object; ``name`` and ``strict``
+    are accepted, and every output meets the schema whatever ``strict`` says). Raises
+    GrammarRequestError for more than one of the three, an unknown or malformed
+    ``response_format``, a non-string ``grammar`` / ``regex``, or a spec that does not compile."""
+    given = [x for x in (response_format, grammar, regex) if x is not None]
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
+        given.remove(response_format)
+        response_format = None
+    if len(given) > 1:
+        raise GrammarRequestError("at most one of response_format, grammar and regex")
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarRequestError("grammar must be a non-empty Lark grammar string")
+        return validate_spec("lark", grammar)
+    if regex is not None:
+        if not isinstance(regex, str) or not regex:
+            raise GrammarRequestError("regex must be a non-empty string")
+        return validate_spec("regex", regex)
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise GrammarRequestError("response_format must be an object")
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return schema_spec(_ANY_OBJECT)
+    if kind == "json_schema":
+        js = response_format.get("json_schema")
+        if not isinstance(js, dict):
+            raise GrammarRequestError("response_format.json_schema must be an object")
+        name = js.get("name")
+        if name is not None and (not isinstance(name, str) or not _FN_NAME.match(name)):
+            raise GrammarRequestError("response_format.json_schema.name must match [A-Za-z0-9_-]{1,64}")
+        if "strict" in js and js["strict"] is not None and not isinstance(js["strict"], bool):
+            raise GrammarRequestError("response_format.json_schema.strict must be a boolean")
+        schema = js.get("schema", _ANY_OBJECT)
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarRequestError("response_format.json_schema.schema must be an object")
+        return schema_spec(schema)
+    raise GrammarRequestError(f"unknown response_format type {kind!r} (text, json_object, json_schema)")
+
+
+# --- tools -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function tool: ``name``, ``description`` ("" when none), ``parameters`` (a JSON schema
+    of the arguments object)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+def parse_tools(tools: Any) -> list[Tool]:
+    """The function tools of an OpenAI ``tools`` array (``[{"type": "function", "function":
+    {"name", "description"?, "parameters"?}}]``). Raises GrammarRequestError for anything else:
+    not a list, a non-function tool, a bad or duplicate name, parameters that are not an object
+    schema that compiles."""
+    if not isinstance(tools, list) or not tools:
+        raise GrammarRequestError("tools must be a non-empty array")
+    out: list[Tool] = []
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise GrammarRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _FN_NAME.match(name):
+            raise GrammarRequestError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}")
+        if name in seen:
+            raise GrammarRequestError(f"tools[{i}]: duplicate function name {name!r}")
+        seen.add(name)
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise GrammarRequestError(f"tools[{i}].function.description must be a string")
+        params = fn.get("parameters", _ANY_OBJECT)
+        if not isinstance(params, dict):
+            raise GrammarRequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+        try:
+            schema_spec(params)
+        except GrammarRequestError as exc:
+            raise GrammarRequestError(f"tools[{i}].function.parameters: {exc}") from None
+        out.append(Tool(name, desc, params))
+    return out
+
+
+def tool_choice_mode(tool_choice: Any, tools: list[Tool]) -> tuple[str, str | None]:
+    """(mode, function name) of an OpenAI ``tool_choice``: ("none"|"auto"|"required", None) or
+    ("function", name). None means "auto" when there are tools, "none" otherwise. Raises
+    GrammarRequestError for an unknown value or a function name not in ``tools``."""
+    if tool_choice is None:
+        return ("auto" if tools else "none"), None
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice != "none" and not tools:
+            raise GrammarRequestError(f"tool_choice {tool_choice!r} needs tools")
+        return tool_choice, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise GrammarRequestError("tool_choice.function.name must be a string")
+        if name not in {t.name for t in tools}:
+            raise GrammarRequestError(f"tool_choice names an unknown function {name!r}")
+        return "function", name
+    raise GrammarRequestError("tool_choice must be 'none', 'auto', 'required' or a named function")
+
+
+def call_schema(tools: list[Tool], parallel: bool, max_calls: int | None = None) -> dict[str, Any]:
+    """JSON schema of the tool-call output: one ``{"name", "arguments"}`` object per tool (anyOf
+    when several), or with ``parallel`` a non-empty array of them (at most ``max_calls``)."""
+    one = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    call: dict[str, Any] = one[0] if len(one) == 1 else {"anyOf": one}
+    if parallel:
+        arr: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if max_calls is not None:
+            arr["maxItems"] = max(1, max_calls)
+        return arr
+    return call
+
+
+def tool_grammar(
+    tools: Any, tool_choice: Any = None, parallel_tool_calls: bool = True, max_calls: int | None = None
+) -> GrammarSpec | None:
+    """The grammar of a chat request's tool fields, or None when the output is free.
+
+    ``tools`` None or empty with ``tool_choice`` None/"none": None. "required": the output is
+    tool-call JSON (``call_schema`` over all tools); a named function: one call of that function
+    (never an array); parallel calls are an array of at most ``max_calls`` (None: no bound);
+    "auto": a Lark grammar accepting either a call (its output starts with ``{``,
+    or ``[`` for parallel calls) or free text that does not start with ``{``, ``[`` or whitespace.
+    Raises GrammarRequestError for malformed ``tools`` or ``tool_choice``."""
+    if tools is None or tools == []:
+        tool_choice_mode(tool_choice, [])
+        return None
+    parsed = parse_tools(tools)
+    mode, name = tool_choice_mode(tool_choice, parsed)
+    if mode == "none":
+        return None
+    if mode == "function":
+        return schema_spec(call_schema([t for t in parsed if t.name == name], parallel=False))
+    schema = call_schema(parsed, parallel=bool(parallel_tool_calls), max_calls=max_calls)
+    if mode == "required":
+        return schema_spec(schema)
+    schema = {**schema, "x-guidance": dict(_JSON_OPTIONS)}  # compact JSON inside Lark too
+    lark = (
+        "start: call | TEXT\n"
+        "TEXT: /[^{\\[ \\t\\r\\n][\\s\\S]*/\n"
+        f"call: %json {json.dumps(schema, separators=(',', ':'))}\n"
+    )
+    return validate_spec("lark", lark)
+
+
+def tools_preamble(tools: list[Tool], mode: str, name: str | None = None) -> str:
+    """The system-prompt text that offers ``tools`` when the chat template has no ``tools``
+    variable: the function list as JSON and the call format ``tool_grammar`` enforces."""
+    listing = json.dumps(
+        [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools],
+        separators=(",", ":"),
+    )
+    how = 'To call a function, reply with only JSON: {"name": <function name>, "arguments": {...}}'
+    if mode == "required":
+        how += " (you must call a function)"
+    elif mode == "function":
+        how += f" (you must call {name})"
+    else:
+        how += "; otherwise reply with text"
+    return f"You can call these functions:\n{listing}\n{how}."
+
+
+def new_call_id() -> str:
+    """An OpenAI-style tool-call id: ``call_`` and 24 hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
+def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> list[dict[str, Any]] | None:
+    """OpenAI ``tool_calls`` from generated text, or None when the text is not a tool call.
+
+    A call is the JSON object ``{"name": str, "arguments": object}``; text that is one call or a
+    non-empty JSON array of calls (after surrounding whitespace) gives one entry per call:
+    ``{"id": "call_...", "type": "function", "function": {"name", "arguments": <JSON string>}}``.
+    With ``tool_names``, a call of another name makes the whole text not a call (None)."""
+    s = text.strip()
+    if not s or s[0] not in "{[":
+        return None
+    try:
+        value = json.loads(s)
+    except ValueError:
+        return None
+    calls = value if isinstance(value, list) else [value]
+    if not calls:
+        return None
+    out = []
+    for c in calls:
+        if not isinstance(c, dict) or set(c) != {"name", "arguments"}:
+            return None
+        name, args = c["name"], c["arguments"]
+        if not isinstance(name, str) or not isinstance(args, dict):
+            return None
+        if tool_names is not None and name not in tool_names:
+            return None
+        out.append(
+            {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    return out
