@@ -168,3 +168,35 @@ def _next_seq(wal_dir: Path) -> int:
         return 1
     seqs = [int(m.group(1)) for p in wal_dir.iterdir() if (m := _ANY_SEGMENT.match(p.name))]
     return max(seqs, default=0) + 1
+
+
+def check_log(state_dir: Path) -> dict:
+    """What ``basertctl wal check`` prints: ``status`` "empty" (no log), "clean", "torn" (a torn
+    tail the next start drops with a warning) or "corrupt" (the next start refuses; ``errors``
+    says where, and what ``--wal-recover=truncate`` would drop), the counts of
+    ``RecoveryReport``, the ``epoch`` file's value, and ``warnings``. Reads only; safe while the
+    daemon runs (its last frame may then look torn). Raises OSError for an unreadable segment."""
+    errors: list[str] = []
+    try:
+        report = plan_recovery(state_dir, "refuse").report
+    except WalCorrupt as exc:
+        errors.append(str(exc))
+        report = plan_recovery(state_dir, "truncate").report
+        errors += [f"--wal-recover=truncate would drop: {c}" for c in report.corrupt]
+    epoch_text = ""
+    try:
+        epoch_text = (state_dir / "epoch").read_text().strip()
+    except FileNotFoundError:
+        pass
+    if epoch_text and not epoch_text.isdigit():
+        errors.append(f"{state_dir / 'epoch'}: not a number")
+    if errors:
+        status = "corrupt"
+    elif report.segments == 0:
+        status = "empty"
+    else:
+        status = "torn" if report.warnings else "clean"
+    data = msgspec.structs.asdict(report)
+    del data["corrupt"]
+    data.update(status=status, ok=not errors, errors=errors, epoch=int(epoch_text or 0) if not errors else 0)
+    return data
