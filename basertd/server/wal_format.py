@@ -17,7 +17,8 @@ newest whose checkpoint is complete (the *base*); older segments are obsolete, a
 only be a checkpoint torn by a crash during rotation.
 
 Fail closed: a bad frame (short, zero, wrong magic, wrong checksum) with no valid frame after it
-is a torn tail: recovery drops it and warns. A bad frame followed by a valid frame, a valid frame
+is a torn tail: recovery drops it and warns. A bad frame followed by a valid frame or by non-zero
+bytes past its declared end (a later write happened, so it had been durable), a valid frame
 whose body does not decode, or records that contradict the log (tokens of an unknown request, a gap
 in the token positions, a batch number that is not contiguous, a decreasing epoch) is corruption:
 ``WalCorrupt``, which says what to do; nothing is guessed.
@@ -259,6 +260,20 @@ def _next_valid_frame(data: bytes, pos: int, segment: int) -> int | None:
             return pos
 
 
+def _written_past(data: bytes, pos: int) -> bool:
+    """True when the bad frame at ``pos`` has a whole header whose declared end lies before the
+    end of the file with non-zero bytes after it: only a later write puts data there, and a later
+    write happens only after this frame's fsync, so it is damage, not a torn write (zeros there
+    may be preallocation and are not evidence)."""
+    if pos + HEADER.size > len(data):
+        return False
+    magic, length, _ = HEADER.unpack_from(data, pos)
+    end = pos + HEADER.size + length
+    if magic != MAGIC or not 0 < length <= MAX_FRAME_BYTES or end >= len(data):
+        return False
+    return data.count(0, end) != len(data) - end
+
+
 @dataclass
 class SegmentScan:
     """One segment read: ``batches`` with their end offsets, ``good_end`` (bytes of valid frames),
@@ -292,7 +307,7 @@ def read_segment(path: Path, seq: int) -> SegmentScan:
         end = _frame_at(data, pos, seq)
         if end is None:
             scan.bad_offset = pos
-            scan.valid_after_bad = _next_valid_frame(data, pos, seq) is not None
+            scan.valid_after_bad = _written_past(data, pos) or _next_valid_frame(data, pos, seq) is not None
             break
         try:
             batch = _decoder.decode(memoryview(data)[pos + HEADER.size : end])
