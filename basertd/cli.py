@@ -1,14 +1,18 @@
 """``basertd``: the coordinator daemon's command line (issue 7).
 
-``basertd serve [--config FILE]`` runs the daemon in the foreground until SIGTERM (drain, then
-stop) or SIGINT (stop now); SIGHUP reloads FILE (``basertd.server.daemon``). Exit status: 0 after a
-clean stop, 2 for a bad command line or configuration (the message names the key), 1 when the
-daemon cannot start (socket in use, model unavailable, ...).
+``basertd serve [--config FILE] [--wal-recover=truncate]`` runs the daemon in the foreground
+until SIGTERM (drain, then stop) or SIGINT (stop now); SIGHUP reloads FILE
+(``basertd.server.daemon``). Exit status: 0 after a clean stop, 2 for a bad command line or
+configuration (the message names the key), 1 when the daemon cannot start (socket in use, model
+unavailable, state directory locked, write-ahead log corrupt, ...). ``--wal-recover=truncate``
+starts on a corrupt write-ahead log by keeping it up to the corrupt record (the rest is renamed
+``*.corrupt``; ``basertd.server.wal``); the default, ``refuse``, does not start and says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 
 import click
@@ -29,7 +33,14 @@ def cli() -> None:
     default=None,
     help="TOML configuration file (default: every key at its default).",
 )
-def serve(config_path: str | None) -> None:
+@click.option(
+    "--wal-recover",
+    type=click.Choice(["refuse", "truncate"]),
+    default="refuse",
+    show_default=True,
+    help="a corrupt write-ahead log: refuse to start, or drop it from the corrupt record on",
+)
+def serve(config_path: str | None, wal_recover: str) -> None:
     """Run the daemon in the foreground: SIGTERM drains then stops, SIGINT stops now, SIGHUP
     reloads the configuration file."""
     try:
@@ -39,11 +50,17 @@ def serve(config_path: str | None) -> None:
     from basertd.models import ModelUnavailable
     from basertd.server.daemon import configure_logging, run
     from basertd.server.tokenizer import TokenizerError
+    from basertd.server.wal import WalError
 
     configure_logging(config.log_level)
+    kwargs = {}
+    if wal_recover != "refuse":
+        if "wal_recover" not in inspect.signature(run).parameters:
+            raise click.UsageError("--wal-recover: this daemon does not journal requests yet")
+        kwargs["wal_recover"] = wal_recover  # passed to Journal.open(recover=...)
     try:
-        code = asyncio.run(run(config, config_path=config_path))
-    except (OSError, ModelUnavailable, ConfigError, TokenizerError) as exc:
+        code = asyncio.run(run(config, config_path=config_path, **kwargs))
+    except (OSError, ModelUnavailable, ConfigError, TokenizerError, WalError) as exc:
         click.echo(f"basertd: cannot start: {exc}", err=True)
         sys.exit(1)
     sys.exit(code)

@@ -39,7 +39,10 @@ EXIT_DENIED = 4
 EXIT_NOT_DRAINED = 5
 EXIT_CODES = {
     EXIT_OK: "success",
-    EXIT_REFUSED: "the daemon refused or failed the request (typed error on stderr); config check: errors",
+    EXIT_REFUSED: (
+        "the daemon refused or failed the request (typed error on stderr); config check: errors; "
+        "wal check: the log is corrupt (the daemon refuses to start)"
+    ),
     EXIT_USAGE: "bad command line",
     EXIT_UNREACHABLE: "the daemon cannot be reached (not running, no socket, no access to the socket)",
     EXIT_DENIED: "permission denied: control verbs need root, the daemon's user or its operator group",
@@ -589,6 +592,44 @@ def config_check(ctx: click.Context, file: Path, as_json: bool) -> None:
             click.echo(f"warning: {w}")
         if d["ok"]:
             click.echo(f"{file}: ok")
+
+    _output(ctx, as_json, data, human)
+    if not data["ok"]:
+        sys.exit(EXIT_REFUSED)
+
+
+@cli.group(epilog=EPILOG)
+def wal() -> None:
+    """The write-ahead log in the state directory (offline: no daemon needed)."""
+
+
+@wal.command("check", epilog=EPILOG)
+@click.argument("state_dir", required=False, type=click.Path(file_okay=False, exists=True, path_type=Path))
+@json_flag
+@click.pass_context
+def wal_check(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None:
+    """Read the log in STATE_DIR (default: the daemon's state directory) as a start would: exit 0
+    when it is clean or only torn by a crash (the start drops the torn tail), 1 when it is corrupt
+    (the start refuses; `basertd serve --wal-recover=truncate` drops it from the bad record on)."""
+    from basertd.server.config import resolve_state_dir
+    from basertd.server.wal_recover import check_log
+
+    path = state_dir or resolve_state_dir(None, create=False)
+    try:
+        data = check_log(path)
+    except OSError as exc:
+        _fail(f"cannot read the write-ahead log in {path}: {exc.strerror or exc}", EXIT_REFUSED)
+
+    def human(d: dict) -> None:
+        click.echo(
+            f"{d['state_dir']}: {d['status']}  epoch {d['epoch']}  segments {d['segments']}  "
+            f"frames {d['frames']}  records {d['records']}  unfinished {d['unfinished']}  "
+            f"results {d['results']}"
+        )
+        for w in d["warnings"]:
+            click.echo(f"warning: {w}")
+        for e in d["errors"]:
+            click.echo(f"error: {e}")
 
     _output(ctx, as_json, data, human)
     if not data["ok"]:

@@ -7,6 +7,7 @@ whose message names the key (``workers[0].lanse``), raised before anything start
 Example (every key shown with its default)::
 
     runtime_dir = ""            # "": $RUNTIME_DIRECTORY, else /run/basertd, else a per-user dir
+    state_dir = ""              # "": $STATE_DIRECTORY, else /var/lib/basertd, else a per-user dir
     socket = ""                 # "": <runtime_dir>/basertd.sock
     socket_mode = "0660"        # octal string or integer
     log_level = "info"
@@ -50,8 +51,14 @@ Example (every key shown with its default)::
     drain_timeout_s = 30.0      # SIGTERM: seconds in-flight requests get to finish before they are cancelled
     metrics_listen = ""         # "127.0.0.1:9464": also serve /metrics over HTTP (loopback addresses only)
 
+    [durability]                # DESIGN.md "Crash = preemption; acceptance is durable"
+    mode = "tick"               # "tick": write-ahead log, one fsync per tick before delivery; "off": none
+    result_ttl_s = 600.0        # seconds a finished request's result can still be resumed
+
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
 rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
+``resolve_state_dir`` is the one place the state directory rule lives (the write-ahead log,
+``basertd.server.wal``).
 """
 
 from __future__ import annotations
@@ -69,6 +76,8 @@ SOCKET_NAME = "basertd.sock"
 """File name of the client socket inside the runtime directory."""
 SYSTEM_RUNTIME_DIR = "/run/basertd"
 """The runtime directory when neither the config nor ``$RUNTIME_DIRECTORY`` names one."""
+SYSTEM_STATE_DIR = "/var/lib/basertd"
+"""The state directory when neither the config nor ``$STATE_DIRECTORY`` names one."""
 SOCKET_ENV = "BASERTD_SOCKET"
 """Environment variable ``basertctl`` and the client read for the socket path."""
 
@@ -214,16 +223,32 @@ class OperatorsConfig(_Section):
         return host, port
 
 
+class DurabilityConfig(_Section):
+    """The write-ahead log (``basertd.server.wal``; DESIGN.md "Crash = preemption; acceptance is
+    durable").
+
+    ``mode``: "tick" journals accepted requests, their tokens and completions in ``state_dir``
+    with one group commit (one write, one fsync) per tick before that tick's tokens are delivered,
+    so a restart resumes every unfinished request; "off" keeps no log (a restart loses what was
+    in flight). ``result_ttl_s``: seconds a finished request's result stays resumable (0: not
+    after it finished)."""
+
+    mode: Literal["tick", "off"] = "tick"
+    result_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=30.0 * 86400)] = 600.0
+
+
 def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
 
 class Config(_Section):
     """The whole configuration. ``runtime_dir`` "" means the rule of ``resolve_runtime_dir``;
+    ``state_dir`` "" the rule of ``resolve_state_dir``;
     ``socket`` "" means ``<runtime_dir>/basertd.sock``; ``socket_mode`` is the client socket's
     permission bits (an integer such as 0o660, or an octal string "0660")."""
 
     runtime_dir: str = ""
+    state_dir: str = ""
     socket: str = ""
     socket_mode: int | str = 0o660
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -233,6 +258,7 @@ class Config(_Section):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     operators: OperatorsConfig = msgspec.field(default_factory=OperatorsConfig)
+    durability: DurabilityConfig = msgspec.field(default_factory=DurabilityConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode
@@ -351,3 +377,43 @@ def default_socket_path() -> Path:
     if env:
         return Path(env)
     return resolve_runtime_dir(None, create=False) / SOCKET_NAME
+
+
+def user_state_dir() -> Path:
+    """The per-user fallback state directory: ``$XDG_STATE_HOME/basertd`` when that variable is an
+    absolute path, else ``~/.local/state/basertd``."""
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"
+    return base / "basertd"
+
+
+def resolve_state_dir(config: Config | None = None, *, create: bool = True) -> Path:
+    """The state directory (the write-ahead log lives there): ``config.state_dir`` when set; else
+    ``$STATE_DIRECTORY`` (the first path when systemd lists several); else ``/var/lib/basertd``
+    when writable (created if needed); else ``user_state_dir()``. With ``create`` the directory is
+    created (0700 when per-user); without it nothing on disk changes (``basertctl wal check``
+    uses that). Raises ``ConfigError`` when the configured or systemd-given directory cannot be
+    created."""
+    if config is not None and config.state_dir:
+        path = Path(config.state_dir).expanduser()
+    else:
+        path = Path(os.environ.get("STATE_DIRECTORY", "").split(":")[0])
+    if str(path) not in ("", "."):
+        if create:
+            try:
+                path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as exc:
+                raise ConfigError(f"state_dir {path}: {exc.strerror or exc}") from None
+        return path
+    system = Path(SYSTEM_STATE_DIR)
+    if _writable_dir(system, create=create) or (
+        not create and system.is_dir() and os.access(system, os.R_OK)
+    ):
+        return system
+    path = user_state_dir()
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise ConfigError(f"state_dir {path}: {exc.strerror or exc}") from None
+    return path
