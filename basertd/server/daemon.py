@@ -49,7 +49,9 @@ from basertd.server.config import (
 )
 from basertd.server.control import CacheControl, ControlService, EngineCache, worker_stats
 from basertd.server.drain import Drainer
+from basertd.server.kv_events import KvEventsHub, start_kv_events
 from basertd.server.metrics import Metrics, live_state
+from basertd.server.metrics_vllm import VllmWorker
 from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
 from basertd.server.peercred import OperatorPolicy
 from basertd.server.reload import apply_reload
@@ -126,6 +128,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._created_runtime_dir = False
         self._bos: dict[int, bool] = {}
+        self.kv_events: KvEventsHub | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -182,6 +185,11 @@ class Daemon:
             sched_holder.append(sched)
             self.slots.append(slot)
             self.schedulers.append(sched)
+        self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
+        if self.kv_events is not None:
+            self.metrics.registry.register(self.kv_events.collector())
+            for sched, pub in zip(self.schedulers, self.kv_events.publishers, strict=True):
+                sched.cache_policy.observe(pub)
         self.cache_control = PolicyCacheControl(
             self.schedulers, lambda i: worker_stats(self, i), self._counter
         )  # the prefix-cache policy (issue 8) serves every cache verb
@@ -193,6 +201,8 @@ class Daemon:
         self.api = ApiServer(self.socket, int(cfg.socket_mode), self, sock=inherited)
         await self.api.start()
         self.metrics.bind(lambda: live_state(self), VERSION)
+        if cfg.metrics.vllm_compat:
+            self.metrics.bind_vllm(self._vllm_workers)
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)
@@ -351,6 +361,11 @@ class Daemon:
             if close is not None:
                 close()
         self.metrics.close()
+        if self.kv_events is not None:
+            for sched in self.schedulers:
+                sched.cache_policy.observe(None)
+            self.kv_events.close()
+            self.kv_events = None
         self.notifier.close()
         if self.workers_dir is not None:
             shutil.rmtree(self.workers_dir, ignore_errors=True)
@@ -386,6 +401,23 @@ class Daemon:
             return wid
         options = [(i, self.schedulers[i].cached_prefix(prompt), self.schedulers[i].load()) for i in peers]
         return route(options, self.config.cache.route_slack)
+
+    def _vllm_workers(self) -> list[VllmWorker]:
+        """Each worker as the ``vllm:*`` metrics see it (``basertd.server.metrics_vllm``)."""
+        return [
+            VllmWorker(
+                worker_id=sched.worker_id,
+                model_name=self.model_names[sched.worker_id],
+                ready=slot.state == "ready",
+                waiting=len(sched.queues),
+                running=len(sched.lanes),
+                kv_used_tokens=sum(lane.reserved for lane in sched.lanes.values()),
+                kv_capacity_tokens=sched.limits.kv_tokens,
+                block_size=sched.limits.page_tokens,
+                prefix_caching=self.config.cache.enabled,
+            )
+            for slot, sched in zip(self.slots, self.schedulers, strict=True)
+        ]
 
     def _counter(self, name: str, worker_id: int) -> int:
         value = self.metrics.registry.get_sample_value(name, {"worker": str(worker_id)})
