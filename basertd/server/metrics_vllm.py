@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -63,9 +63,16 @@ class VllmCollector(_LiveCollector):
         super().__init__()
         self.metrics = metrics
 
-    def _counter(self, name: str, worker_id: int) -> float:
-        v = self.metrics.registry.get_sample_value(f"basertd_{name}_total", {"worker": str(worker_id)})
-        return float(v or 0.0)
+    @staticmethod
+    def _per_worker(counter: Any) -> dict[str, float]:
+        """{worker label: value} of a per-worker prometheus-client ``Counter`` (read from the
+        counter itself: asking the registry from inside a collector would collect this one again)."""
+        return {
+            s.labels["worker"]: s.value
+            for fam in counter.collect()
+            for s in fam.samples
+            if s.name.endswith("_total")
+        }
 
     def collect(self) -> Iterator[Metric]:
         workers = self._state()
@@ -96,6 +103,8 @@ class VllmCollector(_LiveCollector):
         hits = CounterMetricFamily(
             "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=labels
         )
+        asked_by = self._per_worker(self.metrics.prompt_query_tokens)
+        cached_by = self._per_worker(self.metrics.cached_tokens)
         for model in dict.fromkeys(w.model_name for w in workers):
             mine = [w for w in workers if w.model_name == model]
             waiting.add_metric([model], float(sum(w.waiting for w in mine)))
@@ -108,9 +117,8 @@ class VllmCollector(_LiveCollector):
                 same = [w for w in ready if w.block_size == block]
                 caching = str(all(w.prefix_caching for w in same))
                 info.add_metric([model, str(block), str(sum(w.num_blocks for w in same)), caching], 1.0)
-            asked = sum(self._counter("prefix_cache_query_tokens", w.worker_id) for w in mine)
-            queries.add_metric([model], asked)
-            hits.add_metric([model], sum(self._counter("cached_tokens", w.worker_id) for w in mine))
+            queries.add_metric([model], sum(asked_by.get(str(w.worker_id), 0.0) for w in mine))
+            hits.add_metric([model], sum(cached_by.get(str(w.worker_id), 0.0) for w in mine))
         yield waiting
         yield running
         yield usage
