@@ -53,7 +53,7 @@ Example (every key shown with its default)::
     vllm_compat = true          # also export vllm:* series (what the endpoint picker reads)
 
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
-    endpoint = ""               # "": off; "tcp://*:5557" binds, "tcp://host:5557" connects; port + worker
+    endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
     replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
     topic = ""                  # first frame of every message; $VARS expanded (e.g. "kv@${POD_IP}@model")
     buffer_steps = 10000        # batches kept for replay, per worker
@@ -227,8 +227,9 @@ class KvEventsConfig(_Section):
     """KV-cache events in vLLM's wire format (``basertd.server.kv_events``, docs/scale-out.md).
 
     ``endpoint``: the ZMQ PUB address ("" = off); it binds when it holds ``*`` or ``::`` or is
-    ``ipc://`` / ``inproc://``, else connects (vLLM's rule); worker ``i`` uses the TCP port plus
-    ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``). ``replay_endpoint``: a ZMQ ROUTER (bound)
+    ``ipc://`` / ``inproc://``, else connects (vLLM's rule); a bound endpoint is per worker: worker
+    ``i`` binds the TCP port plus ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``), while every
+    worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
     ``topic``: the first frame of every message, ``$VAR`` / ``${VAR}`` expanded from the
     environment at start. ``buffer_steps``: batches kept for replay per worker; ``hwm``: the

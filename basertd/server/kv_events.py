@@ -14,7 +14,10 @@ incarnation (its cache starts empty) is ``AllBlocksCleared``. Page = the engine'
 ``omit_defaults``; events are tagged unions (the tag is the class name, the first array
 element). One publisher per worker, ``data_parallel_rank`` = worker index. Every batch is the
 multipart message ``[topic, seq (8-byte big-endian unsigned), payload]`` on a PUB-compatible
-socket; ``seq`` counts batches of that worker from 0. The replay socket is a ROUTER: a request
+socket; ``seq`` counts batches of that worker from 0. A bound endpoint is one per worker (the TCP
+port plus the worker index, ``_dp<i>`` after an ipc/inproc path, as vLLM offsets data-parallel
+ranks); a connecting endpoint (llm-d's indexer binds the SUB) is shared by every worker.
+The replay socket is a ROUTER: a request
 ``[b"", start_seq (8 bytes big-endian)]`` from a DEALER/REQ is answered with one
 ``[b"", seq, payload]`` per buffered batch with ``seq >= start_seq``, then ``[b"", -1 (8 bytes
 big-endian signed), b""]``.
@@ -149,7 +152,9 @@ class KvEventsPublisher:
     ) -> None:
         self.rank = rank
         self.medium = medium
-        self.endpoint = offset_endpoint(config.endpoint, rank)
+        # a bound address is one per worker; connecting publishers share the subscriber's address
+        # (ZMQ fans them in; the batches carry data_parallel_rank)
+        self.endpoint = offset_endpoint(config.endpoint, rank) if binds(config.endpoint) else config.endpoint
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else ""
         self.topic = (os.path.expandvars(config.topic) if topic is None else topic).encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
