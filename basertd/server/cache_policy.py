@@ -135,18 +135,32 @@ class IndexEntry:
         return int(self.tokens.shape[0])
 
 
+class IndexObserver(Protocol):
+    """Told when pages enter or leave a ``PrefixIndex`` (``basertd.server.kv_events``): ``stored``
+    a chain of page hashes following ``parent`` (None: the first page of a prompt) with their
+    tokens, ``removed`` hashes, ``cleared`` when a new worker incarnation starts empty."""
+
+    def stored(self, hashes: Sequence[int], parent: int | None, tokens: np.ndarray) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class PrefixIndex:
     """Radix index of published prefixes of one worker at ``page``-token granularity (module
     docstring), holding at most ``max_entries`` entries (the least recently used unpinned one is
-    forgotten first; the engine may still hold it, it is then only found again by publishing)."""
+    forgotten first; the engine may still hold it, it is then only found again by publishing).
+    ``observer`` (optional) is told of every page (node) that enters or leaves the index."""
 
-    def __init__(self, page: int, max_entries: int = 1024) -> None:
+    def __init__(self, page: int, max_entries: int = 1024, observer: IndexObserver | None = None) -> None:
         if page < 1 or max_entries < 1:
             raise ValueError("page and max_entries must be >= 1")
         self.page = page
         self.max_entries = max_entries
         self.nodes: dict[int, int] = {}
         self.entries: dict[int, IndexEntry] = {}
+        self.observer = observer
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -175,8 +189,11 @@ class PrefixIndex:
             return entry
         entry = IndexEntry(np.array(tokens[: n * self.page], dtype=np.uint32), list(hashes), now)
         self.entries[key] = entry
+        new = [i for i, h in enumerate(entry.hashes) if h not in self.nodes]
         for h in entry.hashes:
             self.nodes[h] = self.nodes.get(h, 0) + 1
+        if self.observer is not None and new:
+            self._tell_stored(entry, new)
         while len(self.entries) > self.max_entries:
             victims = [e for e in self.entries.values() if not e.pin_id]
             if not victims:
@@ -188,12 +205,28 @@ class PrefixIndex:
         """Forget ``entry`` (no-op if absent)."""
         if self.entries.pop(entry.hashes[-1], None) is None:
             return
+        gone = []
         for h in entry.hashes:
             c = self.nodes.get(h, 0) - 1
             if c > 0:
                 self.nodes[h] = c
-            else:
-                self.nodes.pop(h, None)
+            elif self.nodes.pop(h, None) is not None:
+                gone.append(h)
+        if self.observer is not None and gone:
+            self.observer.removed(gone)
+
+    def _tell_stored(self, entry: IndexEntry, new: list[int]) -> None:
+        """``observer.stored`` for each run of consecutive new pages of ``entry`` (indices)."""
+        assert self.observer is not None
+        start = prev = new[0]
+        for i in [*new[1:], -1]:
+            if i == prev + 1:
+                prev = i
+                continue
+            parent = entry.hashes[start - 1] if start > 0 else None
+            toks = entry.tokens[start * self.page : (prev + 1) * self.page]
+            self.observer.stored(entry.hashes[start : prev + 1], parent, toks)
+            start = prev = i
 
     def find(self, hashes: Sequence[int], pages: int) -> IndexEntry | None:
         """An entry whose path passes through ``hashes[pages - 1]`` (the one ending there first)."""
@@ -419,6 +452,7 @@ class WorkerCache:
         self.bytes_per_token = 0
         self.block_bytes = 0
         self.lease_ticks = 8
+        self.observer: IndexObserver | None = None
         self.index = PrefixIndex(self.page, config.index_entries)
         self.pins: dict[int, PinHold] = {}
         self.engine_ticks = 0
@@ -438,13 +472,21 @@ class WorkerCache:
         self.bytes_per_token = sum(int(s.bytes_per_token) for s in paged)
         self.block_bytes = self.bytes_per_token * self.page
         self.lease_ticks = int(caps.seed_lease_ticks)
-        self.index = PrefixIndex(self.page, self.config.index_entries)
+        self.index = PrefixIndex(self.page, self.config.index_entries, self.observer)
+        if self.observer is not None:
+            self.observer.cleared()
         self.engine_ticks = 0
         for pin in self.pins.values():
             pin.handle = 0
             pin.renew_at = 0
             pin.hashes = page_hashes(pin.tokens, self.page)
         self.attached = True
+
+    def observe(self, observer: IndexObserver | None) -> None:
+        """Tell ``observer`` of every page entering or leaving this worker's index from now on,
+        and ``cleared()`` at each new incarnation (``basertd.server.kv_events``)."""
+        self.observer = observer
+        self.index.observer = observer
 
     def detach(self) -> None:
         """The incarnation is gone: its leases died with it."""

@@ -55,6 +55,17 @@ Example (every key shown with its default)::
     mode = "tick"               # "tick": write-ahead log, one fsync per tick before delivery; "off": none
     result_ttl_s = 600.0        # seconds a finished request's result can still be resumed
 
+    [metrics]                   # docs/scale-out.md
+    vllm_compat = true          # also export vllm:* series (what the endpoint picker reads)
+
+    [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
+    endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
+    replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
+    topic = ""                  # first frame of every message; $VARS expanded (e.g. "kv@${POD_IP}@model")
+    buffer_steps = 10000        # batches kept for replay, per worker
+    hwm = 100000                # ZMQ high-water mark (messages) per subscriber
+    max_queue_size = 100000     # batches waiting for the publisher thread; more are dropped (counted)
+
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
 rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
 ``resolve_state_dir`` is the one place the state directory rule lives (the write-ahead log,
@@ -237,6 +248,50 @@ class DurabilityConfig(_Section):
     result_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=30.0 * 86400)] = 600.0
 
 
+class MetricsConfig(_Section):
+    """Metrics knobs (docs/scale-out.md). ``vllm_compat``: also export the ``vllm:*`` series the
+    Gateway API Inference Extension's endpoint picker reads (``basertd.server.metrics``)."""
+
+    vllm_compat: bool = True
+
+
+_ZMQ_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
+
+
+class KvEventsConfig(_Section):
+    """KV-cache events in vLLM's wire format (``basertd.server.kv_events``, docs/scale-out.md).
+
+    ``endpoint``: the ZMQ PUB address ("" = off); it binds when it holds ``*`` or ``::`` or is
+    ``ipc://`` / ``inproc://``, else connects (vLLM's rule); a bound endpoint is per worker: worker
+    ``i`` binds the TCP port plus ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``), while every
+    worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
+    answering a start sequence number with every buffered batch from it on ("" = none).
+    ``topic``: the first frame of every message, ``$VAR`` / ``${VAR}`` expanded from the
+    environment at start. ``buffer_steps``: batches kept for replay per worker; ``hwm``: the
+    per-subscriber high-water mark (messages); ``max_queue_size``: batches waiting for the
+    publisher thread (more are dropped and counted)."""
+
+    endpoint: str = ""
+    replay_endpoint: str = ""
+    topic: str = ""
+    buffer_steps: _Pos = 10_000
+    hwm: _Pos = 100_000
+    max_queue_size: _Pos = 100_000
+
+    def __post_init__(self) -> None:
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self, key)
+            if value and not _ZMQ_ENDPOINT.fullmatch(value):
+                raise ValueError(f"{key} must be a tcp://, ipc:// or inproc:// address, got {value!r}")
+        if self.replay_endpoint and not self.endpoint:
+            raise ValueError("replay_endpoint needs endpoint (nothing is published without it)")
+
+    @property
+    def enabled(self) -> bool:
+        """Events are published (``endpoint`` set)."""
+        return bool(self.endpoint)
+
+
 def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
@@ -259,6 +314,8 @@ class Config(_Section):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     operators: OperatorsConfig = msgspec.field(default_factory=OperatorsConfig)
     durability: DurabilityConfig = msgspec.field(default_factory=DurabilityConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode

@@ -42,7 +42,9 @@ from basertd.server.control import CacheControl, ControlService
 from basertd.server.drain import Drainer
 from basertd.server.fleet import Fleet
 from basertd.server.frontend import Frontend
+from basertd.server.kv_events import KvEventsHub, start_kv_events
 from basertd.server.metrics import Metrics
+from basertd.server.metrics_vllm import VllmWorker
 from basertd.server.native_api import NativeService
 from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
 from basertd.server.peercred import OperatorPolicy
@@ -106,6 +108,7 @@ class Daemon:
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self._created_runtime_dir = False
+        self.kv_events: KvEventsHub | None = None
 
     # --- views -----------------------------------------------------------------------------------
 
@@ -151,6 +154,11 @@ class Daemon:
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
         self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state)
+        self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
+        if self.kv_events is not None:
+            self.metrics.registry.register(self.kv_events.collector())
+            for sched, pub in zip(fleet.schedulers, self.kv_events.publishers, strict=True):
+                sched.cache_policy.observe(pub)
         self.cache_control = PolicyCacheControl(fleet.schedulers, fleet.worker_stats, self._counter)
         fleet.start()
         self.api = ApiServer(
@@ -161,6 +169,8 @@ class Daemon:
         )
         await self.api.start()
         self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)
+        if cfg.metrics.vllm_compat:
+            self.metrics.bind_vllm(self._vllm_workers)
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)
@@ -322,6 +332,11 @@ class Daemon:
         if self.frontend is not None:
             self.frontend.close()
         self.metrics.close()
+        if self.kv_events is not None:
+            for sched in self.schedulers:
+                sched.cache_policy.observe(None)
+            self.kv_events.close()
+            self.kv_events = None
         self.notifier.close()
         if self.workers_dir is not None:
             shutil.rmtree(self.workers_dir, ignore_errors=True)
@@ -330,6 +345,23 @@ class Daemon:
                 self.runtime_dir.rmdir()  # only when empty: never remove what others put there
         self.state = "stopped"
         log.info("daemon_stopped")
+
+    def _vllm_workers(self) -> list[VllmWorker]:
+        """Each worker as the ``vllm:*`` metrics see it (``basertd.server.metrics_vllm``)."""
+        return [
+            VllmWorker(
+                worker_id=m.worker_id,
+                model_name=m.model_name,
+                ready=m.slot.state == "ready",
+                waiting=len(m.scheduler.queues),
+                running=len(m.scheduler.lanes),
+                kv_used_tokens=sum(lane.reserved for lane in m.scheduler.lanes.values()),
+                kv_capacity_tokens=m.scheduler.limits.kv_tokens,
+                block_size=m.scheduler.limits.page_tokens,
+                prefix_caching=self.config.cache.enabled,
+            )
+            for m in (self.fleet or [])
+        ]
 
     def _counter(self, name: str, worker_id: int) -> int:
         value = self.metrics.registry.get_sample_value(name, {"worker": str(worker_id)})

@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 from basertd.server.requests import QOS_CLASSES
 
 if TYPE_CHECKING:
+    from basertd.server.metrics_vllm import VllmCollector, VllmWorker
     from basertd.server.requests import GenerationRequest
 
 log = structlog.get_logger("basertd.metrics")
@@ -302,10 +303,19 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.prompt_query_tokens = Counter(
+            "prefix_cache_query_tokens",
+            "Prompt tokens of requests at their first admission (the tokens a prefix-cache lookup "
+            "was asked for; re-admissions after a preemption are not counted).",
+            ["worker"],
+            namespace=ns,
+            registry=r,
+        )
         self.reloads = Counter("reloads", "Configuration reloads (SIGHUP).", namespace=ns, registry=r)
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
+        self._vllm: VllmCollector | None = None
         self._http: tuple[Any, threading.Thread] | None = None
 
     # --- wiring ----------------------------------------------------------------------------------
@@ -322,6 +332,21 @@ class Metrics:
         """Stop reading live state (the daemon stopped): live gauges disappear from scrapes."""
         self._live.source = None
         self._live.loop = None
+        if self._vllm is not None:
+            self._vllm.source = None
+            self._vllm.loop = None
+
+    def bind_vllm(self, source: Callable[[], list[VllmWorker]]) -> None:
+        """Also export the ``vllm:*`` series (``basertd.server.metrics_vllm``), read from
+        ``source()`` on the running event loop at scrape time (``[metrics] vllm_compat``)."""
+        from basertd.server.metrics_vllm import VllmCollector
+
+        if self._vllm is None:
+            self._vllm = VllmCollector(self)
+            self.registry.register(self._vllm)
+        self._vllm.source = source
+        self._vllm.loop = asyncio.get_running_loop()
+        self._vllm.loop_thread = threading.get_ident()
 
     def exposition(self) -> str:
         """The Prometheus text exposition of the registry."""
@@ -357,6 +382,7 @@ class Metrics:
         if req.t_admitted is not None:
             self.queue_time.labels(req.qos).observe(max(0.0, req.t_admitted - req.t_received))
         worker = str(req.worker_id if req.worker_id is not None else "")
+        self.prompt_query_tokens.labels(worker).inc(len(req.prompt))
         if req.cached_tokens > 0:
             self.cache_hits.labels(worker).inc()
             self.cached_tokens.labels(worker).inc(req.cached_tokens)
