@@ -67,11 +67,13 @@ def worker_spec(
 
 
 def _is_shared_object(path: str) -> bool:
+    """An ELF file, or (when it cannot be read) a name that says it is a shared library."""
     try:
         with open(path, "rb") as f:
             return f.read(4) == b"\x7fELF"
     except OSError:
-        return False
+        name = Path(path).name
+        return name.endswith(".so") or ".so." in name
 
 
 def prefix_cache_usable(capabilities) -> tuple[bool, str]:
