@@ -44,7 +44,7 @@ from basertd.server.fleet import Fleet
 from basertd.server.frontend import Frontend
 from basertd.server.kv_events import KvEventsHub, start_kv_events
 from basertd.server.metrics import Metrics
-from basertd.server.metrics_vllm import VllmWorker
+from basertd.server.metrics_vllm import VllmWorker, bind_vllm
 from basertd.server.native_api import NativeService
 from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
 from basertd.server.peercred import OperatorPolicy
@@ -170,7 +170,7 @@ class Daemon:
         await self.api.start()
         self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)
         if cfg.metrics.vllm_compat:
-            self.metrics.bind_vllm(self._vllm_workers)
+            bind_vllm(self.metrics, self._vllm_workers)
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)

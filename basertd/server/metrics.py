@@ -43,7 +43,6 @@ from prometheus_client.registry import Collector
 from basertd.server.requests import QOS_CLASSES
 
 if TYPE_CHECKING:
-    from basertd.server.metrics_vllm import VllmCollector, VllmWorker
     from basertd.server.requests import GenerationRequest
 
 log = structlog.get_logger("basertd.metrics")
@@ -315,7 +314,9 @@ class Metrics:
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
-        self._vllm: VllmCollector | None = None
+        self.extra_collectors: list[_LiveCollector] = []
+        """Live collectors registered beside the built-in one (``metrics_vllm.bind_vllm``); their
+        source is dropped at ``close()``."""
         self._http: tuple[Any, threading.Thread] | None = None
 
     # --- wiring ----------------------------------------------------------------------------------
@@ -332,21 +333,9 @@ class Metrics:
         """Stop reading live state (the daemon stopped): live gauges disappear from scrapes."""
         self._live.source = None
         self._live.loop = None
-        if self._vllm is not None:
-            self._vllm.source = None
-            self._vllm.loop = None
-
-    def bind_vllm(self, source: Callable[[], list[VllmWorker]]) -> None:
-        """Also export the ``vllm:*`` series (``basertd.server.metrics_vllm``), read from
-        ``source()`` on the running event loop at scrape time (``[metrics] vllm_compat``)."""
-        from basertd.server.metrics_vllm import VllmCollector
-
-        if self._vllm is None:
-            self._vllm = VllmCollector(self)
-            self.registry.register(self._vllm)
-        self._vllm.source = source
-        self._vllm.loop = asyncio.get_running_loop()
-        self._vllm.loop_thread = threading.get_ident()
+        for extra in self.extra_collectors:
+            extra.source = None
+            extra.loop = None
 
     def exposition(self) -> str:
         """The Prometheus text exposition of the registry."""
