@@ -190,7 +190,9 @@ class Daemon:
             self._tasks.append(
                 asyncio.get_running_loop().create_task(sched.run(), name=f"scheduler-{slot.worker_id}")
             )
-        self.api = ApiServer(self.socket, int(cfg.socket_mode), self, sock=inherited)
+        self.api = ApiServer(
+            self.socket, int(cfg.socket_mode), self, sock=inherited, limits=cfg.limits, metrics=self.metrics
+        )
         await self.api.start()
         self.metrics.bind(lambda: live_state(self), VERSION)
         address = cfg.operators.metrics_address()
