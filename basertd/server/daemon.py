@@ -60,6 +60,7 @@ from basertd.server.requests import (
     sampler_for,
     validate_generate,
 )
+from basertd.server.runtime_files import remove_stale_worker_dirs
 from basertd.server.scheduler import Scheduler, WorkerLimits
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
@@ -151,6 +152,7 @@ class Daemon:
         if inherited is not None:
             self.socket = Path(inherited.getsockname())
         self.workers_dir = self.runtime_dir / f"workers-{os.getpid()}"
+        remove_stale_worker_dirs(self.runtime_dir)  # left by a coordinator killed with SIGKILL
         self.workers_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.workers_dir, 0o700)
         tokenizer_cache: dict[tuple[str, str], Tokenizer] = {}
