@@ -5,6 +5,7 @@ timeouts; the listen backlog and the client's EAGAIN retry under a burst of conn
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import struct
@@ -13,9 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from daemon_harness import Daemon
 from ops_harness import ref_worker, run_as
 
+from basertd import ctl
 from basertd.client import Client, ClientError
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
@@ -265,3 +268,18 @@ def test_sync_client_retries_eagain_with_a_bounded_backoff(tmp_path):
         for s in filler:
             s.close()
         listener.close()
+
+
+def test_basertctl_exits_3_with_one_line_on_a_socket_it_cannot_open():
+    with Daemon(ref_worker(lanes=1), open_to_all=True) as d:
+        os.chmod(d.socket, 0o600)  # root's alone now: nobody may not connect
+
+        def ctl_as_nobody() -> tuple[int, str]:
+            r = CliRunner().invoke(ctl.cli, ["--socket", str(d.socket), "status"])
+            return r.exit_code, r.stderr
+
+        code, stderr = run_as(NOBODY, NOBODY, [], ctl_as_nobody)
+        assert code == ctl.EXIT_UNREACHABLE == 3, (code, stderr)
+        assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+        assert f"no access to {d.socket} (Permission denied)" in stderr, stderr
+        assert d.status().state == "ready"  # root still gets through
