@@ -5,6 +5,7 @@ timeouts; the listen backlog and the client's EAGAIN retry under a burst of conn
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -19,7 +20,7 @@ from daemon_harness import Daemon
 from ops_harness import ref_worker, run_as
 
 from basertd import ctl
-from basertd.client import Client, ClientError
+from basertd.client import AsyncClient, Client, ClientError
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.schema.codec import ClientCodec, FrameReader
@@ -140,6 +141,16 @@ def test_connection_caps_per_uid_and_in_total():
             c.health()
         assert over.value.code == ErrorCode.QUEUE_FULL and "max_connections_per_uid" in over.value.message
 
+        async def aio_over_the_cap() -> ClientError:
+            async with await AsyncClient.connect(d.socket) as ac:
+                await asyncio.sleep(0.2)  # the refusal arrives first; the send then reports it
+                with pytest.raises(ClientError) as err:
+                    await ac.health()
+                return err.value
+
+        aio_err = asyncio.run(aio_over_the_cap())
+        assert aio_err.code == ErrorCode.QUEUE_FULL and "max_connections_per_uid" in aio_err.message
+
         def as_nobody() -> list[str]:
             out = []
             theirs = [Client(d.socket, timeout=10) for _ in range(3)]
@@ -168,7 +179,7 @@ def test_connection_caps_per_uid_and_in_total():
             except ClientError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        assert metric(d, "basertd_connections_dropped_total", '{reason="uid_cap"}') == 1
+        assert metric(d, "basertd_connections_dropped_total", '{reason="uid_cap"}') == 2
         assert metric(d, "basertd_connections_dropped_total", '{reason="total_cap"}') == 1
 
 
