@@ -121,6 +121,8 @@ def test_half_sent_frames_are_capped_and_their_memory_returns():
             assert time.monotonic() < deadline, "the budget was not given back"
             time.sleep(0.1)
         after = rss_bytes(d.proc.pid)
+        mib = [round(x / MiB) for x in (before, peak, after)]
+        print("coordinator RSS (MiB) before, peak, after:", *mib)
         assert after <= before * 1.10, (before, peak, after)
         # the budget is whole again: a maximal frame can be sent and is answered
         big = api.Tokenize(request_id="big", text="a" * (15 * MiB))
