@@ -12,7 +12,15 @@ from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.codec import ClientCodec, FrameError, read_message
 
-from ._common import ClientError, Completion, ConnectionLost, generate_message, new_request_id, resolve_socket
+from ._common import (
+    ClientError,
+    Completion,
+    ConnectionLost,
+    connect_unix_async,
+    generate_message,
+    new_request_id,
+    resolve_socket,
+)
 
 _CLOSED = object()
 
@@ -72,12 +80,19 @@ class AsyncClient:
         self._codec = ClientCodec("client")
         self._routes: dict[str, asyncio.Queue] = {}
         self._closed = False
+        self._parting_error: api.Error | None = None
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
     async def connect(cls, socket_path: str | Path | None = None) -> AsyncClient:
-        """Connect; raises ``OSError`` when the daemon cannot be reached."""
-        reader, writer = await asyncio.open_unix_connection(str(resolve_socket(socket_path)), limit=1 << 16)
+        """Connect; raises ``OSError`` when the daemon cannot be reached (``EAGAIN``, a full listen
+        queue, is first retried briefly: ``basertd.client._common.connect_unix_async``)."""
+        sock = await connect_unix_async(resolve_socket(socket_path))
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 16)
+        except BaseException:
+            sock.close()
+            raise
         return cls(reader, writer)
 
     async def __aenter__(self) -> AsyncClient:
@@ -113,6 +128,7 @@ class AsyncClient:
                     break
                 rid = getattr(msg, "request_id", "")
                 if not rid and isinstance(msg, api.Error):  # a protocol error: everything is lost
+                    self._parting_error = msg  # or a [limits] cap, the reason the daemon closes
                     for q in self._routes.values():
                         q.put_nowait(msg)
                     continue
@@ -124,14 +140,21 @@ class AsyncClient:
             self._fail_all()
 
     async def send(self, msg: Any) -> None:
-        """Send one request frame; raises ``ConnectionLost`` when the connection is closed."""
-        if self._closed:
-            raise ConnectionLost()
-        try:
-            self._writer.write(self._codec.encode(msg))
-            await self._writer.drain()
-        except OSError as exc:
-            raise ConnectionLost(f"send failed: {exc}") from None
+        """Send one request frame; raises ``ConnectionLost`` when the connection is closed, or
+        ``ClientError`` with the daemon's reason when it closed it with an ``Error``."""
+        if not self._closed:
+            try:
+                self._writer.write(self._codec.encode(msg))
+                await self._writer.drain()
+                return
+            except OSError as exc:
+                lost = ConnectionLost(f"send failed: {exc}")
+        else:
+            lost = ConnectionLost()
+        refusal = self._parting_error
+        if refusal is not None:  # the daemon said why it closed (a [limits] cap)
+            raise ClientError(refusal.code, refusal.message, refusal.request_id)
+        raise lost
 
     async def request(self, msg: Any) -> Any:
         """Send ``msg`` (``request_id`` set if empty) and await its reply; ``ClientError`` for Error."""

@@ -11,7 +11,15 @@ from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.codec import ClientCodec, FrameError, FrameReader
 
-from ._common import ClientError, Completion, ConnectionLost, generate_message, new_request_id, resolve_socket
+from ._common import (
+    ClientError,
+    Completion,
+    ConnectionLost,
+    connect_unix,
+    generate_message,
+    new_request_id,
+    resolve_socket,
+)
 
 
 class Stream:
@@ -49,19 +57,14 @@ class Stream:
 class Client:
     """Blocking client. ``socket_path`` None means ``$BASERTD_SOCKET`` or the default path;
     ``timeout`` (seconds, None = none) bounds every socket operation. Use as a context manager or
-    call ``close()``. Raises ``OSError`` when the daemon cannot be reached."""
+    call ``close()``. Raises ``OSError`` when the daemon cannot be reached (a full listen queue,
+    ``EAGAIN``, is first retried briefly: ``basertd.client._common.connect_unix``)."""
 
     def __init__(self, socket_path: str | Path | None = None, *, timeout: float | None = None) -> None:
         self.socket_path = resolve_socket(socket_path)
         self._codec = ClientCodec("client")
         self._reader = FrameReader(self._codec)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(str(self.socket_path))
-        except OSError:
-            self._sock.close()
-            raise
+        self._sock = connect_unix(self.socket_path, timeout)
 
     def close(self) -> None:
         """Close the connection (the daemon cancels whatever it still runs for it)."""
@@ -74,11 +77,32 @@ class Client:
         self.close()
 
     def send(self, msg: Any) -> None:
-        """Send one request frame."""
+        """Send one request frame. Raises ``ClientError`` with the daemon's reason when it closed
+        the connection with an ``Error`` first (a ``[limits]`` cap: ``queue_full``, ``timeout``),
+        else ``ConnectionLost``."""
         try:
             self._sock.sendall(self._codec.encode(msg))
         except OSError as exc:
+            refusal = self._parting_error()
+            if refusal is not None:
+                raise ClientError(refusal.code, refusal.message, refusal.request_id) from None
             raise ConnectionLost(f"send failed: {exc}") from None
+
+    def _parting_error(self) -> api.Error | None:
+        """An ``Error`` the daemon sent before closing the connection, if one is already here."""
+        try:
+            while True:
+                msg = self._reader.next_message()
+                if isinstance(msg, api.Error):
+                    return msg
+                if msg is not None:
+                    continue
+                data = self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                if not data:
+                    return None
+                self._reader.feed_data(data)
+        except (OSError, FrameError):
+            return None
 
     def _recv(self) -> Any:
         while True:

@@ -65,6 +65,14 @@ Example (every key shown with its default)::
     buffer_steps = 10000        # batches kept for replay, per worker
     hwm = 100000                # ZMQ high-water mark (messages) per subscriber
     max_queue_size = 100000     # batches waiting for the publisher thread; more are dropped (counted)
+    [limits]                    # the client socket's resources (DESIGN.md "Client API")
+    max_connections = 1024      # open client connections in all
+    max_connections_per_uid = 512  # open client connections of one peer uid
+    max_request_buffer_bytes = 67108864  # bytes of half-received request frames over all connections
+    frame_timeout_s = 30.0      # a request frame must arrive whole within this after its first byte
+    idle_timeout_s = 600.0      # close a connection with nothing running that sent nothing (0: never)
+    max_reply_buffer_bytes = 8388608  # replies waiting in one connection's send buffer before it is dropped
+    listen_backlog = 1024       # pending connects the kernel queues (capped by net.core.somaxconn)
 
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
 rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
@@ -292,6 +300,32 @@ class KvEventsConfig(_Section):
         return bool(self.endpoint)
 
 
+class LimitsConfig(_Section):
+    """Resource caps of the client socket (DESIGN.md "Client API"), enforced by
+    ``basertd.server.api``.
+
+    ``max_connections``: open client connections in all; ``max_connections_per_uid``: open
+    connections of one peer uid (SO_PEERCRED); a connection over either cap gets
+    ``Error(queue_full)`` and is closed. ``max_request_buffer_bytes``: bytes of request frames held
+    half-received, summed over every connection (frames of at most 64 KiB are not counted); a frame
+    whose length prefix would exceed it gets ``Error(queue_full)`` and its connection is closed
+    before its body is read; it must be at least one frame cap (16 MiB) so a maximal request can
+    ever be served. ``frame_timeout_s``: seconds a request frame may take from its first byte to
+    its last; ``idle_timeout_s``: seconds a connection with no generation running may stay silent
+    (0: never closed for idleness); both close with ``Error(timeout)``. ``max_reply_buffer_bytes``:
+    reply bytes one connection may leave unread before it is dropped. ``listen_backlog``: the
+    socket's listen queue (connects waiting for accept; the kernel caps it at
+    ``net.core.somaxconn``)."""
+
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
+    max_connections_per_uid: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 512
+    max_request_buffer_bytes: Annotated[int, msgspec.Meta(ge=16 * 1024 * 1024)] = 64 * 1024 * 1024
+    frame_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    idle_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0 * 7)] = 600.0
+    max_reply_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 8 * 1024 * 1024
+    listen_backlog: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 1024
+
+
 def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
@@ -316,6 +350,7 @@ class Config(_Section):
     durability: DurabilityConfig = msgspec.field(default_factory=DurabilityConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode

@@ -50,6 +50,7 @@ from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds
 from basertd.server.peercred import OperatorPolicy
 from basertd.server.reload import apply_reload
 from basertd.server.requests import GenerationRequest
+from basertd.server.runtime_files import remove_stale_worker_dirs
 from basertd.server.scheduler import Scheduler
 from basertd.server.supervisor import WorkerSlot
 
@@ -149,6 +150,7 @@ class Daemon:
         if inherited is not None:
             self.socket = Path(inherited.getsockname())
         self.workers_dir = self.runtime_dir / f"workers-{os.getpid()}"
+        remove_stale_worker_dirs(self.runtime_dir)  # left by a coordinator killed with SIGKILL
         self.workers_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.workers_dir, 0o700)
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
@@ -166,6 +168,8 @@ class Daemon:
             int(cfg.socket_mode),
             NativeService(self.frontend, self.control, VERSION),
             sock=inherited,
+            limits=cfg.limits,
+            metrics=self.metrics,
         )
         await self.api.start()
         self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)

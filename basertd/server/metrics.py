@@ -311,6 +311,24 @@ class Metrics:
             registry=r,
         )
         self.reloads = Counter("reloads", "Configuration reloads (SIGHUP).", namespace=ns, registry=r)
+        self.connections_dropped = Counter(
+            "connections_dropped",
+            "Client connections refused or closed by a [limits] cap, by reason (total_cap, uid_cap, "
+            "buffer_budget, frame_timeout, idle_timeout, slow_reader).",
+            ["reason"],
+            namespace=ns,
+            registry=r,
+        )
+        self.connections_open = Gauge(
+            "client_connections", "Open client-socket connections.", namespace=ns, registry=r
+        )
+        self.request_buffer_bytes = Gauge(
+            "request_buffer_bytes",
+            "Bytes reserved for request frames being received (counted against "
+            "limits.max_request_buffer_bytes).",
+            namespace=ns,
+            registry=r,
+        )
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
@@ -410,6 +428,10 @@ class Metrics:
     def preempted(self, worker_id: int, qos: str) -> None:
         """A ``qos`` lane of worker ``worker_id`` was preempted (the preemption policy, issue 8)."""
         self.preemptions.labels(str(worker_id), qos).inc()
+
+    def connection_dropped(self, reason: str) -> None:
+        """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""
+        self.connections_dropped.labels(reason).inc()
 
     def control_denied(self, verb: str) -> None:
         """A control verb was refused by the peer-credential check."""

@@ -33,6 +33,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from basertd.model_files import load_failure
+
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 """Special ids of the "bytes" vocabulary."""
 BYTE_BASE = 3
@@ -106,8 +108,8 @@ class GgufTokenizer:
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise TokenizerError(f"cannot load the vocabulary of {path}")
+        if not self._model:  # say why: missing, not a GGUF, truncated, unsupported architecture
+            raise TokenizerError(load_failure(path, f"cannot load the vocabulary of {path}"))
         self.path = str(path)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
