@@ -21,6 +21,7 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
+from basertd.server.cache_policy import WorkerCache
 from basertd.server.cache_policy import route as route_by_prefix
 from basertd.server.config import Config, WorkerConfig
 from basertd.server.drain import Drainer
@@ -30,7 +31,7 @@ from basertd.server.requests import QOS_CLASSES, AdmissionError
 from basertd.server.scheduler import Scheduler, WorkerLimits
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer, make_tokenizer
-from basertd.server.worker_specs import worker_spec
+from basertd.server.worker_specs import prefix_cache_usable, worker_spec
 
 log = structlog.get_logger("basertd.fleet")
 
@@ -38,6 +39,30 @@ WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
+
+
+class CapabilityGatedCache(WorkerCache):
+    """A worker's prefix-cache policy that is off (no seeds, no coalescing, no pins, no cached
+    hints) for an incarnation whose capability record says its engine has no usable prefix cache
+    (``worker_specs.prefix_cache_usable``: a basert bundle without paged KV or prefix cache);
+    DESIGN.md "Prefix cache policy". ``usable`` / ``unusable_reason`` describe the current or last
+    incarnation; a change is logged once (``prefix_cache_off`` with the engine's reason)."""
+
+    usable = True
+    unusable_reason = ""
+
+    def attach(self, caps) -> None:
+        super().attach(caps)
+        usable, why = prefix_cache_usable(caps)
+        if not usable and (self.usable or why != self.unusable_reason):
+            log.warning("prefix_cache_off", worker_id=self.worker_id, reason=why)
+        elif usable and not self.usable:
+            log.info("prefix_cache_on", worker_id=self.worker_id)
+        self.usable, self.unusable_reason = usable, why
+
+    @property
+    def enabled(self) -> bool:
+        return self.usable and super().enabled
 
 
 @dataclass
@@ -94,6 +119,7 @@ class Fleet:
                 max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
             )
             sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics, tokenizer=tok)
+            sched.cache_policy = CapabilityGatedCache(worker_id, cfg.cache)
             holder.append(sched)
             self.members.append(Member(worker_id, wcfg, name, slot, sched, tok))
 
