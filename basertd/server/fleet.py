@@ -30,7 +30,7 @@ from basertd.server.metrics import LiveState, Metrics, WorkerState
 from basertd.server.requests import QOS_CLASSES, AdmissionError
 from basertd.server.scheduler import Scheduler, WorkerLimits
 from basertd.server.supervisor import WorkerSlot
-from basertd.server.tokenizer import Tokenizer, make_tokenizer
+from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from basertd.server.worker_specs import prefix_cache_usable, worker_spec
 
 log = structlog.get_logger("basertd.fleet")
@@ -65,6 +65,26 @@ class CapabilityGatedCache(WorkerCache):
         return self.usable and super().enabled
 
 
+class UnavailableTokenizer:
+    """Stands for a basert bundle's tokenizer that did not load in the coordinator (the library
+    lacks ``baseRT_load_tokenizer_only``, the bundle does not load): the daemon still starts, the
+    worker of that bundle fails to start with its own line (exit 3) and is reported, and every
+    encode raises ``TokenizerError`` with ``reason``. Vocabulary size 0: no token id is valid."""
+
+    kind = "unavailable"
+    vocab_size = 0
+    add_bos = False
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        raise TokenizerError(f"the model's tokenizer is unavailable: {self.reason}")
+
+    def piece(self, token: int) -> bytes:
+        return b""
+
+
 @dataclass
 class Member:
     """One configured worker: its id, configuration, served model name, supervisor, scheduler and
@@ -81,7 +101,9 @@ class Member:
 class Fleet:
     """The workers of one daemon (module docstring). ``build()`` (async: tokenizers load in a
     thread) then ``start()``; ``stop()`` stops every scheduler and worker and frees the
-    tokenizers. Raises ``basertd.models.ModelUnavailable`` or ``TokenizerError`` from ``build``."""
+    tokenizers. Raises ``basertd.models.ModelUnavailable`` or ``TokenizerError`` from ``build`` (a
+    basert bundle whose tokenizer does not load is an ``UnavailableTokenizer`` instead: its worker
+    reports why it cannot load)."""
 
     def __init__(self, config: Config, workers_dir: str, metrics: Metrics) -> None:
         self.config = config
@@ -102,7 +124,14 @@ class Fleet:
                 worker_id, wcfg, runtime_dir=self.workers_dir, log_level=cfg.log_level
             )
             if tok_key not in tokenizers:
-                tokenizers[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
+                try:
+                    tokenizers[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
+                except TokenizerError as exc:
+                    if tok_key[0] != "basert":
+                        raise
+                    # The worker of this bundle fails the same way and is reported (status, health).
+                    log.error("tokenizer_unavailable", worker_id=worker_id, reason=str(exc))
+                    tokenizers[tok_key] = UnavailableTokenizer(str(exc))
             tok = tokenizers[tok_key]
             holder: list[Scheduler] = []
             slot = WorkerSlot(

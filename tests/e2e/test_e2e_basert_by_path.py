@@ -232,3 +232,25 @@ def test_wrong_struct_size_is_reported_not_respawned(tmp_path):
             c.generate("hi", max_tokens=2)
         assert sum(e.get("event") == "worker_spawned" for e in d.log_events()) == 1
         assert "basertd-worker: cannot load the basert engine" in line
+
+
+def test_a_library_lacking_symbols_is_reported_not_respawned(tmp_path):
+    model = write_ref_bundle(tmp_path / "m.ref", **BUNDLE)
+    lib = tick_only_lib(tmp_path)
+    with Daemon(worker_toml(model, lib=str(lib)), wait_workers=False) as d:
+        line = assert_reported_not_respawned(d, "baseRT_load_model_ex", "baseRT_load_tokenizer_only")
+        assert "lacks" in line and str(lib) in line
+        tok_events = [e for e in d.log_events() if e.get("event") == "tokenizer_unavailable"]
+        assert len(tok_events) == 1 and "baseRT_load_tokenizer_only" in tok_events[0]["reason"]
+        with d.client() as c, pytest.raises(Exception, match="tokenizer is unavailable"):
+            c.tokenize("hi")
+
+
+@pytest.mark.parametrize("content", [None, "garbage\n"], ids=["absent", "garbage"])
+def test_a_bundle_that_does_not_load_is_reported_not_respawned(tmp_path, content):
+    model = tmp_path / "m.ref"
+    if content is not None:
+        model.write_text(content)
+    with Daemon(worker_toml(model), wait_workers=False) as d:
+        line = assert_reported_not_respawned(d, "baseRT_load_model_ex", str(model))
+        assert "cannot load the basert engine" in line
