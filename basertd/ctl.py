@@ -260,6 +260,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"lanes {d['lanes_busy']}/{d['lanes_max']}  "
             f"queued {d['queued']}  requests {d['requests_total']}"
         )
+        for line in d.get("problems") or ():
+            click.echo(f"problem: {line}")
         click.echo("")
         _workers_table(d["workers"])
         click.echo("")

@@ -27,7 +27,8 @@ included). The segment must hold 64 + SLOTS * SLOT_BYTES bytes (checked with fst
 
 Exit codes (``lifecycle.ExitCode``): 0 orderly (SHUTDOWN, SIGTERM/SIGINT after the tick in flight,
 parent gone), 2 bad command line (the message names the flag), 3 engine/model load failure (the
-message says why), 70 engine FATAL, 76 Link W failure (malformed frame, protocol violation).
+message says why; with ``--error-file PATH`` that one line is also written there, for the
+coordinator to report), 70 engine FATAL, 76 Link W failure (malformed frame, protocol violation).
 Logs: JSON lines on stderr (``basertd.worker.logging``), content-free.
 """
 
@@ -38,7 +39,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from basertd.schema.abi import RingKind, RingRole
 from basertd.shm import RingError, Segment, ring_bytes
@@ -60,13 +61,49 @@ RING_KINDS: dict[str, tuple[RingKind, RingRole]] = {
     "logits": (RingKind.LOGITS, RingRole.ENGINE_WRITES),
 }
 """``--ring`` KIND names -> (ring kind, role from the engine's side); DESIGN.md "Rings"."""
+ERROR_LINE_MAX = 2000
+"""Characters of the one-line reason ``--error-file`` receives."""
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with exit status 2 and the flag named, as argparse does, for our own checks too."""
+    """argparse with exit status 2 and the flag named, as argparse does, for our own checks too.
+    ``error_file``: where ``error`` also writes its one line (set before parsing, see
+    ``error_file_of``)."""
+
+    error_file: str | None = None
 
     def fail(self, flag: str, message: str) -> None:
         self.error(f"argument {flag}: {message}")
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        write_error_line(self.error_file, f"{self.prog}: {message}")
+        super().error(message)
+
+
+def error_file_of(argv: Sequence[str]) -> str | None:
+    """The ``--error-file`` of ``argv`` (``--error-file PATH`` or ``--error-file=PATH``), read
+    before parsing so that a usage error can be reported there too."""
+    for i, arg in enumerate(argv):
+        if arg == "--error-file" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--error-file="):
+            return arg.partition("=")[2]
+    return None
+
+
+def write_error_line(path: str | None, line: str) -> None:
+    """Write ``line`` (one line, newlines folded, at most ``ERROR_LINE_MAX`` characters) to
+    ``path`` (created mode 0600, replaced if present), for the coordinator to report as the
+    worker's last error. Never raises: the exit status still says what kind of failure it was."""
+    if not path:
+        return
+    text = " ".join(line.split())[:ERROR_LINE_MAX]
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError:
+        pass
 
 
 def _positive(text: str) -> int:
@@ -155,6 +192,12 @@ def build_parser() -> _Parser:
         help="coalesce partial emits over this many ms (0: one TICK_EMIT per engine callback)",
     )
     p.add_argument("--log-level", default="info", choices=wlog.level_names())
+    p.add_argument(
+        "--error-file",
+        default=None,
+        metavar="PATH",
+        help="on exit 2 (usage) or 3 (load failure) write the one-line reason here as well",
+    )
     return p
 
 
@@ -226,6 +269,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Parse, load, serve; returns the exit code (``lifecycle.ExitCode``). Usage errors exit 2
     through argparse (SystemExit)."""
     parser = build_parser()
+    parser.error_file = error_file_of(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         ref_config = parse_ref_config(args.ref_config)
@@ -239,6 +283,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             return ExitCode.OK
     except LifecycleError as exc:
         log.error("pdeathsig_failed", reason=str(exc))
+        write_error_line(args.error_file, f"basertd-worker: cannot watch the parent process: {exc}")
         return ExitCode.USAGE
     stop = StopSignals()
     stop.install()
@@ -264,7 +309,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
         except EngineLoadError as exc:
             log.error("model_load_failed", engine=args.engine, reason=str(exc))
-            print(f"basertd-worker: cannot load the {args.engine} engine: {exc}", file=sys.stderr)
+            line = f"basertd-worker: cannot load the {args.engine} engine: {exc}"
+            print(line, file=sys.stderr)
+            write_error_line(args.error_file, line)
             return ExitCode.MODEL_LOAD
         info = engine.info()
         log.info(

@@ -12,7 +12,9 @@
 3. a zmq PAIR socket bound on the endpoint (``configure_link_socket``: MAXMSGSIZE, no HWM);
 4. ``sys.executable -m basertd.worker.main`` (or ``spec.command``) with the segments' fds in
    ``pass_fds`` and on the command line (``--ring ID:KIND:FD:SLOTS:SLOT_BYTES``),
-   ``--parent-pid`` this process, ``--link`` the endpoint and the engine flags of the spec;
+   ``--parent-pid`` this process, ``--link`` the endpoint, ``--error-file`` in the private
+   directory (a worker exiting 2 or 3 writes its one-line reason there; it becomes the
+   ``WorkerStartError``'s ``reason``) and the engine flags of the spec;
 5. ``os.pidfd_open`` of the child, handed to the ``WorkerLink`` so its death is noticed at once;
 6. the Link W handshake and ring attach (``WorkerLink.handshake``).
 
@@ -69,6 +71,7 @@ __all__ = [
     "WorkerSpec",
     "WorkerSpecError",
     "WorkerStartError",
+    "read_error_line",
 ]
 
 log = structlog.get_logger("basertd.worker_proc")
@@ -96,11 +99,39 @@ class WorkerSpecError(ValueError):
 
 class WorkerStartError(LinkError):
     """The worker did not come up: it exited during startup (``returncode``: 2 bad command line,
-    3 model could not load, ...), the handshake failed or timed out. Everything was torn down."""
+    3 model could not load, ...), the handshake failed or timed out. Everything was torn down.
+    ``reason``: the worker's own one-line explanation (its ``--error-file``), "" when it wrote
+    none."""
 
-    def __init__(self, message: str, returncode: int | None = None) -> None:
+    def __init__(self, message: str, returncode: int | None = None, reason: str = "") -> None:
         self.returncode = returncode
+        self.reason = reason
         super().__init__(message)
+
+    @property
+    def permanent(self) -> bool:
+        """The worker refused its command line (exit 2) or could not load its engine or model
+        (exit 3): starting it again with the same spec fails the same way."""
+        return self.returncode in PERMANENT_EXIT_CODES
+
+
+PERMANENT_EXIT_CODES = (2, 3)
+"""Worker exit statuses that respawning cannot fix (``basertd.worker.lifecycle.ExitCode`` USAGE
+and MODEL_LOAD): the supervisor gives up at once."""
+ERROR_FILE = "error"
+"""Name, in the private runtime directory, of the file the worker writes its one-line reason to
+when it exits 2 or 3 (``basertd-worker --error-file``)."""
+
+
+def read_error_line(rundir: str | None) -> str:
+    """The worker's one-line reason from ``rundir``/``ERROR_FILE``, "" when there is none."""
+    if not rundir:
+        return ""
+    try:
+        with open(os.path.join(rundir, ERROR_FILE), encoding="utf-8", errors="replace") as f:
+            return " ".join(f.read(4096).split())
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -373,6 +404,8 @@ class WorkerProcess:
                 str(os.getpid()),
                 "--log-level",
                 spec.log_level,
+                "--error-file",
+                os.path.join(res.rundir, ERROR_FILE),
                 *spec.engine_args(),
             ]
             for a in attach:
@@ -401,8 +434,14 @@ class WorkerProcess:
             try:
                 caps = await res.link.handshake(attach, timeout=spec.start_timeout)
             except WorkerDied as exc:
+                code = exc.returncode
+                if code is None:  # the pidfd fired before subprocess reaped it: the exit is there
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        code = res.proc.wait(timeout=1.0)
+                reason = read_error_line(res.rundir)
+                said = f": {reason}" if reason else ""
                 raise WorkerStartError(
-                    f"worker {spec.worker_id} exited during startup: {exc}", exc.returncode
+                    f"worker {spec.worker_id} exited during startup: {exc}{said}", code, reason
                 ) from exc
             except LinkError as exc:
                 raise WorkerStartError(f"worker {spec.worker_id} handshake failed: {exc}") from exc
