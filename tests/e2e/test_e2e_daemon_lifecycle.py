@@ -77,7 +77,7 @@ def test_a_runtime_directory_the_daemon_created_is_removed_at_exit(tmp_path):
         rt = tmp_path / f"rt-{pre_existing}"
         if pre_existing:
             rt.mkdir()
-        env = {**os.environ, "RUNTIME_DIRECTORY": str(rt)}
+        env = {**os.environ, "RUNTIME_DIRECTORY": str(rt), "STATE_DIRECTORY": str(tmp_path / "state")}
         env.pop("BASERTD_SOCKET", None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "basertd.cli", "serve", "--config", str(config)],
