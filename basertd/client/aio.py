@@ -115,7 +115,7 @@ class AsyncStream:
                     raise
                 if time.monotonic() >= deadline:
                     raise ConnectionLost(
-                        f"could not resume within {self.resume_timeout:g} s: {exc}", self.request_id
+                        f"connection lost; could not resume within {self.resume_timeout:g} s: {exc}", self.request_id
                     ) from None
                 if isinstance(exc, ClientError) and not isinstance(exc, ConnectionLost):
                     conn = self._client._conn_gen  # SHUTTING_DOWN: wait for the next daemon

@@ -99,7 +99,7 @@ class Stream:
                     raise
                 if time.monotonic() >= deadline:
                     raise ConnectionLost(
-                        f"could not resume within {self.resume_timeout:g} s: {exc}", self.request_id
+                        f"connection lost; could not resume within {self.resume_timeout:g} s: {exc}", self.request_id
                     ) from None
                 time.sleep(RESUME_RETRY_S)
 

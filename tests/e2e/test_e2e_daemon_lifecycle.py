@@ -39,7 +39,8 @@ def test_sigint_stops_cleanly_and_fails_running_work_typed():
         REF_WORKER.replace("vocab_size = 259\n", "vocab_size = 259\ntick_delay_us = 50000\neos_period = 0\n")
     ) as d:
         c = d.client()
-        s = c.stream("long", max_tokens=100, temperature=0)
+        # resume=False: this test watches the daemon end the stream, not the client resume it
+        s = c.stream("long", max_tokens=100, temperature=0, resume=False)
         it = iter(s)
         next(it)
         kids = d.track_children()
