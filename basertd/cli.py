@@ -12,7 +12,6 @@ starts on a corrupt write-ahead log by keeping it up to the corrupt record (the 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import sys
 
 import click
@@ -53,13 +52,8 @@ def serve(config_path: str | None, wal_recover: str) -> None:
     from basertd.server.wal import WalError
 
     configure_logging(config.log_level)
-    kwargs = {}
-    if wal_recover != "refuse":
-        if "wal_recover" not in inspect.signature(run).parameters:
-            raise click.UsageError("--wal-recover: this daemon does not journal requests yet")
-        kwargs["wal_recover"] = wal_recover  # passed to Journal.open(recover=...)
     try:
-        code = asyncio.run(run(config, config_path=config_path, **kwargs))
+        code = asyncio.run(run(config, config_path=config_path, wal_recover=wal_recover))
     except (OSError, ModelUnavailable, ConfigError, TokenizerError, WalError) as exc:
         click.echo(f"basertd: cannot start: {exc}", err=True)
         sys.exit(1)

@@ -65,8 +65,11 @@ class Daemon:
         notify: Callable[[Path], Any] | None = None,
         listen: socket.socket | None = None,
         open_to_all: bool = False,
+        state_dir: str | Path | None = None,
     ) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="brt-d-", dir="/tmp"))
+        # the write-ahead log: private to this daemon unless the test restarts on a given one
+        self.state_dir = Path(state_dir) if state_dir is not None else self.base / "state"
         self.runtime_dir = self.base / "rt"
         self.runtime_dir_given = open_to_all
         if open_to_all:
@@ -77,7 +80,8 @@ class Daemon:
         self.socket_adopted = listen is not None
         self.config_path = self.base / "basertd.toml"
         mode = 'socket_mode = "0666"\n' if open_to_all else ""
-        self.config_path.write_text(f'runtime_dir = "{self.runtime_dir}"\n{mode}' + config_toml)
+        state = "" if "state_dir" in config_toml else f'state_dir = "{self.state_dir}"\n'
+        self.config_path.write_text(f'runtime_dir = "{self.runtime_dir}"\n{state}{mode}' + config_toml)
         self.log_path = self.base / "daemon.log"
         self.shm_before = devshm_listing()
         self.seen_children: set[int] = set()

@@ -53,6 +53,18 @@ class Completion:
     timings: api.Timings = field(default_factory=api.Timings)
 
 
+RESUME_TIMEOUT_S = 60.0
+"""Default bound (seconds) on reconnecting and resuming a stream across a daemon restart."""
+RESUME_RETRY_S = 0.1
+"""Pause between reconnect attempts while the daemon restarts (seconds)."""
+
+
+def resumable(exc: ClientError) -> bool:
+    """True for what a stream with a ``resume_id`` survives by reconnecting: the connection
+    lost, or the daemon stopping (it hands its journaled requests over to its next start)."""
+    return isinstance(exc, ConnectionLost) or exc.code == ErrorCode.SHUTTING_DOWN
+
+
 def new_request_id() -> str:
     """A fresh random request id."""
     return uuid.uuid4().hex

@@ -329,6 +329,32 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.resumed = Counter(
+            "requests_resumed",
+            "Requests resumed: after a daemon restart (re-queued from the write-ahead log) or after a "
+            "worker crash (DESIGN.md 'Crash = preemption; acceptance is durable').",
+            ["after"],
+            namespace=ns,
+            registry=r,
+        )
+        self.wal_bytes = Counter(
+            "wal_bytes", "Bytes written to the write-ahead log (group commits).", namespace=ns, registry=r
+        )
+        self.wal_fsync_seconds = Histogram(
+            "wal_fsync_seconds",
+            "Latency of one write-ahead log group commit's fdatasync (seconds).",
+            namespace=ns,
+            registry=r,
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.wal_recovered = Gauge(
+            "wal_recovered",
+            "What the write-ahead log recovery found at start: records replayed, unfinished requests "
+            "re-queued, finished results kept, bytes of torn tail truncated.",
+            ["what"],
+            namespace=ns,
+            registry=r,
+        )
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
@@ -432,6 +458,26 @@ class Metrics:
     def connection_dropped(self, reason: str) -> None:
         """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""
         self.connections_dropped.labels(reason).inc()
+
+    def wal_commit(self, nbytes: int, fsync_s: float) -> None:
+        """A write-ahead log group commit wrote ``nbytes`` and its fdatasync took ``fsync_s``
+        (the journal's ``on_commit`` hook; called from the committing thread)."""
+        self.wal_bytes.inc(nbytes)
+        self.wal_fsync_seconds.observe(fsync_s)
+
+    def wal_recovery(self, records: int, requests: int, results: int, truncated_bytes: int) -> None:
+        """What the write-ahead log recovery found at start."""
+        for what, n in (
+            ("records", records),
+            ("requests", requests),
+            ("results", results),
+            ("truncated_bytes", truncated_bytes),
+        ):
+            self.wal_recovered.labels(what).set(n)
+
+    def request_resumed(self, after: str) -> None:
+        """A request resumed ``after`` "restart" (from the log) or "worker_crash"."""
+        self.resumed.labels(after).inc()
 
     def control_denied(self, verb: str) -> None:
         """A control verb was refused by the peer-credential check."""
