@@ -178,6 +178,8 @@ def generate_of(
     """The ``Generate`` of one choice (the limits table checks the values at admission)."""
     seed = req.seed
     if seed is not None and seed < 0:
+        if seed < -(1 << 63):
+            raise bad_request(f"seed must be a signed or unsigned 64-bit integer, got {seed}", "seed")
         seed &= (1 << 64) - 1  # OpenAI clients send signed 64-bit seeds
     return api.Generate(
         request_id=request_id,
