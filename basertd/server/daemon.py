@@ -4,7 +4,9 @@
 private 0700 ``workers-<pid>/`` directory holding each worker's ``ipc://`` endpoint), the
 ``Fleet`` (every worker's supervisor, scheduler and tokenizer, and routing), the ``Frontend``
 (admission of every API's requests), the native API on the client socket (``NativeService`` over
-``ApiServer``), the control verbs (``ControlService``, which sees the daemon through its narrow
+``ApiServer``), the OpenAI-compatible HTTP API (``basertd.server.http``, ``[http] listen`` and
+systemd sockets named ``http``), the control verbs (``ControlService``, which sees the daemon
+through its narrow
 ``ControlHost`` protocol), metrics, drain, reload and systemd notification. It keeps only
 lifecycle: start, stop, drain, reload, notify.
 
@@ -57,11 +59,20 @@ from basertd.server.drain import Drainer
 from basertd.server.durable import Durability
 from basertd.server.fleet import Fleet
 from basertd.server.frontend import Frontend
+from basertd.server.http.app import HttpServer
 from basertd.server.kv_events import KvEventsHub, start_kv_events
 from basertd.server.metrics import Metrics
 from basertd.server.metrics_vllm import VllmWorker, bind_vllm
 from basertd.server.native_api import NativeService
-from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
+from basertd.server.notify import (
+    HTTP_FD_NAME,
+    Notifier,
+    Watchdog,
+    adopt_listener,
+    adopt_named,
+    listen_fds,
+    watchdog_interval,
+)
 from basertd.server.peercred import OperatorPolicy
 from basertd.server.reload import apply_reload
 from basertd.server.requests import GenerationRequest
@@ -129,6 +140,7 @@ class Daemon:
         self.frontend: Frontend | None = None
         self.cache_control: CacheControl | None = None  # type: ignore[assignment]
         self.api: ApiServer | None = None
+        self.http: HttpServer | None = None
         self.started_at = time.monotonic()
         self.state = "starting"
         self._tasks: list[asyncio.Task] = []
@@ -200,6 +212,12 @@ class Daemon:
             metrics=self.metrics,
         )
         await self.api.start()
+        http_socks = adopt_named(self._listen_fds, HTTP_FD_NAME)
+        if cfg.http.listen or http_socks:
+            self.http = HttpServer(
+                cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
+            )
+            await self.http.start()
         self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)
         if cfg.metrics.vllm_compat:
             bind_vllm(self.metrics, self._vllm_workers)
@@ -369,6 +387,8 @@ class Daemon:
             self._shutdown.cancel()
         if self.api is not None:
             self.api.stop_listening()
+        if self.http is not None:
+            self.http.stop_listening()
         if self.fleet is not None:
             for sched in self.fleet.schedulers:
                 await sched.stop()
@@ -376,6 +396,8 @@ class Daemon:
             # what the stop failed with SHUTTING_DOWN stays unfinished in the log (hand-over);
             # every held reply is committed and sent before the connections close
             await self.durability.close()
+        if self.http is not None:
+            await self.http.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

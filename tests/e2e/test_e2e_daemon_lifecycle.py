@@ -73,7 +73,7 @@ def test_a_runtime_directory_the_daemon_created_is_removed_at_exit(tmp_path):
     import time
 
     config = tmp_path / "basertd.toml"
-    config.write_text(REF_WORKER)
+    config.write_text(REF_WORKER + "[http]\nlisten = []\n")
     for pre_existing in (False, True):
         rt = tmp_path / f"rt-{pre_existing}"
         if pre_existing:
