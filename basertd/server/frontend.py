@@ -219,8 +219,13 @@ class Frontend:
         Raises ``AdmissionError`` like ``submit``."""
         sink = QueueSink()
         req = await self.submit(gen, sink, api_name=api_name)
-        accepted = sink.queue.get_nowait()
-        return GenerationStream(self, req, sink, accepted)
+        # Accepted is the first reply; with durability it waits for its group commit
+        first = await sink.queue.get()
+        if isinstance(first, api.Accepted):
+            return GenerationStream(self, req, sink, first)
+        stream = GenerationStream(self, req, sink, None)
+        stream.push_front(first)  # an Error before Accepted (the daemon stopped meanwhile)
+        return stream
 
     # --- health ----------------------------------------------------------------------------------
 
@@ -276,20 +281,25 @@ class GenerationStream:
         self.accepted = accepted
         self._sink = sink
         self._ended = False
+        self._front: list[Any] = []
+
+    def push_front(self, msg: Any) -> None:
+        """Yield ``msg`` before anything queued."""
+        self._front.append(msg)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Any]:
         while not self._ended:
-            msg = await self._sink.queue.get()
+            msg = self._front.pop(0) if self._front else await self._sink.queue.get()
             if isinstance(msg, (api.Done, api.Error)):
                 self._ended = True
             yield msg
 
     def pending(self) -> list[Any]:
         """Replies already queued, taken without waiting (in order)."""
-        out = []
+        out, self._front = self._front, []
         while not self._sink.queue.empty():
             msg = self._sink.queue.get_nowait()
             if isinstance(msg, (api.Done, api.Error)):
