@@ -86,11 +86,20 @@ class TokenBatch:
         b.logits = ctypes.cast(self.logits.ctypes.data + start, ctypes.POINTER(ctypes.c_int8))
         return b
 
-    def decode(self, ctx: L.llama_context_p, on_part: Callable[[int, int], None]) -> None:
-        """Decode every row, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
-        after each successful part. Raises BatchDecodeError on the first nonzero return code."""
+    def decode(
+        self,
+        ctx: L.llama_context_p,
+        on_part: Callable[[int, int], None],
+        stop: Callable[[int], bool] | None = None,
+    ) -> int:
+        """Decode the rows, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
+        after each successful part. Before every part but the first, ``stop(rows_done)`` may end
+        the call early (a yield inside a tick). Returns the rows decoded (``n`` unless stopped).
+        Raises BatchDecodeError on the first nonzero return code."""
         start = 0
         while start < self.n:
+            if start and stop is not None and stop(start):
+                return start
             end = min(self.n, start + self.n_batch)
             if start == 0:
                 part = self._head
@@ -102,3 +111,4 @@ class TokenBatch:
                 raise BatchDecodeError(int(rc), start, end)
             on_part(start, end)
             start = end
+        return start

@@ -34,6 +34,15 @@ Output depends on batch composition and, through the order of llama.cpp's sums o
 where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
 loop from an empty cache, and elsewhere allow divergence only at a near-tie of the reference).
 
+Yield inside a tick (``basertd.shm.control``): a tick's work is split into steps, one
+``llama_decode`` of at most ``yield_step_tokens`` rows each (default n_ubatch). With a control
+segment attached, the yield word is read before every step but the tick's first (and before every
+decode round after the first); once it is set the tick ends with what it has done: the planned
+prefill that did not run is reported exactly as a budget-shed chunk (one PREFILL_CHUNK entry per
+lane, tokens = planned - done; ABI rules 56, 57) and the lane resumes at the offset reached; lanes
+whose prefill was cut do not decode; decode lanes keep the tokens they have (finish NONE). KV the
+coordinator already counts as prefilled (cold fallback, a cached prompt's last token) is never cut.
+
 Test hooks (not part of the Engine protocol): ``inject_fault(lane_tag, code)``,
 ``force_finish(lane_tag, finish)``, as the reference engine's ``baseRT_ref_*`` ones.
 """
@@ -110,6 +119,7 @@ from basertd.worker.engines.llamacpp.prefix_cache import (
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.validate import (
+    SHED_REASON_BUDGET,
     SHED_REASON_POOL,
     SHED_REASON_PUBLISH,
     AdmitWork,
@@ -142,6 +152,10 @@ class _TickScratch:
         self.fault_lanes: dict[int, Lane] = {}
         self.prefill_ns = 0
         self.decode_ns = 0
+        self.floor: dict[int, int] = {}  # lane tag -> prefilled before this tick's chunk
+        self.min_rows = 0  # rows of the batch in flight that a yield may not cut
+        self.steps = 0  # llama_decode calls so far
+        self.yielded = False
         self._noted: set[int] = set()
 
     def note(self, tag: int) -> None:
@@ -184,6 +198,7 @@ class LlamaCppEngine:
         n_ubatch: int = 512,
         swa_full: bool = True,
         n_gpu_layers: int = 0,
+        yield_step_tokens: int | None = None,
     ) -> None:
         if lanes < 1 or context_length < 2 or page_size_tokens < 1 or seed_lease_ticks < 0:
             raise ValueError("lanes >= 1, context_length >= 2, page_size_tokens >= 1 required")
@@ -227,6 +242,12 @@ class LlamaCppEngine:
         # ledger then enforces (never more than llama.cpp actually has).
         self.n_cells = min(pool_tokens, int(L.llama_n_ctx(self.ctx)))
         self.n_batch = int(L.llama_n_batch(self.ctx))
+        # One step = one llama_decode of at most step_rows rows: where a tick may yield.
+        step = int(L.llama_n_ubatch(self.ctx)) if yield_step_tokens is None else yield_step_tokens
+        if step < 1:
+            raise ValueError("yield_step_tokens must be >= 1")
+        self.step_rows = max(lanes, min(self.n_batch, step))  # a round's decode rows: one step
+        self._control = None
         self.max_lanes = lanes
         self.context_length = context_length
         self.page = page_size_tokens
@@ -247,7 +268,7 @@ class LlamaCppEngine:
         self.ledger = CellLedger(self.n_cells)
         self.cache = PrefixCache(page_size_tokens, cache_sequences)
         self.rings = EngineRings()
-        self.batch = TokenBatch(n_batch + lanes, self.n_batch)
+        self.batch = TokenBatch(n_batch + lanes, self.step_rows)
         self.lanes: dict[int, Lane] = {}
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
@@ -271,6 +292,7 @@ class LlamaCppEngine:
             "faults_total": 0,
             "rejected_plans": 0,
             "cold_fallbacks_total": 0,
+            "yields_total": 0,
         }
         self._closed = False
 
@@ -300,7 +322,9 @@ class LlamaCppEngine:
                 "n_swa": str(self.n_swa),
                 "kv_cells": str(self.n_cells),
                 "n_batch": str(self.n_batch),
+                "step_tokens": str(self.step_rows),
                 "description": m.description,
+                **({"yield": "step"} if self._control is not None else {}),
             },
         )
 
@@ -334,7 +358,8 @@ class LlamaCppEngine:
         cached_tokens_total (served by seeds), decode_tokens_total (sampled and HOST-committed),
         replay_tokens_total, live_lanes, live_seed_leases, cache_entries, bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
-        cold_fallbacks_total (seeds whose sliding window was lost)."""
+        cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
+        by the yield word)."""
         out = dict(self._stats)
         out.update(
             last_plan_seq=self.last_plan_seq or 0,
@@ -353,6 +378,13 @@ class LlamaCppEngine:
         """Attach (or re-attach) the prompt, emit and optional logits rings; all or nothing
         (EngineError(ERR_RING_LAYOUT), ABI rule 125); writer cursors restart (rule 130)."""
         self.rings.attach(rings)
+
+    def attach_control(self, control: object) -> bool:
+        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) between llama_decode
+        calls: once it is set, the tick in flight ends after its current step (module docstring).
+        Returns True (this engine can yield; its capability record then says ``yield = step``)."""
+        self._control = control
+        return True
 
     # ------------------------------------------------------------------ sequence ids
 
@@ -633,6 +665,7 @@ class LlamaCppEngine:
         for tag, eff in work.prefills:
             lane = self.lanes.get(tag)
             if lane is not None:
+                sc.floor.setdefault(tag, lane.prefilled)
                 lane.prefilled += eff
         for tag, max_new in work.decodes:
             if tag in self.lanes:
@@ -658,6 +691,9 @@ class LlamaCppEngine:
             active = [t for t in decode_order if sc.grant.get(t, 0) > 0 and t in self.lanes]
             if not active and not feed:
                 break
+            if sc.steps and self._yield_requested():
+                sc.yielded = True  # decode lanes keep the tokens they have (finish NONE)
+                break
             self._round(active, feed, sc)
             feed = []
             if sc.on_partial is not None:
@@ -665,6 +701,41 @@ class LlamaCppEngine:
                     if toks:
                         sc.on_partial(tag, np.array(toks, dtype=np.uint32))
             sc.fresh.clear()
+            if sc.yielded:
+                break
+        if sc.yielded:
+            self._shed_cut_prefills(work, sc)
+
+    def _yield_requested(self) -> bool:
+        """The control segment's yield word is set (``basertd.shm.control``)."""
+        c = self._control
+        return c is not None and c.yield_reason() != 0
+
+    def _shed_cut_prefills(self, work: TickWork, sc: _TickScratch) -> None:
+        """After a yield: each lane whose planned prefill did not all run is reported exactly as a
+        budget-shed chunk (one PREFILL_CHUNK entry per lane, tokens = planned - done; ABI rules 56,
+        57), its cursor set back to what its KV holds."""
+        self._stats["yields_total"] += 1
+        if self._control is not None:
+            self._control.note_yield_taken()
+        by_tag = {e.lane_tag: e for e in work.shed if e.kind == ShedKind.PREFILL_CHUNK}
+        for tag, _ in work.prefills:
+            lane = self.lanes.get(tag)
+            if lane is None or lane.kv_len >= lane.prefilled:
+                continue
+            cut = lane.prefilled - max(lane.kv_len, sc.floor.get(tag, 0))
+            lane.prefilled -= cut
+            entry = by_tag.get(tag)
+            if entry is not None:
+                entry.tokens += cut
+            else:
+                entry = ShedEntry(
+                    lane_tag=tag, kind=ShedKind.PREFILL_CHUNK, reason=SHED_REASON_BUDGET, tokens=cut
+                )
+                by_tag[tag] = entry
+                work.shed.append(entry)
+                work.chunks_dropped += 1
+            sc.grant[tag] = 0  # its decode waits for the prefill to resume (ABI rule 47)
 
     def _round(self, active: list[int], feed: list[Lane], sc: _TickScratch) -> None:
         """One ``llama_decode`` (more if it exceeds n_batch): a token for every decoding lane that
@@ -691,7 +762,7 @@ class LlamaCppEngine:
         need_rows = len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed)
         b = self.batch
         if need_rows > b.capacity:
-            self.batch = b = TokenBatch(need_rows, self.n_batch)
+            self.batch = b = TokenBatch(need_rows, self.step_rows)
         b.clear()
         runs: list[tuple[Lane, int, int, bool]] = []  # lane, first row, rows, wants logits
         for lane in forward:
@@ -699,11 +770,19 @@ class LlamaCppEngine:
             row = b.add(lane.tokens[k : k + 1], k, lane.seq, True)
             runs.append((lane, row, 1, True))
         n_decode_rows = b.n
-        for lane in feed:
-            k, end = lane.kv_len, lane.prefilled
-            want = end == lane.prefill_end and lane.produced == end
-            row = b.add(lane.tokens[k:end], k, lane.seq, want)
-            runs.append((lane, row - (end - k) + 1, end - k, want))
+        # Rows a yield may not cut come first: KV the coordinator already counts as prefilled (a
+        # cold fallback, a cached prompt's last token); then this tick's planned chunks.
+        for mandatory in (True, False):
+            for lane in feed:
+                floor = min(max(sc.floor.get(lane.tag, lane.prefilled), lane.kv_len), lane.prefilled)
+                k, end = (lane.kv_len, floor) if mandatory else (floor, lane.prefilled)
+                if end <= k:
+                    continue
+                want = end == lane.prefilled and end == lane.prefill_end and lane.produced == end
+                row = b.add(lane.tokens[k:end], k, lane.seq, want)
+                runs.append((lane, row - (end - k) + 1, end - k, want))
+            if mandatory:
+                sc.min_rows = b.n
         if b.n:
             self._decode_batch(runs, n_decode_rows, sc)
         for lane in ready:
@@ -737,9 +816,19 @@ class LlamaCppEngine:
                     else:
                         lane.held_row = row.copy()
 
+        def stop(rows_done: int) -> bool:
+            if rows_done < sc.min_rows or not self._yield_requested():
+                return False
+            sc.yielded = True
+            return True
+
+        def on_step(start: int, end: int) -> None:
+            sc.steps += 1
+            on_part(start, end)
+
         t = time.perf_counter_ns()
         try:
-            self.batch.decode(ctx, on_part)
+            self.batch.decode(ctx, on_step, stop)
         except BatchDecodeError as exc:
             if exc.rc < -1:
                 raise EngineFatal(Status.ERR_FATAL, str(exc)) from exc
