@@ -785,11 +785,15 @@ class LlamaCppEngine:
                 sc.min_rows = b.n
         if b.n:
             self._decode_batch(runs, n_decode_rows, sc)
-        for lane in ready:
-            if lane.tag in self.lanes and sc.grant.get(lane.tag, 0) > 0:
-                row = lane.held_row
+        ready = [ln for ln in ready if ln.tag in self.lanes and sc.grant.get(ln.tag, 0) > 0]
+        for lane in [ln for ln in ready if ln.held_row is None]:
+            self._units([lane], None, sc)  # a replayed token: no logits
+        held = [ln for ln in ready if ln.held_row is not None]
+        if held:
+            rows = np.stack([ln.held_row for ln in held])
+            for lane in held:
                 lane.held_row = None
-                self._unit(lane, row, sc)  # row is None only for a replayed token
+            self._units(held, rows, sc)
 
     def _decode_batch(
         self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, sc: _TickScratch
@@ -798,6 +802,8 @@ class LlamaCppEngine:
         ctx = self.ctx
 
         def on_part(start: int, end: int) -> None:
+            units: list[tuple[Lane, int]] = []  # lane, output row of this part
+            out_of_row: np.ndarray | None = None
             for lane, first, n, want in runs:
                 lo, hi = max(first, start), min(first + n, end)
                 if lo >= hi or lane.tag not in self.lanes:
@@ -809,12 +815,22 @@ class LlamaCppEngine:
                 if first >= n_decode_rows:
                     self._stats["prefill_tokens_total"] += k
                 if want and lane.kv_len == lane.produced:
-                    ptr = L.llama_get_logits_ith(ctx, first + n - 1 - start)
-                    row = np.ctypeslib.as_array(ptr, (n_vocab,))
-                    if sc.grant.get(lane.tag, 0) > 0:
-                        self._unit(lane, row, sc)
-                    else:
-                        lane.held_row = row.copy()
+                    if out_of_row is None:  # llama_get_logits keeps the batch's output order
+                        out_of_row = np.cumsum(self.batch.logits[start:end], dtype=np.int64) - 1
+                    units.append((lane, int(out_of_row[first + n - 1 - start])))
+            if not units:
+                return
+            n_out = int(out_of_row[-1]) + 1
+            logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), (n_out, n_vocab))
+            go = [(ln, o) for ln, o in units if sc.grant.get(ln.tag, 0) > 0]
+            for lane, o in units:
+                if sc.grant.get(lane.tag, 0) <= 0:
+                    lane.held_row = logits[o].copy()
+            if go:
+                idx = [o for _, o in go]
+                contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+                rows = logits[idx[0] : idx[0] + len(idx)] if contiguous else logits[idx]
+                self._units([ln for ln, _ in go], rows, sc)
 
         def stop(rows_done: int) -> bool:
             if rows_done < sc.min_rows or not self._yield_requested():
@@ -841,33 +857,68 @@ class LlamaCppEngine:
         else:
             sc.decode_ns += dt
 
-    def _unit(self, lane: Lane, row: np.ndarray | None, sc: _TickScratch) -> None:
-        """One decode unit with the logits for ``lane.produced`` (ABI rules 67, 72)."""
+    def _units(self, lanes: list[Lane], rows: np.ndarray | None, sc: _TickScratch) -> None:
+        """One decode unit for each of ``lanes`` (ABI rules 67, 72), lane i taking logits row
+        ``rows[i]`` of the 2-D float32 array ``rows`` (n_lanes, vocab), or no row (None: replayed
+        tokens). Token selection is one ``sampling.select_batch`` call over every sampling lane."""
+        pend: list[int] = []
+        for i, lane in enumerate(lanes):
+            if self._unit_head(lane, None if rows is None else rows[i], sc):
+                pend.append(i)
+        if not pend:
+            return
+        assert rows is not None
+        adjusted: dict[int, np.ndarray] = {}
+        for j, i in enumerate(pend):
+            lane = lanes[i]
+            row = rows[i]
+            r = sampling.adjusted_row(row, lane.cfg, lane.tokens[: lane.n_tokens], lane.prefill_end)
+            if r is not row:
+                adjusted[j] = r
+        if not adjusted and pend == list(range(rows.shape[0])):
+            mat = rows  # every row as llama.cpp wrote it: no copy
+        else:
+            mat = rows[pend]
+            for j, r in adjusted.items():
+                mat[j] = r
+        cfgs = [lanes[i].cfg for i in pend]
+        samplers = [lanes[i] for i in pend]
+        us = [sampling.draw(ln.rng_base + ln.generated) if ln.cfg.sampled else 0.0 for ln in samplers]
+        toks = sampling.select_batch(mat, cfgs, us)
+        for j, i in enumerate(pend):
+            self._unit_tail(lanes[i], mat[j], int(toks[j]), sc)
+
+    def _unit_head(self, lane: Lane, row: np.ndarray | None, sc: _TickScratch) -> bool:
+        """The part of a decode unit before sampling: a replayed token, a full context, or a HOST
+        lane's row to the logits ring. True when the lane samples a token from ``row``."""
         tag = lane.tag
         sc.grant[tag] -= 1
         if lane.produced < lane.n_tokens:  # a replayed token: its forward is done, no emit
             lane.produced += 1
             self._stats["replay_tokens_total"] += 1
-            return
+            return False
         if lane.n_tokens >= self.context_length:  # a prompt of the full context: nothing fits
             lane.finish = Finish.LENGTH
             sc.grant[tag] = 0
             sc.finish[tag] = lane.finish
-            return
+            return False
         cfg = lane.cfg
         if lane.is_host:
             try:
                 ref = self.rings.write_row(sampling.adjusted_row(row, cfg, lane.tokens[:0], 0))
             except RingError:
                 self._fault(lane, FaultCode.REF_SPAN_OOB, 0, sc)
-                return
+                return False
             lane.pending_nonce = ref.generation
             sc.rows[tag] = ref
-            return
-        hist = lane.tokens[: lane.n_tokens]
-        r = sampling.adjusted_row(row, cfg, hist, lane.prefill_end)
-        u = sampling.draw(lane.rng_base + lane.generated) if cfg.sampled else 0.0
-        tok = sampling.select(r, cfg, u)
+            return False
+        return True
+
+    def _unit_tail(self, lane: Lane, r: np.ndarray, tok: int, sc: _TickScratch) -> None:
+        """The part of a decode unit after sampling ``tok`` from the adjusted row ``r``: logprobs,
+        commit, partial-emit bookkeeping, finish."""
+        tag = lane.tag
+        cfg = lane.cfg
         if cfg.n_logprobs >= 0:
             lp, ids, lps = sampling.logprobs(r, tok, cfg.n_logprobs)
             sc.ev.logprobs.append(
