@@ -11,6 +11,7 @@ part, so a round larger than ``n_batch`` never reaches llama.cpp's ``n_batch`` G
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
 
 import llama_cpp as L
@@ -50,6 +51,7 @@ class TokenBatch:
         self._ptr_size = ctypes.sizeof(ctypes.c_void_p)
         self._head = self._struct(0, 0)  # the struct for parts starting at row 0, built once
         self.n = 0
+        self.parts: list[tuple[int, int]] = []  # (rows, ns) of each llama_decode of the last decode
 
     def clear(self) -> None:
         """Empty the batch."""
@@ -94,8 +96,10 @@ class TokenBatch:
     ) -> int:
         """Decode the rows, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
         after each successful part. Before every part but the first, ``stop(rows_done)`` may end
-        the call early (a yield inside a tick). Returns the rows decoded (``n`` unless stopped).
-        Raises BatchDecodeError on the first nonzero return code."""
+        the call early (a yield inside a tick). Returns the rows decoded (``n`` unless stopped);
+        ``parts`` then holds ``(rows, ns)`` of every successful llama_decode. Raises
+        BatchDecodeError on the first nonzero return code."""
+        self.parts = []
         start = 0
         while start < self.n:
             if start and stop is not None and stop(start):
@@ -106,9 +110,11 @@ class TokenBatch:
                 part.n_tokens = end
             else:
                 part = self._struct(start, end)
+            t = time.perf_counter_ns()
             rc = L.llama_decode(ctx, part)
             if rc != 0:
                 raise BatchDecodeError(int(rc), start, end)
+            self.parts.append((end - start, time.perf_counter_ns() - t))
             on_part(start, end)
             start = end
         return start

@@ -116,6 +116,7 @@ from basertd.worker.engines.llamacpp.prefix_cache import (
     prefix_servable,
     window_intact,
 )
+from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.validate import (
@@ -248,6 +249,7 @@ class LlamaCppEngine:
             raise ValueError("yield_step_tokens must be >= 1")
         self.step_rows = max(lanes, min(self.n_batch, step))  # a round's decode rows: one step
         self._control = None
+        self.rates = RateCurve()
         self.max_lanes = lanes
         self.context_length = context_length
         self.page = page_size_tokens
@@ -328,6 +330,11 @@ class LlamaCppEngine:
             },
         )
 
+    def prefill_curve(self) -> list[tuple[int, float]]:
+        """Measured tokens per second of a llama_decode by row count, ``[(rows_bucket, tok_s)]``
+        (``rates.RateCurve``); empty until the engine has run."""
+        return self.rates.curve()
+
     def context_params(self) -> dict[str, int | bool]:
         """The llama_context_params this engine created its context with (for reference runs)."""
         return dict(self._ctx_params)
@@ -359,8 +366,10 @@ class LlamaCppEngine:
         replay_tokens_total, live_lanes, live_seed_leases, cache_entries, bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
-        by the yield word)."""
+        by the yield word), and the measured rate curve (``rates.RateCurve.stats``:
+        ``rate_tok_s_b<rows>`` per power-of-two llama_decode size)."""
         out = dict(self._stats)
+        out.update(self.rates.stats())
         out.update(
             last_plan_seq=self.last_plan_seq or 0,
             bare_sequences=len(self.ops.bare) + len(self.ops.leased),
@@ -852,6 +861,8 @@ class LlamaCppEngine:
                 if first + n > exc.start and lane.tag in self.lanes:
                     self._fault(lane, FaultCode.INTERNAL, exc.rc & _U32, sc)
         dt = time.perf_counter_ns() - t
+        for rows, ns in self.batch.parts:
+            self.rates.note(rows, ns)
         if self.batch.n > n_decode_rows:
             sc.prefill_ns += dt
         else:
