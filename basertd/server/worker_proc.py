@@ -285,7 +285,8 @@ class WorkerProcess:
     record); ``prompt_ring`` (``RingWriter``: write each admit's prompt here and put the returned
     ``TokenRef`` in ``LaneAdmit.prompt``); ``emit_ring`` / ``logits_ring`` (``RingReader``: read
     ``LaneEmit.token_ref`` / ``logits_row`` here, right after the tick, before the ring wraps);
-    ``ipc_path`` and ``runtime_dir`` (gone after ``close``)."""
+    ``control`` (the ``ControlBlock`` behind ``request_yield`` / ``clear_yield``); ``ipc_path`` and
+    ``runtime_dir`` (gone after ``close``)."""
 
     def __init__(self, spec: WorkerSpec, res: _Resources, caps: link.Capabilities) -> None:
         self.spec = spec

@@ -37,7 +37,8 @@ loop from an empty cache, and elsewhere allow divergence only at a near-tie of t
 Yield inside a tick (``basertd.shm.control``): a tick's work is split into steps, one
 ``llama_decode`` of at most ``yield_step_tokens`` rows each (default n_ubatch). With a control
 segment attached, the yield word is read before every step but the tick's first (and before every
-decode round after the first); once it is set the tick ends with what it has done: the planned
+decode round after the first, unless a decoding lane is in its replay tail, whose units emit
+nothing and so must all run); once it is set the tick ends with what it has done: the planned
 prefill that did not run is reported exactly as a budget-shed chunk (one PREFILL_CHUNK entry per
 lane, tokens = planned - done; ABI rules 56, 57) and the lane resumes at the offset reached; lanes
 whose prefill was cut do not decode; decode lanes keep the tokens they have (finish NONE). KV the
@@ -700,7 +701,7 @@ class LlamaCppEngine:
             active = [t for t in decode_order if sc.grant.get(t, 0) > 0 and t in self.lanes]
             if not active and not feed:
                 break
-            if sc.steps and self._yield_requested():
+            if sc.steps and self._yield_requested() and not self._replaying(active):
                 sc.yielded = True  # decode lanes keep the tokens they have (finish NONE)
                 break
             self._round(active, feed, sc)
@@ -714,6 +715,11 @@ class LlamaCppEngine:
                 break
         if sc.yielded:
             self._shed_cut_prefills(work, sc)
+
+    def _replaying(self, tags: list[int]) -> bool:
+        """Whether any of these lanes is still in its replay tail: replay units emit nothing (ABI
+        rule 72), so the coordinator counts them from the grant, and the rounds must not be cut."""
+        return any((ln := self.lanes.get(t)) is not None and ln.produced < ln.n_tokens for t in tags)
 
     def _yield_requested(self) -> bool:
         """The control segment's yield word is set (``basertd.shm.control``)."""
