@@ -93,3 +93,37 @@ def test_a_yield_ends_a_long_prefill_tick_and_it_resumes_exactly(make_spec):
         assert proc.yields_taken == 2
         assert w.close() == 0
     assert not proc.yield_requested and proc.yields_taken == 0  # closed: the segment is gone
+
+
+def test_a_llamacpp_worker_yields_a_long_prefill_at_once(make_spec, tiny_gguf):
+    # The yield word set before the tick: the worker's llama.cpp engine runs one step (its
+    # n_ubatch, 512 rows) of a 1,000-token prefill and reports the rest as a shed chunk.
+    spec = make_spec(engine="llamacpp", model=str(tiny_gguf), lanes=2, context_length=1024, threads=1)
+    prompt = (np.arange(1000, dtype=np.uint32) * 11) % 290 + 3
+    with SyncWorker(spec) as w:
+        proc = w.proc
+        assert proc.can_yield and w.capabilities.extra["step_tokens"] == "512"
+        proc.request_yield(YieldReason.URGENT_ADMIT)
+        ref = proc.prompt_ring.write(prompt)
+        ev = w.tick(
+            _plan(
+                1,
+                admits=[LaneAdmit(lane_tag=1, prompt=ref)],
+                prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=1000)],
+                max_decode_lanes=2,
+            )
+        )
+        (s,) = ev.shed.entries
+        assert (s.lane_tag, s.kind, s.tokens) == (1, ShedKind.PREFILL_CHUNK, 1000 - 512)
+        assert proc.yields_taken == 1
+        proc.clear_yield()
+        ev = w.tick(
+            _plan(
+                2,
+                prefills=[LanePrefill(lane_tag=1, token_offset=512, token_count=488)],
+                decodes=[LaneDecode(lane_tag=1, max_new_tokens=2)],
+                max_decode_lanes=2,
+            )
+        )
+        assert ev.tick_status == TickStatus.OK and ev.emits[0].n_tokens == 2
+        assert w.close() == 0
