@@ -204,17 +204,18 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the engine's default: 512)")
     ap.add_argument("--layout-prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--no-repack", action="store_true", help="load without CPU weight repacking")
     args = ap.parse_args()
     logging.getLogger("basertd.llamacpp").setLevel(logging.ERROR)
     if args.model is None:
         from basertd.models import default_model_path
 
         args.model = default_model_path()
-    model = LlamaModel(Path(args.model))
+    model = LlamaModel(Path(args.model), repack=not args.no_repack)
     try:
         print(
             f"model {model.description} ({Path(args.model).name}), n_swa {model.n_swa}, "
-            f"threads {args.threads}"
+            f"threads {args.threads}, repack {not args.no_repack}"
         )
         if args.part in ("curve", "all"):
             curve = prefill_curve(

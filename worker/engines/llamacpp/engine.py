@@ -178,6 +178,8 @@ class LlamaCppEngine:
     ``seed_lease_ticks`` the lease TTL (rule 84). ``n_threads`` / ``n_threads_batch`` go to
     llama.cpp (single-token / multi-token batches). ``n_batch`` caps one ``llama_decode``.
     ``swa_full`` keeps a full-size sliding-window cache (the C default; see the reference notes).
+    ``yield_step_tokens`` rows per llama_decode (the yield granularity; default n_ubatch).
+    ``repack`` False loads the weights without llama.cpp's CPU repacking (``LlamaModel``).
 
     Raises EngineError(ERR_FATAL) when the model or context cannot be created, ValueError for
     sizes llama.cpp cannot serve (more than 256 sequences, an empty pool). A pool smaller than
@@ -201,6 +203,7 @@ class LlamaCppEngine:
         swa_full: bool = True,
         n_gpu_layers: int = 0,
         yield_step_tokens: int | None = None,
+        repack: bool = True,
     ) -> None:
         if lanes < 1 or context_length < 2 or page_size_tokens < 1 or seed_lease_ticks < 0:
             raise ValueError("lanes >= 1, context_length >= 2, page_size_tokens >= 1 required")
@@ -214,7 +217,7 @@ class LlamaCppEngine:
         # llama.cpp reserves graphs with one output per sequence: n_batch (clamped to n_ctx) must
         # cover n_seq_max, or context creation hits a GGML_ASSERT. Cells are padded to 256 anyway.
         n_batch = max(n_batch, lanes, n_seq_max)
-        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
+        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers, repack=repack)
         cp = L.llama_context_default_params()
         cp.n_ctx = max(-(-pool_tokens // 256) * 256, -(-n_batch // 256) * 256)
         cp.n_batch = n_batch
