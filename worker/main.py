@@ -20,6 +20,9 @@ Engines (``basertd.worker.engines.ENGINES``):
 - ``llamacpp``: a GGUF ``--model`` through llama-cpp-python, ``--lanes``, ``--context-length``
   (tokens per lane), ``--threads``.
 
+Control: ``--control FD``, an inherited control segment (``basertd.shm.control``: the yield word
+the coordinator sets to end a tick early); handed to engines that have ``attach_control``.
+
 Rings: ``--ring ID:KIND:FD:SLOTS:SLOT_BYTES`` (repeatable): ring ``ID`` of KIND ``prompt`` (tokens,
 engine reads), ``emit`` (tokens, engine writes) or ``logits`` (f32 rows, engine writes), in the
 inherited memfd ``FD``, at offset 0, ``SLOTS`` slots of ``SLOT_BYTES`` bytes (16-byte slot header
@@ -42,7 +45,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from basertd.schema.abi import RingKind, RingRole
-from basertd.shm import RingError, Segment, ring_bytes
+from basertd.shm import ControlBlock, RingError, Segment, SegmentError, ring_bytes
 from basertd.worker import logging as wlog
 from basertd.worker.engines import (
     ENGINES,
@@ -157,6 +160,13 @@ def build_parser() -> _Parser:
         help="an inherited ring segment; KIND is prompt, emit or logits (repeatable)",
     )
     p.add_argument(
+        "--control",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="an inherited control segment (the yield word, basertd.shm.control)",
+    )
+    p.add_argument(
         "--engine", default="basert", help=f"engine: {', '.join(sorted(ENGINES))} (default basert)"
     )
     p.add_argument(
@@ -265,6 +275,20 @@ def attach_rings(parser: _Parser, specs: Sequence[str]) -> list[InheritedRing]:
     return rings
 
 
+def attach_control(parser: _Parser, fd: int | None) -> ControlBlock | None:
+    """Attach ``--control FD`` (None when absent). Exits 2 through ``parser`` naming ``--control``
+    when the descriptor is not a control segment."""
+    if fd is None:
+        return None
+    if fd < 3:
+        parser.fail("--control", f"fd {fd} is not an inheritable descriptor")
+    try:
+        return ControlBlock.attach(fd)
+    except SegmentError as exc:
+        parser.fail("--control", str(exc))
+    return None  # unreachable: fail exits
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse, load, serve; returns the exit code (``lifecycle.ExitCode``). Usage errors exit 2
     through argparse (SystemExit)."""
@@ -288,8 +312,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     stop = StopSignals()
     stop.install()
     rings: list[InheritedRing] = []
+    control: ControlBlock | None = None
     try:
         rings = attach_rings(parser, args.ring)
+        control = attach_control(parser, args.control)
         options = EngineOptions(
             lib=args.lib,
             kernel_library=args.kernel_library,
@@ -313,9 +339,14 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(line, file=sys.stderr)
             write_error_line(args.error_file, line)
             return ExitCode.MODEL_LOAD
+        # Yield inside a tick: engines that can end a tick at a step boundary take the control
+        # segment (and then say extra["yield"] = "step"); the others finish every tick.
+        attach = getattr(engine, "attach_control", None)
+        yields = bool(control is not None and attach is not None and attach(control))
         info = engine.info()
         log.info(
             "engine_loaded",
+            yields=yields,
             engine=info.engine,
             engine_version=info.engine_version,
             model_id=info.model_id,
@@ -337,6 +368,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         for r in rings:
             r.segment.close()
+        if control is not None:
+            control.close()  # after the server closed the engine, which may hold its address
         stop.close()
 
 
