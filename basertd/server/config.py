@@ -371,11 +371,14 @@ class HttpConfig(_Section):
     starting with ``#`` ignored): TCP requests must carry ``Authorization: Bearer <key>``; "" = no
     keys, which only loopback addresses may use (``insecure_listeners``). Unix-socket requests
     are authorised by the socket's mode (``socket_mode``) and peer credentials instead.
-    ``max_body_bytes``: largest request body (bytes), larger ones are refused 413."""
+    ``max_body_bytes``: largest request body (bytes), larger ones are refused 413.
+    ``resume_grace_s``: seconds a streamed request keeps running after its client went away, for a
+    reconnect with ``Last-Event-ID`` (``basertd.server.http.resume``); 0 = cancel at once."""
 
     listen: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8000"])
     api_key_file: str = ""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20
+    resume_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
 
     def __post_init__(self) -> None:
         for entry in self.listen:

@@ -38,8 +38,8 @@ from basertd.schema import client as api
 from basertd.server.chat_template import ChatTemplate, ChatTemplateError, template_source
 from basertd.server.config import HttpConfig, parse_listen
 from basertd.server.frontend import Frontend, GenerationStream
+from basertd.server.http import anthropic, ollama, resume, sse
 from basertd.server.http import openai as oa
-from basertd.server.http import sse
 from basertd.server.http.auth import Authorizer, load_api_keys
 from basertd.server.http.errors import HttpError, bad_request, from_admission, from_code
 from basertd.server.requests import AdmissionError
@@ -60,10 +60,15 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
-def error_response(err: HttpError) -> web.Response:
-    return web.Response(
-        body=err.encode(), status=err.status, headers=err.headers, content_type="application/json"
-    )
+def error_response(err: HttpError, path: str = "") -> web.Response:
+    """``err`` in the error shape of the API ``path`` belongs to (OpenAI's by default)."""
+    if path.startswith(anthropic.PATHS):
+        body = _json.encode(anthropic.error_body(err))
+    elif path.startswith("/api/"):
+        body = _json.encode(ollama.error_body(err))
+    else:
+        body = err.encode()
+    return web.Response(body=body, status=err.status, headers=err.headers, content_type="application/json")
 
 
 class HttpServer:
@@ -85,6 +90,8 @@ class HttpServer:
         keys = load_api_keys(config.api_key_file) if config.api_key_file else []
         self.auth = Authorizer(keys)
         self._templates: dict[int, ChatTemplate | ChatTemplateError] = {}
+        self.resumes = resume.ResumeIndex()
+        self._closers: set[asyncio.Future[None]] = set()
         self._runner: web.AppRunner | None = None
         self._unix: list[tuple[Path, int]] = []
         self.addresses: list[str] = []
@@ -99,6 +106,8 @@ class HttpServer:
                 web.get("/metrics", self.metrics),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
+                *anthropic.AnthropicApi(self).routes(),
+                *ollama.OllamaApi(self).routes(),
             ]
         )
         self.app = app
@@ -176,12 +185,15 @@ class HttpServer:
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             sock = request.transport.get_extra_info("socket") if request.transport else None
-            self.auth.check(sock, request.headers.get("Authorization"), public=request.path == "/health")
+            authorization = request.headers.get("Authorization")
+            if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
+                authorization = "Bearer " + request.headers["x-api-key"]
+            self.auth.check(sock, authorization, public=request.path == "/health")
             return await handler(request)
         except HttpError as err:
-            return error_response(err)
+            return error_response(err, request.path)
         except AdmissionError as exc:
-            return error_response(from_admission(exc))
+            return error_response(from_admission(exc), request.path)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -189,12 +201,15 @@ class HttpServer:
             message = reason.get(exc.status, exc.reason)
             if exc.status == 413:
                 message = f"the request body is larger than max_body_bytes ({self.config.max_body_bytes})"
-            return error_response(HttpError(exc.status, message, code=exc.reason.lower().replace(" ", "_")))
+            err = HttpError(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
+            return error_response(err, request.path)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:
             log.exception("http_request_failed", path=request.path)
-            return error_response(HttpError(500, f"internal error: {type(exc).__name__}", code="internal"))
+            return error_response(
+                HttpError(500, f"internal error: {type(exc).__name__}", code="internal"), request.path
+            )
 
     # --- simple endpoints ------------------------------------------------------------------------
 
@@ -280,6 +295,8 @@ class HttpServer:
         return wid, cached
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if resume.HEADER in request.headers:
+            return await self._resume(request, chat=False)
         req = oa.decode(await self._body(request), oa.CompletionRequest)
         oa.refuse_unserved(req, logprobs=bool(req.logprobs))
         prompts = oa.prompts_of(req.prompt)
@@ -287,6 +304,8 @@ class HttpServer:
         return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        if resume.HEADER in request.headers:
+            return await self._resume(request, chat=True)
         req = oa.decode(await self._body(request), oa.ChatRequest)
         oa.refuse_unserved(req, logprobs=bool(req.logprobs) or bool(req.top_logprobs))
         messages = oa.message_dicts(req.messages)
@@ -326,16 +345,42 @@ class HttpServer:
         model_name = self.frontend.fleet[self.frontend.fleet.route(req.model)].model_name
         shape = oa.Shape(chat, rid, model_name)
         streams: list[GenerationStream] = []
+        resumable = False
         try:
             for gen in gens:
                 streams.append(await self.frontend.stream(gen, api_name=API_NAME))
             if stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                if len(streams) == 1 and streams[0].accepted is not None:  # one choice: one id to resume
+                    state = {"response_id": rid, "model": model_name, "include_usage": include_usage}
+                    resume_id = streams[0].accepted.resume_id
+                    self.resumes.remember(gens[0].request_id, _kind(chat), state, resume_id)
+                    resumable = bool(resume_id)
                 return await self._sse(request, shape, streams, n, include_usage)
             return await self._collect(shape, streams, n)
         finally:
-            for s in streams:
+            await self.release(streams, resumable)
+
+    async def release(self, streams: list[Any], resumable: bool) -> None:
+        """Close the streams of a finished or abandoned handler; a resumable stream's request
+        keeps running ``resume_grace_s`` for a reconnect (``basertd.server.http.resume``)."""
+        grace = self.config.resume_grace_s
+        for s in streams:
+            if resumable and grace > 0:
+                task = asyncio.ensure_future(resume.close_later(s, grace))
+                self._closers.add(task)
+                task.add_done_callback(self._closers.discard)
+            else:
                 await s.aclose()
+
+    async def _resume(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        """The rest of a stream after ``Last-Event-ID`` (``basertd.server.http.resume``)."""
+        rid, entry, after = self.resumes.lookup(request.headers[resume.HEADER], _kind(chat))
+        shape = oa.Shape(chat, entry.state["response_id"], entry.state["model"])
+        async with resume.follow(self.frontend, entry.resume_id, after) as followed:
+            return await self._sse(
+                request, shape, [followed], 1, entry.state["include_usage"], ids=[rid], after=after
+            )
 
     async def _collect(self, shape: oa.Shape, streams: list[GenerationStream], n: int) -> web.Response:
         async def one(s: GenerationStream) -> tuple[str, api.Done]:
@@ -360,12 +405,17 @@ class HttpServer:
         streams: list[GenerationStream],
         n: int,
         include_usage: bool,
+        *,
+        ids: list[str] | None = None,
+        after: int = 0,
     ) -> web.StreamResponse:
+        """Stream ``streams`` as SSE; a resumed stream (``after`` > 0 tokens the client has) gets
+        no role chunk and its ids count on from ``after``."""
         resp = web.StreamResponse(headers=sse.HEADERS)
         await resp.prepare(request)
-        counts = [0] * len(streams)
-        ids = [s.request.request_id for s in streams]
-        if shape.chat:
+        counts = [after] * len(streams)
+        ids = ids or [s.request.request_id for s in streams]
+        if shape.chat and after == 0:
             first = b"".join(
                 sse.event(shape.chunk(i, "", role=True, include_usage=include_usage), f"{ids[i]}:0")
                 for i in range(len(streams))
@@ -447,6 +497,10 @@ async def _merge(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, An
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _kind(chat: bool) -> str:
+    return "chat" if chat else "completions"
 
 
 def _describe(address: Any) -> str:
