@@ -63,8 +63,9 @@ def error_body(err: HttpError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": etype, "message": err.message}}
 
 
-class Block(msgspec.Struct, forbid_unknown_fields=True):
-    """A content block; only ``text`` is served."""
+class Block(msgspec.Struct):
+    """A content block; only ``text`` is served (other types' fields decode, then are refused by
+    type)."""
 
     type: str
     text: str | None = None
@@ -102,6 +103,7 @@ class MessagesRequest(CountRequest, kw_only=True, forbid_unknown_fields=True):
     stream: bool | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
     qos: str | None = None
 
 
