@@ -260,6 +260,7 @@ static int apply(parsed *p, const char *key, char *v) {
         {"eos_period", &c->eos_period, 0},         {"tick_delay_us", &c->tick_delay_us, 0},
         {"seed_lease_ticks", &c->seed_lease_ticks, 1}, {"kernel_caps", &c->kernel_caps, 1},
         {"n_layers", &c->n_layers, 0},
+        {"prefill_step_tokens", &c->prefill_step_tokens, 0}, {"prefill_step_us", &c->prefill_step_us, 0},
     };
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
         if (strcmp(key, ints[i].name))
