@@ -210,7 +210,7 @@ async def _storm(sock, n: int, seed: int):
         rec["cancel_after"] = cancel_after
         records.append(rec)
         try:
-            s = await clients[conn].stream(prompt, **gen)
+            s = await clients[conn].stream(prompt, resume=False, **gen)  # a vanishing client
             async for t in s:
                 rec["ids"] += t.ids
                 if cancel_after is not None and len(rec["ids"]) >= cancel_after:
@@ -225,7 +225,9 @@ async def _storm(sock, n: int, seed: int):
 
     async def dropper():
         # drop connections 3 and 7 once each has a stream under way (a condition, not a sleep)
-        while not all(any(r["conn"] == k and r["ids"] for r in records) for k in (3, 7)):
+        while not all(
+            any(r["conn"] == k and r["ids"] and r["outcome"] is None for r in records) for k in (3, 7)
+        ):
             await asyncio.sleep(0.005)
         for k in (3, 7):
             clients[k]._writer.transport.abort()  # the client vanishes mid-stream
