@@ -296,6 +296,20 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.crash_resumes = Counter(
+            "crash_resumes",
+            "Running requests requeued to resume exactly after their worker died.",
+            ["worker"],
+            namespace=ns,
+            registry=r,
+        )
+        self.grammar_handles = Gauge(
+            "grammar_handles",
+            "Grammar handles the scheduler holds on the worker (one per constrained lane).",
+            ["worker"],
+            namespace=ns,
+            registry=r,
+        )
         self.control_denials = Counter(
             "control_denied",
             "Control verbs refused by the peer-credential check.",
@@ -421,6 +435,14 @@ class Metrics:
     def preempted(self, worker_id: int, qos: str) -> None:
         """A ``qos`` lane of worker ``worker_id`` was preempted (the preemption policy, issue 8)."""
         self.preemptions.labels(str(worker_id), qos).inc()
+
+    def crash_resumed(self, worker_id: int) -> None:
+        """A running request of worker ``worker_id`` was requeued after the worker died."""
+        self.crash_resumes.labels(str(worker_id)).inc()
+
+    def grammar_handles_held(self, worker_id: int, count: int) -> None:
+        """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
+        self.grammar_handles.labels(str(worker_id)).set(count)
 
     def control_denied(self, verb: str) -> None:
         """A control verb was refused by the peer-credential check."""

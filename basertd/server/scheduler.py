@@ -16,9 +16,23 @@ Failure rules:
   the engine and the scheduler disagree, and the worker is restarted.
 - An admit refused by the engine (AdmitResult REJECTED) fails its request with a typed error, or
   requeues it at the head of its class when the code is transient.
-- A worker that dies (or breaks the link) fails each of its lanes with ``WORKER_FAILED`` after the
-  tokens already delivered (none is delivered twice); queued requests stay queued and are served by
-  the respawned worker (``basertd.server.supervisor``).
+- A worker that dies (or breaks the link) preempts its lanes: each request goes back to the head
+  of its class with its prompt and delivered tokens and resumes on the respawned worker
+  (``basertd.server.supervisor``) with ``decode_replay`` exactly as after a preemption (ABI rules
+  71-73), so its client sees a pause, never an error or a repeated token. A request that ran at
+  ``max_crash_resumes`` crashes in a row with no token delivered in between fails
+  ``WORKER_FAILED`` (a poison request cannot crash-loop its worker). Queued requests stay queued.
+  A worker the progress watchdog restarts is not a crash: its running work is what stalled, and
+  fails ``WORKER_FAILED`` (``basertd.server.watchdog``).
+
+Grammar-constrained lanes (DESIGN.md "Link W", ABI rule 74): a request with a grammar spec owns a
+grammar handle on its worker from the plan that admits its lane to the plan that retires it. The
+handle is created (GRAMMAR_CREATE) for each admission, right after the plan is drafted (handle 0
+fails the request INTERNAL and the plan is drafted again), admitted as ``grammar_handle`` with
+``grammar_replay = decode_replay`` on a resume, and freed (GRAMMAR_FREE, between ticks) whenever
+the lane leaves the engine: done, cancel, fault, preemption, checkpoint, a refused admit or a
+rejected plan. Handles belong to one worker incarnation: a dead worker's are forgotten and a
+resumed request gets a new one on the next.
 
 Lane tags come from a counter that is never reset, so a tag is never reused within a worker (nor
 across its incarnations). Sampling and the RNG stream: see ``basertd.server.requests.Sampler``.
@@ -111,6 +125,8 @@ FINISH_REASON = {Finish.EOS: "eos", Finish.LENGTH: "length", Finish.GRAMMAR: "st
 SEED_ROUNDS = 2
 """Times one plan is rebuilt because a cached-prefix hint did not hold (then unresolved hints
 count as cold prefills)."""
+GRAMMAR_TIMEOUT_S = 60.0
+"""Seconds a worker may take to compile one grammar (its first builds the vocabulary's tokenizer)."""
 COALESCE_SCAN = 256
 """Queued requests (in admission order) considered for prefix coalescing each plan."""
 JOB_TIMEOUT_S = 60.0
@@ -254,6 +270,10 @@ class Scheduler:
         self._in_tick = False
         self._seedless_plans = 0
         self._release: list[int] = []
+        self._grammar_frees: list[int] = []  # handles of lanes that left the engine, freed between ticks
+        self.grammar_handles: set[int] = set()  # handles held on the current incarnation
+        self.crash_resumes = 0
+        self._stalled: str | None = None
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
@@ -403,6 +423,8 @@ class Scheduler:
                 self._prefill_cap = None
                 if not live:
                     continue
+            if self.slot.proc is not None:
+                self._stalled = reason  # its running work is the suspect: failed, not resumed
             self.slot.restart(f"scheduler stalled: {reason}")
 
     # --- the loop ----------------------------------------------------------------------------
@@ -423,6 +445,7 @@ class Scheduler:
             proc = await self.heartbeat.wait(self.slot.ready())
             self.watchdog.progress()
             self._proc = proc
+            self._stalled = None
             self.cache_policy.attach(proc.capabilities)
             self.limits = WorkerLimits.from_worker(proc)
             self.rates = TickRates(
@@ -440,6 +463,9 @@ class Scheduler:
                 self._proc = None
                 self.cache_policy.detach()
                 self._release.clear()  # leases die with the incarnation
+                self._grammar_frees.clear()  # and so do grammar handles
+                self.grammar_handles.clear()
+                self.metrics.grammar_handles_held(self.worker_id, 0)
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
@@ -469,8 +495,8 @@ class Scheduler:
                 await self._between(proc)
                 self._phase = Phase.PLANNING
                 plan = await self._plan(proc)
-                if plan.draft.empty and self._release:
-                    continue  # release the leases it did not use before waiting
+                if plan.draft.empty and (self._release or self._grammar_frees):
+                    continue  # release the leases and grammars it did not use before waiting
                 if plan.draft.empty:
                     self._phase = Phase.IDLE
                     waiter = asyncio.ensure_future(self._wake.wait())
@@ -522,6 +548,7 @@ class Scheduler:
                 fut.set_result(result)
         while self._release:
             await wc.release(proc, self._release.pop())
+        await self._free_grammars(proc)
         if wc.renewals_due():
             for pin in await wc.renew(proc):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -692,6 +719,73 @@ class Scheduler:
         )
 
     async def _plan(self, proc: WorkerProcess) -> _Plan:
+        """The next plan (``_draft``) with a grammar handle for each constrained admit; drafted
+        again without the requests whose grammar the worker refused (failed INTERNAL) or that
+        finished (a cancel) while it was being made. Handles made for requests the final plan does
+        not admit are freed between ticks."""
+        made: dict[int, GenerationRequest] = {}
+        while True:
+            plan = await self._draft(proc)
+            dropped = False
+            for _, cand in plan.draft.admits:
+                req = plan.requests[cand.key]
+                if not req.finished and req.grammar is not None and not req.grammar_handle:
+                    await self._create_grammar(proc, req)
+                    if req.grammar_handle:
+                        made[req.key] = req
+                if req.finished:
+                    dropped = True
+            if not dropped:
+                break
+            self._release.extend(seed.handle for seed in plan.seeds.values())
+        admitted = {cand.key for _, cand in plan.draft.admits}
+        for key, req in made.items():
+            if key not in admitted:
+                self._drop_grammar(req)
+        return plan
+
+    async def _create_grammar(self, proc: WorkerProcess, req: GenerationRequest) -> None:
+        """GRAMMAR_CREATE ``req``'s spec on ``proc`` into ``req.grammar_handle``; a handle 0 or a
+        refusal fails ``req`` INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
+        assert req.grammar is not None
+        try:
+            handle = await proc.link.grammar_create(req.grammar.to_message(), timeout=GRAMMAR_TIMEOUT_S)
+        except LinkError as exc:
+            if not proc.link.alive:
+                raise
+            handle, why = 0, str(exc)
+        else:
+            why = "handle 0"
+        if handle:
+            req.grammar_handle = handle
+            self.grammar_handles.add(handle)
+            self.metrics.grammar_handles_held(self.worker_id, len(self.grammar_handles))
+            return
+        log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
+        self.queues.remove(req)
+        what = req.grammar.kind
+        req.fail(ErrorCode.INTERNAL, f"the worker could not compile this request's {what} ({why})")
+        self.requests_done += 1
+
+    def _drop_grammar(self, req: GenerationRequest) -> None:
+        """``req`` no longer owns a lane: its grammar handle (if any) is freed between ticks."""
+        if req.grammar_handle:
+            self._grammar_frees.append(req.grammar_handle)
+            req.grammar_handle = 0
+
+    async def _free_grammars(self, proc: WorkerProcess) -> None:
+        """GRAMMAR_FREE the handles of lanes that left the engine. A refusal (an unknown handle)
+        is logged; a dead link raises ``LinkError``."""
+        while self._grammar_frees:
+            handle = self._grammar_frees.pop()
+            self.grammar_handles.discard(handle)
+            self.metrics.grammar_handles_held(self.worker_id, len(self.grammar_handles))
+            try:
+                await proc.link.grammar_free(handle)
+            except WorkerError as exc:
+                log.warning("grammar_free_refused", worker_id=self.worker_id, handle=handle, error=str(exc))
+
+    async def _draft(self, proc: WorkerProcess) -> _Plan:
         """Build the next plan: coalescing, then the plan with cached-prefix hints, then matches
         and seed leases for the admits that carry a hint, rebuilt while a hint did not hold."""
         now = time.monotonic()
@@ -809,6 +903,8 @@ class Scheduler:
                     req.fail(ErrorCode.INTERNAL, f"cannot stage the prompt: {exc}")
                     self.requests_done += 1
                     self._release.extend(s.handle for s in plan.seeds.values())
+                    for r in requests.values():
+                        self._drop_grammar(r)
                     return
             admits.append(
                 LaneAdmit(
@@ -819,6 +915,8 @@ class Scheduler:
                     params=sampler.params,
                     rng_counter_base=sampler.rng_counter_base(len(req.generated)),
                     decode_replay=len(req.generated),
+                    grammar_handle=req.grammar_handle,
+                    grammar_replay=len(req.generated) if req.grammar_handle else 0,
                 )
             )
         plan.admits = admits
@@ -928,6 +1026,7 @@ class Scheduler:
         if publish and lane.kv_tokens >= self.cache_policy.page:
             self.cache_policy.published(lane.published_tokens(), lane.kv_tokens, lane.hashes)
         req = lane.request
+        self._drop_grammar(req)
         if not (preempted or lane.requeue) or req.finished:
             return
         req.state = RequestState.QUEUED
@@ -968,6 +1067,7 @@ class Scheduler:
                 seed = plan.seeds.get(cand.key)
                 if seed is not None:
                     self._release.append(seed.handle)
+                self._drop_grammar(lane.request)
                 self._admit_refused(lane.request, r)
             elif lane is not None and lane.request.admissions == 0:
                 lane.request.cached_tokens = min(lane.seed, len(lane.request.prompt))
@@ -1106,6 +1206,7 @@ class Scheduler:
         for tag, cand in reversed(draft.admits):  # back to the head of their classes, in order
             lane = self.lanes.pop(tag, None)
             req = requests[cand.key]
+            self._drop_grammar(req)
             if lane is not None and not req.finished:
                 req.state = RequestState.QUEUED
                 req.lane_tag = None
@@ -1162,15 +1263,58 @@ class Scheduler:
             self._max_admits = verdict.max_admits
 
     def _worker_lost(self, proc: WorkerProcess, exc: LinkError) -> None:
-        n = 0
-        for lane in self.lanes.values():
-            if not lane.request.finished:
-                lane.request.fail(ErrorCode.WORKER_FAILED, f"worker {self.worker_id} failed: {exc}")
-                self.requests_done += 1
-                n += 1
+        """The worker died or broke the link: a preemption of every live lane (module
+        docstring). Each request goes back to the head of its class (the oldest at the head) to
+        resume with its delivered tokens on the next incarnation; one that ran at
+        ``max_crash_resumes`` crashes in a row without a token in between fails WORKER_FAILED.
+        Grammar handles of the incarnation are forgotten (the engine that held them is gone)."""
+        live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
+        stalled, self._stalled = self._stalled, None
+        for req in self.queues:  # handles made for a plan that never ran
+            req.grammar_handle = 0
+        live.sort(key=lambda lane: -lane.request.t_received)
+        resumed: list[int] = []
+        failed: list[int] = []
+        for lane in live:
+            req = lane.request
+            req.grammar_handle = 0
+            req.crash_streak += 1
+            if stalled is not None:
+                req.fail(
+                    ErrorCode.WORKER_FAILED, f"worker {self.worker_id} stalled and was restarted: {stalled}"
+                )
+                self.requests_done += 1
+                failed.append(req.key)
+                continue
+            if req.crash_streak >= self.config.max_crash_resumes:
+                req.fail(
+                    ErrorCode.WORKER_FAILED,
+                    f"worker {self.worker_id} died {req.crash_streak} times in a row while this request "
+                    f"ran, without a token in between (last: {exc})",
+                )
+                self.requests_done += 1
+                failed.append(req.key)
+                continue
+            req.state = RequestState.QUEUED
+            req.lane_tag = None
+            req.crash_resumes += 1
+            self.queues.push_front(req)
+            self.crash_resumes += 1
+            self.metrics.crash_resumed(self.worker_id)
+            resumed.append(req.key)
         self._signal_tick()
-        log.warning("worker_lanes_failed", worker_id=self.worker_id, pid=proc.pid, lanes=n, error=str(exc))
+        self._wake.set()
+        log.warning(
+            "worker_lanes_resumed",
+            worker_id=self.worker_id,
+            pid=proc.pid,
+            resumed=len(resumed),
+            failed=len(failed),
+            resumed_keys=resumed[::-1],
+            failed_keys=failed,
+            error=str(exc),
+        )
 
     # --- operator views ------------------------------------------------------------------------
 
