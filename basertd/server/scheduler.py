@@ -21,7 +21,9 @@ Failure rules:
   (``basertd.server.supervisor``) with ``decode_replay`` exactly as after a preemption (ABI rules
   71-73), so its client sees a pause, never an error or a repeated token. A request that ran at
   ``max_crash_resumes`` crashes in a row with no token delivered in between fails
-  ``WORKER_FAILED`` (a poison request cannot crash-loop its worker). Queued requests stay queued.
+  ``WORKER_FAILED`` (a poison request cannot crash-loop its worker). Requests one crash away from
+  that bound run one at a time until they deliver a token, so the bound fails the poison request
+  and not the lanes that shared its ticks. Queued requests stay queued.
   A worker the progress watchdog restarts is not a crash: its running work is what stalled, and
   fails ``WORKER_FAILED`` (``basertd.server.watchdog``).
 
@@ -209,6 +211,22 @@ class _Plan:
         self.requests: dict[int, GenerationRequest] = {}
         self.seeds: dict[int, Seed] = {}
         self.refs: dict[int, TokenRef] = {}
+
+
+class _Probe:
+    """The one place per plan for a request on probation (``Scheduler._probation``): ``take()``
+    is True once, and never while such a lane already runs (``busy``)."""
+
+    __slots__ = ("busy",)
+
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+
+    def take(self) -> bool:
+        if self.busy:
+            return False
+        self.busy = True
+        return True
 
 
 class Scheduler:
@@ -798,6 +816,7 @@ class Scheduler:
         cold: set[int] = set()  # hints that did not hold: admitted cold
         for attempt in range(SEED_ROUNDS + 1):
             coal = self._coalesce(now)
+            probe = _Probe(any(self._probation(lane.request) for lane in self.lanes.values()))
             seen: list[GenerationRequest] = []
             last = attempt == SEED_ROUNDS or not use_seeds
 
@@ -811,11 +830,13 @@ class Scheduler:
                 return wc.hint(self._resume_hashes(req), prompt_len)
 
             def candidates(
-                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: _Probe = probe
             ) -> Iterator[Candidate]:
                 blocked = coal.blocked
                 order = self.queues.ordered(now, self.config.aging_s, skip=lambda r: r.key in blocked)
                 for req in order:
+                    if self._probation(req) and not probe.take():
+                        continue
                     seen.append(req)
                     yield candidate(
                         req,
@@ -826,13 +847,15 @@ class Scheduler:
                     )
 
             def urgent_after(
-                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: _Probe = probe
             ) -> Iterator[Candidate]:
                 if not self.config.preempt:
                     return
                 read = {r.key for r in seen}
                 for req in list(self.queues.classes[QOS_CLASSES[INTERACTIVE]]):
                     if req.finished or req.key in read or req.key in coal.blocked:
+                        continue
+                    if self._probation(req) and not probe.take():
                         continue
                     seen.append(req)
                     yield candidate(
@@ -871,6 +894,13 @@ class Scheduler:
         for key in [k for k in plan.seeds if k not in admitted]:
             self._release.append(plan.seeds.pop(key).handle)
         return plan
+
+    def _probation(self, req: GenerationRequest) -> bool:
+        """True when one more crash while ``req`` runs would fail it (``max_crash_resumes``):
+        such requests run one at a time until one delivers a token, so a crash names the poison
+        request and never fails the bystanders that shared its ticks."""
+        streak = req.crash_streak
+        return not req.finished and streak > 0 and streak + 1 >= self.config.max_crash_resumes
 
     def _resume_hashes(self, req: GenerationRequest) -> list[int]:
         base = self._hashes(req)
