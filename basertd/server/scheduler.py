@@ -23,7 +23,8 @@ Failure rules:
   ``max_crash_resumes`` crashes in a row with no token delivered in between fails
   ``WORKER_FAILED`` (a poison request cannot crash-loop its worker). Requests one crash away from
   that bound run one at a time until they deliver a token, so the bound fails the poison request
-  and not the lanes that shared its ticks. Queued requests stay queued.
+  and not the lanes that shared its ticks. The lanes resume on a live worker serving the same
+  model when there is one (``peers``), else on the respawned worker. Queued requests stay queued.
   A worker the progress watchdog restarts is not a crash: its running work is what stalled, and
   fails ``WORKER_FAILED`` (``basertd.server.watchdog``).
 
@@ -292,6 +293,9 @@ class Scheduler:
         self.grammar_handles: set[int] = set()  # handles held on the current incarnation
         self.crash_resumes = 0
         self._stalled: str | None = None
+        self.peers: Callable[[], list[Scheduler]] = list
+        """The schedulers of the other workers serving the same model with the same vocabulary
+        (set by the fleet): a crashed worker's lanes resume on the least loaded live one."""
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
@@ -473,6 +477,8 @@ class Scheduler:
                 await self._serve(proc)
             except LinkError as exc:
                 self._worker_lost(proc, exc)
+                if proc.link.alive:  # a tick that never answered: the engine holds the lanes
+                    self.slot.restart(f"link error: {exc}")
             except Exception as exc:  # a bug of ours: never let it end the loop of this worker
                 log.exception("scheduler_error", worker_id=self.worker_id, error=repr(exc))
                 self._worker_lost(proc, LinkError(f"scheduler error: {exc!r}"))
@@ -1306,6 +1312,7 @@ class Scheduler:
         live.sort(key=lambda lane: -lane.request.t_received)
         resumed: list[int] = []
         failed: list[int] = []
+        moved: list[int] = []
         for lane in live:
             req = lane.request
             req.grammar_handle = 0
@@ -1329,7 +1336,12 @@ class Scheduler:
             req.state = RequestState.QUEUED
             req.lane_tag = None
             req.crash_resumes += 1
-            self.queues.push_front(req)
+            peer = self._peer_for(req)
+            if peer is None:
+                self.queues.push_front(req)
+            else:
+                peer.adopt(req)
+                moved.append(req.key)
             self.crash_resumes += 1
             self.metrics.crash_resumed(self.worker_id)
             resumed.append(req.key)
@@ -1343,8 +1355,32 @@ class Scheduler:
             failed=len(failed),
             resumed_keys=resumed[::-1],
             failed_keys=failed,
+            moved_to_peers=moved[::-1],
             error=str(exc),
         )
+
+    def _peer_for(self, req: GenerationRequest) -> Scheduler | None:
+        """The least loaded live peer (``peers``) that can run ``req`` now, or None."""
+        fits = []
+        for peer in self.peers():
+            proc = peer.slot.proc
+            if proc is None or not proc.link.alive or peer.slot.state != "ready":
+                continue
+            try:
+                peer.check_admission(len(req.prompt), req.max_tokens, req.qos)
+            except AdmissionError:
+                continue
+            fits.append(peer)
+        return min(fits, key=lambda p: p.load(), default=None)
+
+    def adopt(self, req: GenerationRequest) -> None:
+        """Take over ``req``, resumed after its worker died (``peers``): it goes to the head of
+        its class and resumes here with its delivered tokens (ABI rules 71-73)."""
+        req.worker_id = self.worker_id
+        req.page_hashes = []  # this worker's page size may differ
+        self.queues.push_front(req)
+        self.slot.poke()
+        self._wake.set()
 
     # --- operator views ------------------------------------------------------------------------
 

@@ -161,3 +161,39 @@ def test_a_poison_request_fails_after_max_crash_resumes_and_the_others_complete(
         assert len(lost) == 2 and lost[-1]["failed"] == 1, lost
         access = {e["request_id"]: e for e in events if e.get("event") == "access"}
         assert access["poison"]["error_code"] == "worker_failed" and access["poison"]["crash_resumes"] == 1
+
+
+def test_a_crashed_workers_lanes_resume_on_a_live_peer_of_the_same_model():
+    toml = ref_toml(lanes=4, context=CONTEXT, grant=2, ref={**REF, "tick_delay_us": 20000}, workers=2)
+    normal = {"max_tokens": 120, "temperature": 0.0}
+    with Daemon(toml) as d:
+        w0 = next(w for w in d.workers() if w.worker_id == 0)
+
+        async def scenario():
+            async with await AsyncClient.connect(d.socket) as c:
+                streams = [await c.stream(f"peer {i}", request_id=f"p{i}", **normal) for i in range(6)]
+                got = [[] for _ in streams]
+
+                async def read(k):
+                    async for t in streams[k]:
+                        got[k] += t.ids
+
+                readers = [asyncio.create_task(read(k)) for k in range(len(streams))]
+                while min(len(g) for g in got) < 4:
+                    await asyncio.sleep(0.01)
+                os.kill(w0.pid, signal.SIGKILL)
+                await asyncio.gather(*readers)
+                return got
+
+        got = asyncio.run(asyncio.wait_for(scenario(), 120))
+        with d.client() as c, direct_ref(lanes=4, context=CONTEXT, ref=REF) as direct:
+            for i, ids in enumerate(got):
+                assert ids == direct.run(
+                    c.tokenize(f"peer {i}"), api.Generate(request_id="x", prompt="", **normal)
+                )
+        events = d.log_events()
+        access = {e["request_id"]: e for e in events if e.get("event") == "access"}
+        crashed = [a for a in access.values() if a["crash_resumes"]]
+        assert crashed and all(a["worker_id"] == 1 for a in crashed), access  # finished on the peer
+        (lost,) = [e for e in events if e.get("event") == "worker_lanes_resumed"]
+        assert sorted(lost["moved_to_peers"]) == sorted(a["key"] for a in crashed)
