@@ -96,7 +96,8 @@ from basertd.schema.tick import (
 )
 from basertd.server.cache_policy import Coalescing, PrefillingLane, QueuedPrompt, Seed, WorkerCache, coalesce
 from basertd.server.config import CacheConfig, SchedulerConfig
-from basertd.server.lanes import Lane, RequestQueues, candidate, reservation
+from basertd.server.grammar_handles import GrammarHandles
+from basertd.server.lanes import Lane, Probe, RequestQueues, candidate, on_probation, reservation
 from basertd.server.link import EmitCallbackError, LinkError, PlanRejected, WorkerError
 from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
@@ -128,8 +129,6 @@ FINISH_REASON = {Finish.EOS: "eos", Finish.LENGTH: "length", Finish.GRAMMAR: "st
 SEED_ROUNDS = 2
 """Times one plan is rebuilt because a cached-prefix hint did not hold (then unresolved hints
 count as cold prefills)."""
-GRAMMAR_TIMEOUT_S = 60.0
-"""Seconds a worker may take to compile one grammar (its first builds the vocabulary's tokenizer)."""
 COALESCE_SCAN = 256
 """Queued requests (in admission order) considered for prefix coalescing each plan."""
 JOB_TIMEOUT_S = 60.0
@@ -214,22 +213,6 @@ class _Plan:
         self.refs: dict[int, TokenRef] = {}
 
 
-class _Probe:
-    """The one place per plan for a request on probation (``Scheduler._probation``): ``take()``
-    is True once, and never while such a lane already runs (``busy``)."""
-
-    __slots__ = ("busy",)
-
-    def __init__(self, busy: bool) -> None:
-        self.busy = busy
-
-    def take(self) -> bool:
-        if self.busy:
-            return False
-        self.busy = True
-        return True
-
-
 class Scheduler:
     """The scheduler of one worker (module docstring). The daemon calls ``check_admission`` and
     ``submit`` for each accepted Generate, ``cancel`` for Cancel and gone clients, and runs
@@ -289,8 +272,7 @@ class Scheduler:
         self._in_tick = False
         self._seedless_plans = 0
         self._release: list[int] = []
-        self._grammar_frees: list[int] = []  # handles of lanes that left the engine, freed between ticks
-        self.grammar_handles: set[int] = set()  # handles held on the current incarnation
+        self.grammars = GrammarHandles(slot.worker_id, self.metrics)
         self.crash_resumes = 0
         self._stalled: str | None = None
         self.peers: Callable[[], list[Scheduler]] = list
@@ -487,9 +469,7 @@ class Scheduler:
                 self._proc = None
                 self.cache_policy.detach()
                 self._release.clear()  # leases die with the incarnation
-                self._grammar_frees.clear()  # and so do grammar handles
-                self.grammar_handles.clear()
-                self.metrics.grammar_handles_held(self.worker_id, 0)
+                self.grammars.forget()  # and so do grammar handles
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
@@ -519,7 +499,7 @@ class Scheduler:
                 await self._between(proc)
                 self._phase = Phase.PLANNING
                 plan = await self._plan(proc)
-                if plan.draft.empty and (self._release or self._grammar_frees):
+                if plan.draft.empty and (self._release or self.grammars.pending_free):
                     continue  # release the leases and grammars it did not use before waiting
                 if plan.draft.empty:
                     self._phase = Phase.IDLE
@@ -572,7 +552,7 @@ class Scheduler:
                 fut.set_result(result)
         while self._release:
             await wc.release(proc, self._release.pop())
-        await self._free_grammars(proc)
+        await self.grammars.free_pending(proc)
         if wc.renewals_due():
             for pin in await wc.renew(proc):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -765,49 +745,20 @@ class Scheduler:
         admitted = {cand.key for _, cand in plan.draft.admits}
         for key, req in made.items():
             if key not in admitted:
-                self._drop_grammar(req)
+                self.grammars.drop(req)
         return plan
 
     async def _create_grammar(self, proc: WorkerProcess, req: GenerationRequest) -> None:
-        """GRAMMAR_CREATE ``req``'s spec on ``proc`` into ``req.grammar_handle``; a handle 0 or a
-        refusal fails ``req`` INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
-        assert req.grammar is not None
-        try:
-            handle = await proc.link.grammar_create(req.grammar.to_message(), timeout=GRAMMAR_TIMEOUT_S)
-        except LinkError as exc:
-            if not proc.link.alive:
-                raise
-            handle, why = 0, str(exc)
-        else:
-            why = "handle 0"
-        if handle:
-            req.grammar_handle = handle
-            self.grammar_handles.add(handle)
-            self.metrics.grammar_handles_held(self.worker_id, len(self.grammar_handles))
+        """A grammar handle for ``req``'s admission; a worker that gives none fails ``req``
+        INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
+        why = await self.grammars.create(proc, req)
+        if why is None or req.grammar is None:
             return
         log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
         self.queues.remove(req)
         what = req.grammar.kind
         req.fail(ErrorCode.INTERNAL, f"the worker could not compile this request's {what} ({why})")
         self.requests_done += 1
-
-    def _drop_grammar(self, req: GenerationRequest) -> None:
-        """``req`` no longer owns a lane: its grammar handle (if any) is freed between ticks."""
-        if req.grammar_handle:
-            self._grammar_frees.append(req.grammar_handle)
-            req.grammar_handle = 0
-
-    async def _free_grammars(self, proc: WorkerProcess) -> None:
-        """GRAMMAR_FREE the handles of lanes that left the engine. A refusal (an unknown handle)
-        is logged; a dead link raises ``LinkError``."""
-        while self._grammar_frees:
-            handle = self._grammar_frees.pop()
-            self.grammar_handles.discard(handle)
-            self.metrics.grammar_handles_held(self.worker_id, len(self.grammar_handles))
-            try:
-                await proc.link.grammar_free(handle)
-            except WorkerError as exc:
-                log.warning("grammar_free_refused", worker_id=self.worker_id, handle=handle, error=str(exc))
 
     async def _draft(self, proc: WorkerProcess) -> _Plan:
         """Build the next plan: coalescing, then the plan with cached-prefix hints, then matches
@@ -822,7 +773,7 @@ class Scheduler:
         cold: set[int] = set()  # hints that did not hold: admitted cold
         for attempt in range(SEED_ROUNDS + 1):
             coal = self._coalesce(now)
-            probe = _Probe(any(self._probation(lane.request) for lane in self.lanes.values()))
+            probe = Probe(any(self._probation(lane.request) for lane in self.lanes.values()))
             seen: list[GenerationRequest] = []
             last = attempt == SEED_ROUNDS or not use_seeds
 
@@ -836,7 +787,7 @@ class Scheduler:
                 return wc.hint(self._resume_hashes(req), prompt_len)
 
             def candidates(
-                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: _Probe = probe
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: Probe = probe
             ) -> Iterator[Candidate]:
                 blocked = coal.blocked
                 order = self.queues.ordered(now, self.config.aging_s, skip=lambda r: r.key in blocked)
@@ -853,7 +804,7 @@ class Scheduler:
                     )
 
             def urgent_after(
-                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: _Probe = probe
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: Probe = probe
             ) -> Iterator[Candidate]:
                 if not self.config.preempt:
                     return
@@ -902,11 +853,7 @@ class Scheduler:
         return plan
 
     def _probation(self, req: GenerationRequest) -> bool:
-        """True when one more crash while ``req`` runs would fail it (``max_crash_resumes``):
-        such requests run one at a time until one delivers a token, so a crash names the poison
-        request and never fails the bystanders that shared its ticks."""
-        streak = req.crash_streak
-        return not req.finished and streak > 0 and streak + 1 >= self.config.max_crash_resumes
+        return on_probation(req, self.config.max_crash_resumes)
 
     def _resume_hashes(self, req: GenerationRequest) -> list[int]:
         base = self._hashes(req)
@@ -940,7 +887,7 @@ class Scheduler:
                     self.requests_done += 1
                     self._release.extend(s.handle for s in plan.seeds.values())
                     for r in requests.values():
-                        self._drop_grammar(r)
+                        self.grammars.drop(r)
                     return
             admits.append(
                 LaneAdmit(
@@ -1062,7 +1009,7 @@ class Scheduler:
         if publish and lane.kv_tokens >= self.cache_policy.page:
             self.cache_policy.published(lane.published_tokens(), lane.kv_tokens, lane.hashes)
         req = lane.request
-        self._drop_grammar(req)
+        self.grammars.drop(req)
         if not (preempted or lane.requeue) or req.finished:
             return
         req.state = RequestState.QUEUED
@@ -1103,7 +1050,7 @@ class Scheduler:
                 seed = plan.seeds.get(cand.key)
                 if seed is not None:
                     self._release.append(seed.handle)
-                self._drop_grammar(lane.request)
+                self.grammars.drop(lane.request)
                 self._admit_refused(lane.request, r)
             elif lane is not None and lane.request.admissions == 0:
                 lane.request.cached_tokens = min(lane.seed, len(lane.request.prompt))
@@ -1242,7 +1189,7 @@ class Scheduler:
         for tag, cand in reversed(draft.admits):  # back to the head of their classes, in order
             lane = self.lanes.pop(tag, None)
             req = requests[cand.key]
-            self._drop_grammar(req)
+            self.grammars.drop(req)
             if lane is not None and not req.finished:
                 req.state = RequestState.QUEUED
                 req.lane_tag = None

@@ -90,14 +90,19 @@ def test_bad_specs_are_invalid_requests_before_queuing(daemon, fields, needle):
 def test_cancelled_constrained_lane_frees_its_grammar(daemon):
     async def scenario():
         async with await AsyncClient.connect(daemon.socket) as c:
-            s = await c.stream("go", regex=LONG_REGEX, max_tokens=200, temperature=0.0)
+            # far longer than the context allows: it runs until cancelled
+            s = await c.stream("go", regex="[a-z]{2000}", max_tokens=400, temperature=0.0)
             it = s.__aiter__()
             await it.__anext__()
             (w,) = await asyncio.to_thread(daemon.workers)
             await s.cancel()
-            return w
+            with pytest.raises(ClientError) as info:
+                async for _ in it:
+                    pass
+            return w, info.value
 
-    running = asyncio.run(asyncio.wait_for(scenario(), 60))
+    running, err = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert err.code == ErrorCode.CANCELLED  # it was still running when the stats were taken
     assert running.engine_stats["grammar_handles"] == 1  # the lane's, while it ran
     wait_grammars(daemon, 0)
 
