@@ -97,7 +97,11 @@ package_dir["basertd.native.ref_engine"] = os.path.join("native", "ref_engine")
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"basertd.native": ["*.h"], "basertd.native.ref_engine": ["*.h"]},
+    package_data={
+        "basertd.native": ["*.h"],
+        "basertd.native.ref_engine": ["*.h"],
+        "basertd.server.chat_templates": ["*.jinja"],
+    },
     ext_modules=_ref_engine(),
     cffi_modules=_cffi_modules(),
     cmdclass={"build_ext": SharedLibBuild},

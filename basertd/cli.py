@@ -1,9 +1,10 @@
 """``basertd``: the coordinator daemon's command line (issue 7).
 
-``basertd serve [--config FILE] [--wal-recover=truncate]`` runs the daemon in the foreground
-until SIGTERM (drain, then stop) or SIGINT (stop now); SIGHUP reloads FILE
+``basertd serve [--config FILE] [--http HOST:PORT] [--wal-recover=truncate]`` runs the daemon in
+the foreground until SIGTERM (drain, then stop) or SIGINT (stop now); SIGHUP reloads FILE
 (``basertd.server.daemon``). Exit status: 0 after a clean stop, 2 for a bad command line or
-configuration (the message names the key), 1 when the daemon cannot start (socket in use, model
+configuration (the message names the key; also an HTTP listener on a non-loopback address
+without ``[http] api_key_file``, one line), 1 when the daemon cannot start (socket in use, model
 unavailable, state directory locked, write-ahead log corrupt, ...). ``--wal-recover=truncate``
 starts on a corrupt write-ahead log by keeping it up to the corrupt record (the rest is renamed
 ``*.corrupt``; ``basertd.server.wal``); the default, ``refuse``, does not start and says so.
@@ -12,10 +13,10 @@ starts on a corrupt write-ahead log by keeping it up to the corrupt record (the 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import sys
 
 import click
+import msgspec
 
 from basertd.server.config import ConfigError, load_config
 
@@ -34,32 +35,44 @@ def cli() -> None:
     help="TOML configuration file (default: every key at its default).",
 )
 @click.option(
+    "--http",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="serve the OpenAI-compatible API here instead of [http] listen (repeatable; unix:PATH too).",
+)
+@click.option(
     "--wal-recover",
     type=click.Choice(["refuse", "truncate"]),
     default="refuse",
     show_default=True,
     help="a corrupt write-ahead log: refuse to start, or drop it from the corrupt record on",
 )
-def serve(config_path: str | None, wal_recover: str) -> None:
+def serve(config_path: str | None, http: tuple[str, ...], wal_recover: str) -> None:
     """Run the daemon in the foreground: SIGTERM drains then stops, SIGINT stops now, SIGHUP
     reloads the configuration file."""
     try:
         config = load_config(config_path)
-    except ConfigError as exc:
+        if http:
+            config.http = msgspec.structs.replace(config.http, listen=list(http))
+            config.http.__post_init__()
+    except (ConfigError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
+    insecure = config.http.insecure_listeners()
+    if insecure:
+        click.echo(
+            f"basertd: refusing to serve HTTP on non-loopback {', '.join(insecure)} without "
+            "[http] api_key_file",
+            err=True,
+        )
+        sys.exit(2)
     from basertd.models import ModelUnavailable
     from basertd.server.daemon import configure_logging, run
     from basertd.server.tokenizer import TokenizerError
     from basertd.server.wal import WalError
 
     configure_logging(config.log_level)
-    kwargs = {}
-    if wal_recover != "refuse":
-        if "wal_recover" not in inspect.signature(run).parameters:
-            raise click.UsageError("--wal-recover: this daemon does not journal requests yet")
-        kwargs["wal_recover"] = wal_recover  # passed to Journal.open(recover=...)
     try:
-        code = asyncio.run(run(config, config_path=config_path, **kwargs))
+        code = asyncio.run(run(config, config_path=config_path, wal_recover=wal_recover))
     except (OSError, ModelUnavailable, ConfigError, TokenizerError, WalError) as exc:
         click.echo(f"basertd: cannot start: {exc}", err=True)
         sys.exit(1)

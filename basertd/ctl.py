@@ -77,7 +77,8 @@ def _unreachable(path: str, exc: OSError) -> NoReturn:
         )
     if exc.errno in (errno.EACCES, errno.EPERM):
         _fail(
-            f"no access to {path}: join the socket's group (basertd) or run with sudo.",
+            f"no access to {path} ({exc.strerror or 'permission denied'}): join the socket's group "
+            "(basertd) or run with sudo.",
             EXIT_UNREACHABLE,
         )
     _fail(f"cannot reach basertd at {path}: {exc.strerror or exc}", EXIT_UNREACHABLE)
@@ -153,7 +154,7 @@ worker_option = click.option(
 @click.option(
     "--socket",
     "socket_path",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=click.Path(dir_okay=False, readable=False, path_type=str),  # the connect judges access (exit 3)
     default=None,
     help=f"daemon socket (default: ${SOCKET_ENV}, then the runtime directory's basertd.sock)",
 )
@@ -259,6 +260,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
             f"lanes {d['lanes_busy']}/{d['lanes_max']}  "
             f"queued {d['queued']}  requests {d['requests_total']}"
         )
+        for line in d.get("problems") or ():
+            click.echo(f"problem: {line}")
         click.echo("")
         _workers_table(d["workers"])
         click.echo("")

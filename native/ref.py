@@ -70,7 +70,10 @@ class RefConfig:
     """Configuration of a reference bundle (BaseRTRefConfig); the defaults make a working bundle.
 
     Sizes in tokens unless named ``_bytes``; ``tick_delay_us`` in microseconds (a real sleep per
-    accepted tick); ``seed_lease_ticks`` in ticks (ABI rule 84). ``eos_period`` p > 0 makes the
+    accepted tick, the decode step); ``prefill_step_tokens`` / ``prefill_step_us``: prefill runs in
+    steps of that many tokens (0: one step), each followed by that real sleep, and a tick may end
+    early between steps when a yield word is attached (``RefBundle.set_yield_word``);
+    ``seed_lease_ticks`` in ticks (ABI rule 84). ``eos_period`` p > 0 makes the
     synthetic model draw ``eos_token`` about once per p tokens (0: never). ``scripted_tokens`` are
     emitted in order by every request (index counts its decode_replay tokens) before hashing takes
     over. ``spaces`` empty means one PAGED_TOKEN_KV space, id 0, named "kv"."""
@@ -92,6 +95,8 @@ class RefConfig:
     kernel_caps: int = 0
     n_layers: int = 32
     arch: str = "ref-arch"
+    prefill_step_tokens: int = 0
+    prefill_step_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,13 @@ class RefBundle(Bundle):
         """Reject admits matching predicate ``kind`` (RefuseKind) / ``param`` in admit_results with
         reject_code ``status`` (a negative Status) from now on; RefuseKind.NONE stops it."""
         self._call("baseRT_ref_refuse_admits", self.handle, kind, param, status)
+
+    def set_yield_word(self, address: int) -> None:
+        """Attach the control segment's yield word at ``address`` (8-byte aligned; the yields-taken
+        counter follows it) or detach with 0 (``basertd.shm.control``). The mapping must outlive the
+        attachment. AbiError(REJECT_BAD_STRUCT) for a misaligned address."""
+        ptr = self.ffi.cast("uint64_t *", address) if address else self.ffi.NULL
+        self._call("baseRT_ref_set_yield_word", self.handle, ptr)
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges (keys ``STAT_FIELDS``): ticks, tokens prefilled / decoded /
@@ -361,6 +373,8 @@ def create_ref_bundle(
             "seed_lease_ticks",
             "kernel_caps",
             "n_layers",
+            "prefill_step_tokens",
+            "prefill_step_us",
         ):
             setattr(c, name, getattr(cfg, name))
         if cfg.scripted_tokens:

@@ -1,6 +1,6 @@
 """The client API of the Unix socket (DESIGN.md "Client API").
 
-Requests: Generate, Cancel, Tokenize, Models, Health. Replies: Accepted, Queued (zero or more,
+Requests: Generate, Cancel, Resume, Tokenize, Models, Health. Replies: Accepted, Queued (zero or more,
 while the request waits for a lane), Tokens (zero or more), then Done or Error for a Generate;
 TokenizeResult, ModelsResult, HealthResult; Error for any
 request. Frames are msgpack maps tagged by ``"type"`` (``{"type": "generate", ...}``), framed and
@@ -104,6 +104,18 @@ class Cancel(_Msg, tag="cancel"):
     request_id: str
 
 
+class Resume(_Msg, tag="resume_stream"):
+    """Pick up generation ``request_id`` (the ``resume_id`` its Accepted gave) after a reconnect or
+    a daemon restart: ``after`` is how many of its tokens the client already has. Answered with
+    Accepted, then one Tokens with the durable tokens after ``after`` (if any), then the live
+    Tokens, then Done or Error, all tagged ``request_id``; NOT_FOUND when the daemon keeps no such
+    request (durability off, or finished more than ``result_ttl_s`` ago), INVALID_REQUEST when
+    ``after`` exceeds the tokens it has."""
+
+    request_id: str
+    after: int = 0
+
+
 class Tokenize(_Msg, tag="tokenize"):
     """Token ids of ``text`` with ``model``'s vocabulary (BOS/special tokens when
     ``add_special``); answered with TokenizeResult."""
@@ -132,11 +144,14 @@ class Health(_Msg, tag="health"):
 class Accepted(_Msg, tag="accepted"):
     """Generate ``request_id`` passed admission; ``prompt_tokens`` is its prompt length (tokens);
     ``seed`` the sampling seed in effect (the request's, or the one drawn for it, so a sampled
-    generation can be reproduced; None from daemons that do not report it)."""
+    generation can be reproduced; None from daemons that do not report it). ``resume_id`` is the
+    daemon-unique id under which the request is journaled ("" with durability off): ``Resume`` with
+    it continues the stream after a reconnect or a daemon restart."""
 
     request_id: str
     prompt_tokens: int
     seed: int | None = None
+    resume_id: str = ""
 
 
 class Queued(_Msg, tag="queued"):
@@ -254,7 +269,7 @@ class HealthResult(_Msg, tag="health_result"):
     reason: str = ""
 
 
-REQUESTS: tuple[type, ...] = (Generate, Cancel, Tokenize, Models, Health)
+REQUESTS: tuple[type, ...] = (Generate, Cancel, Resume, Tokenize, Models, Health)
 """Client API requests (client -> daemon)."""
 REPLIES: tuple[type, ...] = (
     Accepted,

@@ -24,6 +24,9 @@ listening socket owned by the test, handed over as ``LISTEN_FDS=1`` on descripto
 ``LISTEN_PID`` set to the daemon's own pid (``bash -c "export LISTEN_PID=$$; exec ..."``, as
 systemd arranges it); ``open_to_all``, a runtime directory made beforehand and reachable by other
 users and a 0666 socket, so that a child with dropped privileges can connect.
+
+HTTP: a config without an ``[http]`` table gets ``[http] listen = []`` (no fixed port is ever
+bound); ``http_addresses()`` reads what a configured HTTP server listens on from the log.
 """
 
 from __future__ import annotations
@@ -65,8 +68,11 @@ class Daemon:
         notify: Callable[[Path], Any] | None = None,
         listen: socket.socket | None = None,
         open_to_all: bool = False,
+        state_dir: str | Path | None = None,
     ) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="brt-d-", dir="/tmp"))
+        # the write-ahead log: private to this daemon unless the test restarts on a given one
+        self.state_dir = Path(state_dir) if state_dir is not None else self.base / "state"
         self.runtime_dir = self.base / "rt"
         self.runtime_dir_given = open_to_all
         if open_to_all:
@@ -77,7 +83,11 @@ class Daemon:
         self.socket_adopted = listen is not None
         self.config_path = self.base / "basertd.toml"
         mode = 'socket_mode = "0666"\n' if open_to_all else ""
-        self.config_path.write_text(f'runtime_dir = "{self.runtime_dir}"\n{mode}' + config_toml)
+        state = "" if "state_dir" in config_toml else f'state_dir = "{self.state_dir}"\n'
+        # Many daemons run at once: HTTP stays off unless the test configures it (the default
+        # listener, 127.0.0.1:8000, would collide).
+        http = "" if "[http]" in config_toml else "\n[http]\nlisten = []\n"
+        self.config_path.write_text(f'runtime_dir = "{self.runtime_dir}"\n{state}{mode}' + config_toml + http)
         self.log_path = self.base / "daemon.log"
         self.shm_before = devshm_listing()
         self.seen_children: set[int] = set()
@@ -133,6 +143,17 @@ class Daemon:
         """The daemon's JSON log lines so far (plain lines skipped; a line that starts as JSON and
         does not parse fails the test)."""
         return log_lines(self.log_path, plain_ok=True, live=True)
+
+    def http_addresses(self, timeout: float = 10.0) -> list[str]:
+        """The addresses the HTTP API listens on (``HOST:PORT`` / ``unix:PATH``), from the
+        daemon's ``http_listening`` log line."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for ev in self.log_events():
+                if ev.get("event") == "http_listening":
+                    return list(ev["addresses"])
+            assert time.monotonic() < deadline, "the daemon logged no http_listening line"
+            time.sleep(0.05)
 
     def client(self, timeout: float | None = 60.0) -> Client:
         """A blocking client connected to this daemon."""

@@ -20,6 +20,9 @@ Engines (``basertd.worker.engines.ENGINES``):
 - ``llamacpp``: a GGUF ``--model`` through llama-cpp-python, ``--lanes``, ``--context-length``
   (tokens per lane), ``--threads``.
 
+Control: ``--control FD``, an inherited control segment (``basertd.shm.control``: the yield word
+the coordinator sets to end a tick early); handed to engines that have ``attach_control``.
+
 Rings: ``--ring ID:KIND:FD:SLOTS:SLOT_BYTES`` (repeatable): ring ``ID`` of KIND ``prompt`` (tokens,
 engine reads), ``emit`` (tokens, engine writes) or ``logits`` (f32 rows, engine writes), in the
 inherited memfd ``FD``, at offset 0, ``SLOTS`` slots of ``SLOT_BYTES`` bytes (16-byte slot header
@@ -27,7 +30,8 @@ included). The segment must hold 64 + SLOTS * SLOT_BYTES bytes (checked with fst
 
 Exit codes (``lifecycle.ExitCode``): 0 orderly (SHUTDOWN, SIGTERM/SIGINT after the tick in flight,
 parent gone), 2 bad command line (the message names the flag), 3 engine/model load failure (the
-message says why), 70 engine FATAL, 76 Link W failure (malformed frame, protocol violation).
+message says why; with ``--error-file PATH`` that one line is also written there, for the
+coordinator to report), 70 engine FATAL, 76 Link W failure (malformed frame, protocol violation).
 Logs: JSON lines on stderr (``basertd.worker.logging``), content-free.
 """
 
@@ -38,10 +42,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from basertd.schema.abi import RingKind, RingRole
-from basertd.shm import RingError, Segment, ring_bytes
+from basertd.shm import ControlBlock, RingError, Segment, SegmentError, ring_bytes
 from basertd.worker import logging as wlog
 from basertd.worker.engines import (
     ENGINES,
@@ -60,13 +64,49 @@ RING_KINDS: dict[str, tuple[RingKind, RingRole]] = {
     "logits": (RingKind.LOGITS, RingRole.ENGINE_WRITES),
 }
 """``--ring`` KIND names -> (ring kind, role from the engine's side); DESIGN.md "Rings"."""
+ERROR_LINE_MAX = 2000
+"""Characters of the one-line reason ``--error-file`` receives."""
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with exit status 2 and the flag named, as argparse does, for our own checks too."""
+    """argparse with exit status 2 and the flag named, as argparse does, for our own checks too.
+    ``error_file``: where ``error`` also writes its one line (set before parsing, see
+    ``error_file_of``)."""
+
+    error_file: str | None = None
 
     def fail(self, flag: str, message: str) -> None:
         self.error(f"argument {flag}: {message}")
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        write_error_line(self.error_file, f"{self.prog}: {message}")
+        super().error(message)
+
+
+def error_file_of(argv: Sequence[str]) -> str | None:
+    """The ``--error-file`` of ``argv`` (``--error-file PATH`` or ``--error-file=PATH``), read
+    before parsing so that a usage error can be reported there too."""
+    for i, arg in enumerate(argv):
+        if arg == "--error-file" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--error-file="):
+            return arg.partition("=")[2]
+    return None
+
+
+def write_error_line(path: str | None, line: str) -> None:
+    """Write ``line`` (one line, newlines folded, at most ``ERROR_LINE_MAX`` characters) to
+    ``path`` (created mode 0600, replaced if present), for the coordinator to report as the
+    worker's last error. Never raises: the exit status still says what kind of failure it was."""
+    if not path:
+        return
+    text = " ".join(line.split())[:ERROR_LINE_MAX]
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError:
+        pass
 
 
 def _positive(text: str) -> int:
@@ -120,6 +160,13 @@ def build_parser() -> _Parser:
         help="an inherited ring segment; KIND is prompt, emit or logits (repeatable)",
     )
     p.add_argument(
+        "--control",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="an inherited control segment (the yield word, basertd.shm.control)",
+    )
+    p.add_argument(
         "--engine", default="basert", help=f"engine: {', '.join(sorted(ENGINES))} (default basert)"
     )
     p.add_argument(
@@ -155,6 +202,12 @@ def build_parser() -> _Parser:
         help="coalesce partial emits over this many ms (0: one TICK_EMIT per engine callback)",
     )
     p.add_argument("--log-level", default="info", choices=wlog.level_names())
+    p.add_argument(
+        "--error-file",
+        default=None,
+        metavar="PATH",
+        help="on exit 2 (usage) or 3 (load failure) write the one-line reason here as well",
+    )
     return p
 
 
@@ -222,10 +275,25 @@ def attach_rings(parser: _Parser, specs: Sequence[str]) -> list[InheritedRing]:
     return rings
 
 
+def attach_control(parser: _Parser, fd: int | None) -> ControlBlock | None:
+    """Attach ``--control FD`` (None when absent). Exits 2 through ``parser`` naming ``--control``
+    when the descriptor is not a control segment."""
+    if fd is None:
+        return None
+    if fd < 3:
+        parser.fail("--control", f"fd {fd} is not an inheritable descriptor")
+    try:
+        return ControlBlock.attach(fd)
+    except SegmentError as exc:
+        parser.fail("--control", str(exc))
+    return None  # unreachable: fail exits
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse, load, serve; returns the exit code (``lifecycle.ExitCode``). Usage errors exit 2
     through argparse (SystemExit)."""
     parser = build_parser()
+    parser.error_file = error_file_of(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         ref_config = parse_ref_config(args.ref_config)
@@ -239,12 +307,15 @@ def run(argv: Sequence[str] | None = None) -> int:
             return ExitCode.OK
     except LifecycleError as exc:
         log.error("pdeathsig_failed", reason=str(exc))
+        write_error_line(args.error_file, f"basertd-worker: cannot watch the parent process: {exc}")
         return ExitCode.USAGE
     stop = StopSignals()
     stop.install()
     rings: list[InheritedRing] = []
+    control: ControlBlock | None = None
     try:
         rings = attach_rings(parser, args.ring)
+        control = attach_control(parser, args.control)
         options = EngineOptions(
             lib=args.lib,
             kernel_library=args.kernel_library,
@@ -264,11 +335,18 @@ def run(argv: Sequence[str] | None = None) -> int:
             parser.error(str(exc))
         except EngineLoadError as exc:
             log.error("model_load_failed", engine=args.engine, reason=str(exc))
-            print(f"basertd-worker: cannot load the {args.engine} engine: {exc}", file=sys.stderr)
+            line = f"basertd-worker: cannot load the {args.engine} engine: {exc}"
+            print(line, file=sys.stderr)
+            write_error_line(args.error_file, line)
             return ExitCode.MODEL_LOAD
+        # Yield inside a tick: engines that can end a tick at a step boundary take the control
+        # segment (and then say extra["yield"] = "step"); the others finish every tick.
+        attach = getattr(engine, "attach_control", None)
+        yields = bool(control is not None and attach is not None and attach(control))
         info = engine.info()
         log.info(
             "engine_loaded",
+            yields=yields,
             engine=info.engine,
             engine_version=info.engine_version,
             model_id=info.model_id,
@@ -290,6 +368,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     finally:
         for r in rings:
             r.segment.close()
+        if control is not None:
+            control.close()  # after the server closed the engine, which may hold its address
         stop.close()
 
 

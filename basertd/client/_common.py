@@ -1,7 +1,13 @@
-"""What the sync and asyncio clients share: errors, the Completion record, request building."""
+"""What the sync and asyncio clients share: errors, the Completion record, request building, and
+connecting (a connect refused with ``EAGAIN`` because the daemon's listen queue is momentarily
+full is retried with a short, bounded backoff)."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +53,18 @@ class Completion:
     timings: api.Timings = field(default_factory=api.Timings)
 
 
+RESUME_TIMEOUT_S = 60.0
+"""Default bound (seconds) on reconnecting and resuming a stream across a daemon restart."""
+RESUME_RETRY_S = 0.1
+"""Pause between reconnect attempts while the daemon restarts (seconds)."""
+
+
+def resumable(exc: ClientError) -> bool:
+    """True for what a stream with a ``resume_id`` survives by reconnecting: the connection
+    lost, or the daemon stopping (it hands its journaled requests over to its next start)."""
+    return isinstance(exc, ConnectionLost) or exc.code == ErrorCode.SHUTTING_DOWN
+
+
 def new_request_id() -> str:
     """A fresh random request id."""
     return uuid.uuid4().hex
@@ -73,3 +91,55 @@ def resolve_socket(path: str | Path | None) -> Path:
     from basertd.server.config import default_socket_path
 
     return default_socket_path()
+
+
+CONNECT_RETRY_S = 2.0
+"""Seconds a connect keeps retrying ``EAGAIN`` (the daemon's listen queue is full) before it fails."""
+_BACKOFF_FIRST_S = 0.001
+_BACKOFF_MAX_S = 0.05
+
+
+def _full_queue(exc: OSError) -> bool:
+    return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+def connect_unix(path: Path, timeout: float | None) -> socket.socket:
+    """A ``SOCK_STREAM`` socket connected to ``path`` with ``timeout`` (seconds, None: blocking)
+    set. ``EAGAIN`` (the listen queue is full; a socket with a timeout does not wait for room) is
+    retried with a backoff from 1 ms doubling to 50 ms, for at most ``CONNECT_RETRY_S`` seconds (or
+    ``timeout`` when shorter). Raises ``OSError`` (ENOENT, ECONNREFUSED, EACCES, EAGAIN, ...)."""
+    budget = CONNECT_RETRY_S if timeout is None else min(CONNECT_RETRY_S, timeout)
+    deadline = time.monotonic() + budget
+    delay = _BACKOFF_FIRST_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if not _full_queue(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, _BACKOFF_MAX_S)
+
+
+async def connect_unix_async(path: Path) -> socket.socket:
+    """``connect_unix`` for asyncio: a non-blocking socket connected to ``path``, ``EAGAIN`` retried
+    as there (the backoff awaits, never blocks the loop). asyncio's own ``sock_connect`` would take
+    ``EAGAIN`` of a Unix socket for a connect in progress, so the connect is made here."""
+    deadline = time.monotonic() + CONNECT_RETRY_S
+    delay = _BACKOFF_FIRST_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError as exc:
+            sock.close()
+            if not _full_queue(exc) or time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _BACKOFF_MAX_S)

@@ -73,7 +73,7 @@ from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import MatchResult, ShedPolicy, TokenRef
 from basertd.server.config import CacheConfig
-from basertd.server.control import ControlError
+from basertd.server.errors import ControlError
 from basertd.server.link import LinkError, WorkerError
 
 log = structlog.get_logger("basertd.cache")

@@ -58,6 +58,11 @@ Example (every key shown with its default)::
     [metrics]                   # docs/scale-out.md
     vllm_compat = true          # also export vllm:* series (what the endpoint picker reads)
 
+    [http]                      # the OpenAI-compatible API (README "OpenAI-compatible API")
+    listen = ["127.0.0.1:8000"] # "HOST:PORT" and "unix:PATH" entries; [] = off
+    api_key_file = ""           # one key per line; required for a non-loopback TCP address
+    max_body_bytes = 8388608    # larger request bodies are refused 413
+
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
     endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
     replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
@@ -65,6 +70,15 @@ Example (every key shown with its default)::
     buffer_steps = 10000        # batches kept for replay, per worker
     hwm = 100000                # ZMQ high-water mark (messages) per subscriber
     max_queue_size = 100000     # batches waiting for the publisher thread; more are dropped (counted)
+
+    [limits]                    # the client socket's resources (DESIGN.md "Client API")
+    max_connections = 1024      # open client connections in all
+    max_connections_per_uid = 512  # open client connections of one peer uid
+    max_request_buffer_bytes = 67108864  # bytes of half-received request frames over all connections
+    frame_timeout_s = 30.0      # a request frame must arrive whole within this after its first byte
+    idle_timeout_s = 600.0      # close a connection with nothing running that sent nothing (0: never)
+    max_reply_buffer_bytes = 8388608  # replies waiting in one connection's send buffer before it is dropped
+    listen_backlog = 1024       # pending connects the kernel queues (capped by net.core.somaxconn)
 
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
 rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
@@ -116,7 +130,10 @@ class WorkerConfig(_Section):
     ``kernel_library``: its GPU kernel library ("" = the library's auto-detection). ``device``:
     "cpu", or "cuda:N" / "rocm:N" / "gpu:N", which makes GPU N the only one the worker sees.
     ``lanes``: concurrent generations; ``context_length``: tokens per lane (prompt + generated);
-    ``threads``: engine CPU threads; ``engine_args``: extra ``basertd-worker`` flags passed as is."""
+    ``threads``: engine CPU threads; ``engine_args``: extra ``basertd-worker`` flags passed as is.
+    ``chat_template``: the chat template of the HTTP chat endpoint: a file path or the name of a
+    template shipped with basertd (``basertd.server.chat_template``); "" = the model's own (GGUF
+    ``tokenizer.chat_template``), or the shipped Gemma template for the default model."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""
@@ -128,6 +145,7 @@ class WorkerConfig(_Section):
     threads: _Pos = 2
     engine_args: list[str] = msgspec.field(default_factory=list)
     ref_config: dict[str, int | float | bool | str] = msgspec.field(default_factory=dict)
+    chat_template: str = ""
 
 
 class SchedulerConfig(_Section):
@@ -298,6 +316,90 @@ class KvEventsConfig(_Section):
         return bool(self.endpoint)
 
 
+class LimitsConfig(_Section):
+    """Resource caps of the client socket (DESIGN.md "Client API"), enforced by
+    ``basertd.server.api``.
+
+    ``max_connections``: open client connections in all; ``max_connections_per_uid``: open
+    connections of one peer uid (SO_PEERCRED); a connection over either cap gets
+    ``Error(queue_full)`` and is closed. ``max_request_buffer_bytes``: bytes of request frames held
+    half-received, summed over every connection (frames of at most 64 KiB are not counted); a frame
+    whose length prefix would exceed it gets ``Error(queue_full)`` and its connection is closed
+    before its body is read; it must be at least one frame cap (16 MiB) so a maximal request can
+    ever be served. ``frame_timeout_s``: seconds a request frame may take from its first byte to
+    its last; ``idle_timeout_s``: seconds a connection with no generation running may stay silent
+    (0: never closed for idleness); both close with ``Error(timeout)``. ``max_reply_buffer_bytes``:
+    reply bytes one connection may leave unread before it is dropped. ``listen_backlog``: the
+    socket's listen queue (connects waiting for accept; the kernel caps it at
+    ``net.core.somaxconn``)."""
+
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1024
+    max_connections_per_uid: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 512
+    max_request_buffer_bytes: Annotated[int, msgspec.Meta(ge=16 * 1024 * 1024)] = 64 * 1024 * 1024
+    frame_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    idle_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0 * 7)] = 600.0
+    max_reply_buffer_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 8 * 1024 * 1024
+    listen_backlog: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 1024
+
+
+_LISTEN_TCP = re.compile(r"\[([0-9a-fA-F:.]+)\]:(\d+)|([^:\[\]/\s]+):(\d+)")
+
+
+def parse_listen(entry: str) -> tuple[str, str, int]:
+    """One ``[http] listen`` entry as ``("unix", path, 0)`` or ``("tcp", host, port)``. Raises
+    ValueError unless it is ``unix:PATH`` (an absolute or relative path) or ``HOST:PORT``
+    (``[v6]:PORT`` for IPv6) with a port in 0..65535."""
+    if entry.startswith("unix:"):
+        path = entry[5:]
+        if not path:
+            raise ValueError(f"listen entry {entry!r}: unix: needs a path")
+        return "unix", path, 0
+    m = _LISTEN_TCP.fullmatch(entry)
+    if not m:
+        raise ValueError(f"listen entry {entry!r} must be HOST:PORT, [V6]:PORT or unix:PATH")
+    host = m.group(1) or m.group(3)
+    port = int(m.group(2) or m.group(4))
+    if port > 65535:
+        raise ValueError(f"listen entry {entry!r}: port must be within 0..65535")
+    return "tcp", host, port
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost``, ``::1`` and 127.0.0.0/8."""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class HttpConfig(_Section):
+    """The OpenAI-compatible HTTP API (``basertd.server.http``).
+
+    ``listen``: ``"HOST:PORT"`` and ``"unix:PATH"`` entries ([] = no HTTP; ``basertd serve --http``
+    replaces the list); ``api_key_file``: a file of API keys, one per line (blank lines and lines
+    starting with ``#`` ignored): TCP requests must carry ``Authorization: Bearer <key>``; "" = no
+    keys, which only loopback addresses may use (``insecure_listeners``). Unix-socket requests
+    are authorised by the socket's mode (``socket_mode``) and peer credentials instead.
+    ``max_body_bytes``: largest request body (bytes), larger ones are refused 413."""
+
+    listen: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8000"])
+    api_key_file: str = ""
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20
+
+    def __post_init__(self) -> None:
+        for entry in self.listen:
+            parse_listen(entry)
+
+    def insecure_listeners(self) -> list[str]:
+        """Entries on a non-loopback TCP address while no ``api_key_file`` is set (the daemon
+        refuses to start with any)."""
+        if self.api_key_file:
+            return []
+        out = []
+        for entry in self.listen:
+            kind, host, _ = parse_listen(entry)
+            if kind == "tcp" and not is_loopback(host):
+                out.append(entry)
+        return out
+
+
 def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
@@ -322,6 +424,8 @@ class Config(_Section):
     durability: DurabilityConfig = msgspec.field(default_factory=DurabilityConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode

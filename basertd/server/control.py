@@ -36,6 +36,7 @@ from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
+from basertd.server.errors import ControlError
 from basertd.server.reload import config_changes
 
 if TYPE_CHECKING:
@@ -72,15 +73,6 @@ VERB_NAMES: dict[type, str] = {
     control.ConfigCheck: "config check",
 }
 """basertctl's name of each control verb (for messages, logs and metric labels)."""
-
-
-class ControlError(Exception):
-    """A control verb refused: ``code`` (an ``ErrorCode``) and a message for the operator."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class CacheControl(Protocol):

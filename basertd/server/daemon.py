@@ -4,7 +4,9 @@
 private 0700 ``workers-<pid>/`` directory holding each worker's ``ipc://`` endpoint), the
 ``Fleet`` (every worker's supervisor, scheduler and tokenizer, and routing), the ``Frontend``
 (admission of every API's requests), the native API on the client socket (``NativeService`` over
-``ApiServer``), the control verbs (``ControlService``, which sees the daemon through its narrow
+``ApiServer``), the OpenAI-compatible HTTP API (``basertd.server.http``, ``[http] listen`` and
+systemd sockets named ``http``), the control verbs (``ControlService``, which sees the daemon
+through its narrow
 ``ControlHost`` protocol), metrics, drain, reload and systemd notification. It keeps only
 lifecycle: start, stop, drain, reload, notify.
 
@@ -12,9 +14,16 @@ lifecycle: start, stop, drain, reload, notify.
 queued or running with SHUTTING_DOWN, closes every worker (SHUTDOWN, then SIGKILL after a grace
 period; reaped), and removes the socket and the runtime files it created.
 
+Durability (``basertd.server.durable``): the write-ahead log in ``state_dir`` is opened (locked,
+recovered) before any worker starts; every unfinished request it holds is queued again and runs
+on from its durable tokens; it is closed last, after the schedulers stopped. With ``[durability]
+mode = "tick"`` a stop hands over: what it ends with SHUTTING_DOWN stays unfinished in the log and
+the next start runs it on (clients ``Resume``).
+
 Operators (DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.drain``: new requests
 refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are cancelled
-typed) and then stops, exit status 0; a second SIGTERM, or SIGINT, stops at once. SIGHUP reloads
+typed, or with durability on handed over to the next start) and then stops, exit status 0; a
+second SIGTERM, or SIGINT, stops at once. SIGHUP reloads
 the configuration file (``basertd.server.reload``). systemd gets READY=1 once every worker has
 handshaken, STATUS= lines and watchdog pings, and the client socket may come from ``LISTEN_FDS``
 (``basertd.server.notify``).
@@ -37,21 +46,41 @@ import structlog
 from basertd.schema.client import ErrorCode
 from basertd.server.api import ApiServer
 from basertd.server.cache_policy import PolicyCacheControl
-from basertd.server.config import Config, ConfigError, load_config, resolve_runtime_dir, socket_path
+from basertd.server.config import (
+    Config,
+    ConfigError,
+    load_config,
+    resolve_runtime_dir,
+    resolve_state_dir,
+    socket_path,
+)
 from basertd.server.control import CacheControl, ControlService
 from basertd.server.drain import Drainer
+from basertd.server.durable import Durability
 from basertd.server.fleet import Fleet
 from basertd.server.frontend import Frontend
+from basertd.server.http.app import HttpServer
 from basertd.server.kv_events import KvEventsHub, start_kv_events
 from basertd.server.metrics import Metrics
-from basertd.server.metrics_vllm import VllmWorker
+from basertd.server.metrics_vllm import VllmWorker, bind_vllm
 from basertd.server.native_api import NativeService
-from basertd.server.notify import Notifier, Watchdog, adopt_listener, listen_fds, watchdog_interval
+from basertd.server.notify import (
+    HTTP_FD_NAME,
+    Notifier,
+    Watchdog,
+    adopt_listener,
+    adopt_named,
+    listen_fds,
+    watchdog_interval,
+)
 from basertd.server.peercred import OperatorPolicy
 from basertd.server.reload import apply_reload
 from basertd.server.requests import GenerationRequest
+from basertd.server.runtime_files import remove_stale_worker_dirs
 from basertd.server.scheduler import Scheduler
 from basertd.server.supervisor import WorkerSlot
+from basertd.server.wal import Journal
+from basertd.server.wal_recover import RecoverMode
 
 log = structlog.get_logger("basertd.daemon")
 
@@ -83,8 +112,16 @@ class Daemon:
     (drain state, in-flight requests), ``operators`` (who may use control verbs), ``control`` (the
     verbs), ``cache_control`` (the prefix-cache verbs' backend) and ``notifier`` (systemd)."""
 
-    def __init__(self, config: Config, *, config_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+        wal_recover: RecoverMode = "refuse",
+    ) -> None:
         self.config = config
+        self.wal_recover = wal_recover
+        self.durability: Durability | None = None
         self.config_path = config_path
         self.version = VERSION
         self.metrics = Metrics()
@@ -103,6 +140,7 @@ class Daemon:
         self.frontend: Frontend | None = None
         self.cache_control: CacheControl | None = None  # type: ignore[assignment]
         self.api: ApiServer | None = None
+        self.http: HttpServer | None = None
         self.started_at = time.monotonic()
         self.state = "starting"
         self._tasks: list[asyncio.Task] = []
@@ -149,11 +187,15 @@ class Daemon:
         if inherited is not None:
             self.socket = Path(inherited.getsockname())
         self.workers_dir = self.runtime_dir / f"workers-{os.getpid()}"
+        remove_stale_worker_dirs(self.runtime_dir)  # left by a coordinator killed with SIGKILL
         self.workers_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.workers_dir, 0o700)
+        self.durability = self._open_journal()
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
-        self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state)
+        self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state, self.durability)
+        self.durability.start()
+        resumed = self.durability.requeue(fleet)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
         if self.kv_events is not None:
             self.metrics.registry.register(self.kv_events.collector())
@@ -166,11 +208,19 @@ class Daemon:
             int(cfg.socket_mode),
             NativeService(self.frontend, self.control, VERSION),
             sock=inherited,
+            limits=cfg.limits,
+            metrics=self.metrics,
         )
         await self.api.start()
+        http_socks = adopt_named(self._listen_fds, HTTP_FD_NAME)
+        if cfg.http.listen or http_socks:
+            self.http = HttpServer(
+                cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
+            )
+            await self.http.start()
         self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)
         if cfg.metrics.vllm_compat:
-            self.metrics.bind_vllm(self._vllm_workers)
+            bind_vllm(self.metrics, self._vllm_workers)
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)
@@ -194,7 +244,28 @@ class Daemon:
             uid=os.geteuid(),
             operator_group=cfg.operators.operator_group,
             watchdog_s=self._watchdog_interval,
+            durability=cfg.durability.mode,
+            epoch=self.durability.journal.epoch,
+            resumed=resumed,
         )
+
+    def _open_journal(self) -> Durability:
+        """Open the write-ahead log in ``state_dir`` (mode "off": a ``NullJournal``, no directory
+        touched). Raises ``StateDirLocked``, ``WalCorrupt``, ``ConfigError``, OSError."""
+        cfg = self.config
+        if cfg.durability.mode == "off":
+            journal = Journal.open("", mode="off")
+        else:
+            state_dir = resolve_state_dir(cfg)
+            journal = Journal.open(
+                state_dir,
+                mode="tick",
+                result_ttl_s=cfg.durability.result_ttl_s,
+                recover=self.wal_recover,
+                on_commit=self.metrics.wal_commit,
+            )
+            log.info("journal_opened", state_dir=str(state_dir), epoch=journal.epoch)
+        return Durability(journal, self.metrics, self.drainer, on_failed=self.request_stop)
 
     async def _notify_ready(self) -> None:
         """READY=1 once every worker has handshaken, then a STATUS= line whenever it changes."""
@@ -316,9 +387,17 @@ class Daemon:
             self._shutdown.cancel()
         if self.api is not None:
             self.api.stop_listening()
+        if self.http is not None:
+            self.http.stop_listening()
         if self.fleet is not None:
             for sched in self.fleet.schedulers:
                 await sched.stop()
+        if self.durability is not None:
+            # what the stop failed with SHUTTING_DOWN stays unfinished in the log (hand-over);
+            # every held reply is committed and sent before the connections close
+            await self.durability.close()
+        if self.http is not None:
+            await self.http.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -373,11 +452,13 @@ async def run(
     *,
     ready: asyncio.Event | None = None,
     config_path: str | os.PathLike[str] | None = None,
+    wal_recover: RecoverMode = "refuse",
 ) -> int:
     """Run the daemon until it is told to stop; returns the exit status (0). Signals (issue 9):
     SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
-    once); SIGINT stops at once; SIGHUP reloads ``config_path``."""
-    daemon = Daemon(config, config_path=config_path)
+    once); SIGINT stops at once; SIGHUP reloads ``config_path``. ``wal_recover``: what to do with a
+    corrupt write-ahead log (``basertd.server.wal.Journal.open``'s ``recover``)."""
+    daemon = Daemon(config, config_path=config_path, wal_recover=wal_recover)
     loop = asyncio.get_running_loop()
     installed = []
     handlers = {

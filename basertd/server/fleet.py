@@ -21,6 +21,7 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
+from basertd.server.cache_policy import WorkerCache
 from basertd.server.cache_policy import route as route_by_prefix
 from basertd.server.config import Config, WorkerConfig
 from basertd.server.drain import Drainer
@@ -29,8 +30,8 @@ from basertd.server.metrics import LiveState, Metrics, WorkerState
 from basertd.server.requests import QOS_CLASSES, AdmissionError
 from basertd.server.scheduler import Scheduler, WorkerLimits
 from basertd.server.supervisor import WorkerSlot
-from basertd.server.tokenizer import Tokenizer, make_tokenizer
-from basertd.server.worker_specs import worker_spec
+from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+from basertd.server.worker_specs import prefix_cache_usable, worker_spec
 
 log = structlog.get_logger("basertd.fleet")
 
@@ -38,6 +39,50 @@ WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
+
+
+class CapabilityGatedCache(WorkerCache):
+    """A worker's prefix-cache policy that is off (no seeds, no coalescing, no pins, no cached
+    hints) for an incarnation whose capability record says its engine has no usable prefix cache
+    (``worker_specs.prefix_cache_usable``: a basert bundle without paged KV or prefix cache);
+    DESIGN.md "Prefix cache policy". ``usable`` / ``unusable_reason`` describe the current or last
+    incarnation; a change is logged once (``prefix_cache_off`` with the engine's reason)."""
+
+    usable = True
+    unusable_reason = ""
+
+    def attach(self, caps) -> None:
+        super().attach(caps)
+        usable, why = prefix_cache_usable(caps)
+        if not usable and (self.usable or why != self.unusable_reason):
+            log.warning("prefix_cache_off", worker_id=self.worker_id, reason=why)
+        elif usable and not self.usable:
+            log.info("prefix_cache_on", worker_id=self.worker_id)
+        self.usable, self.unusable_reason = usable, why
+
+    @property
+    def enabled(self) -> bool:
+        return self.usable and super().enabled
+
+
+class UnavailableTokenizer:
+    """Stands for a basert bundle's tokenizer that did not load in the coordinator (the library
+    lacks ``baseRT_load_tokenizer_only``, the bundle does not load): the daemon still starts, the
+    worker of that bundle fails to start with its own line (exit 3) and is reported, and every
+    encode raises ``TokenizerError`` with ``reason``. Vocabulary size 0: no token id is valid."""
+
+    kind = "unavailable"
+    vocab_size = 0
+    add_bos = False
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def encode(self, text: str, *, add_bos: bool) -> list[int]:
+        raise TokenizerError(f"the model's tokenizer is unavailable: {self.reason}")
+
+    def piece(self, token: int) -> bytes:
+        return b""
 
 
 @dataclass
@@ -56,7 +101,9 @@ class Member:
 class Fleet:
     """The workers of one daemon (module docstring). ``build()`` (async: tokenizers load in a
     thread) then ``start()``; ``stop()`` stops every scheduler and worker and frees the
-    tokenizers. Raises ``basertd.models.ModelUnavailable`` or ``TokenizerError`` from ``build``."""
+    tokenizers. Raises ``basertd.models.ModelUnavailable`` or ``TokenizerError`` from ``build`` (a
+    basert bundle whose tokenizer does not load is an ``UnavailableTokenizer`` instead: its worker
+    reports why it cannot load)."""
 
     def __init__(self, config: Config, workers_dir: str, metrics: Metrics) -> None:
         self.config = config
@@ -77,7 +124,14 @@ class Fleet:
                 worker_id, wcfg, runtime_dir=self.workers_dir, log_level=cfg.log_level
             )
             if tok_key not in tokenizers:
-                tokenizers[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
+                try:
+                    tokenizers[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
+                except TokenizerError as exc:
+                    if tok_key[0] != "basert":
+                        raise
+                    # The worker of this bundle fails the same way and is reported (status, health).
+                    log.error("tokenizer_unavailable", worker_id=worker_id, reason=str(exc))
+                    tokenizers[tok_key] = UnavailableTokenizer(str(exc))
             tok = tokenizers[tok_key]
             holder: list[Scheduler] = []
             slot = WorkerSlot(
@@ -94,6 +148,7 @@ class Fleet:
                 max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
             )
             sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics, tokenizer=tok)
+            sched.cache_policy = CapabilityGatedCache(worker_id, cfg.cache)
             holder.append(sched)
             self.members.append(Member(worker_id, wcfg, name, slot, sched, tok))
         for m in self.members:  # a crashed worker's lanes resume on a live peer of the same model

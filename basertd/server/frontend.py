@@ -12,8 +12,10 @@ the same for all of them (DESIGN.md "Client API"):
    prefix (``Fleet.route`` / ``route_prefix``); the scheduler's own admission check (context
    window, KV pool, queue caps);
 4. the request record (``GenerationRequest``) with an ``ObservedSink`` around the transport's
-   sink, so metrics, the access log and drain accounting see every API alike; ``Accepted`` is the
-   first reply; the scheduler then sends Tokens / Done / Error through the same sink.
+   sink, so metrics, the access log and drain accounting see every API alike; with durability on
+   (``basertd.server.durable``) a ``DurableSink`` around that journals the request and holds
+   each reply until its group commit returned; ``Accepted`` (with the ``resume_id``) is the first
+   reply; the scheduler then sends Tokens / Done / Error through the same sink.
 
 A transport either gives its own ``RequestSink`` (``submit``: the native API writes frames
 straight to its connection) or takes an async iterator (``stream``: ``GenerationStream``, used
@@ -35,6 +37,7 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.access import ObservedSink
 from basertd.server.drain import Drainer
+from basertd.server.durable import Durability
 from basertd.server.fleet import Fleet
 from basertd.server.grammar import GrammarRequestError, spec_from_request
 from basertd.server.limits import check_generate, check_prompt_bytes, check_prompt_tokens
@@ -57,8 +60,16 @@ class Frontend:
     """The front end of one daemon (module docstring). ``state()`` returns the daemon's public
     state (``ready`` admits); ``api`` labels requests in logs by the API they came through."""
 
-    def __init__(self, fleet: Fleet, metrics: Metrics, drainer: Drainer, state: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: Metrics,
+        drainer: Drainer,
+        state: Callable[[], str],
+        durability: Durability | None = None,
+    ) -> None:
         self.fleet = fleet
+        self.durability = durability
         self.metrics = metrics
         self.drainer = drainer
         self._state = state
@@ -181,11 +192,15 @@ class Frontend:
             stream=gen.stream,
             grammar=spec,
         )
+        if self.durability is not None:
+            accepted = self.durability.wrap(gen, prompt, req, observed)
+        else:
+            accepted = api.Accepted(
+                request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed
+            )
         self.requests_total += 1
         observed.attach(req)
-        observed.send(
-            api.Accepted(request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed)
-        )
+        req.sink.send(accepted)
         m.scheduler.submit(req)
         return req
 
@@ -197,13 +212,26 @@ class Frontend:
         if req.worker_id is not None and not req.finished:
             self.fleet[req.worker_id].scheduler.cancel(req, code=code, message=message)
 
+    def resume(self, resume_id: str, after: int, sink: RequestSink) -> bool:
+        """Answer a Resume through ``sink`` (``Durability.resume``): True when ``sink`` now follows
+        a live request. Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST)."""
+        if self.durability is None:
+            raise AdmissionError(ErrorCode.NOT_FOUND, "durability is off: there is nothing to resume")
+        tokenizer = self.fleet[self.fleet.route("")].tokenizer if len(self.fleet) else None
+        return self.durability.resume(resume_id, after, sink, tokenizer)
+
     async def stream(self, gen: api.Generate, *, api_name: str) -> GenerationStream:
         """Admit ``gen`` and return its outputs as an async iterator (``GenerationStream``).
         Raises ``AdmissionError`` like ``submit``."""
         sink = QueueSink()
         req = await self.submit(gen, sink, api_name=api_name)
-        accepted = sink.queue.get_nowait()
-        return GenerationStream(self, req, sink, accepted)
+        # Accepted is the first reply; with durability it waits for its group commit
+        first = await sink.queue.get()
+        if isinstance(first, api.Accepted):
+            return GenerationStream(self, req, sink, first)
+        stream = GenerationStream(self, req, sink, None)
+        stream.push_front(first)  # an Error before Accepted (the daemon stopped meanwhile)
+        return stream
 
     # --- health ----------------------------------------------------------------------------------
 
@@ -259,20 +287,25 @@ class GenerationStream:
         self.accepted = accepted
         self._sink = sink
         self._ended = False
+        self._front: list[Any] = []
+
+    def push_front(self, msg: Any) -> None:
+        """Yield ``msg`` before anything queued."""
+        self._front.append(msg)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Any]:
         while not self._ended:
-            msg = await self._sink.queue.get()
+            msg = self._front.pop(0) if self._front else await self._sink.queue.get()
             if isinstance(msg, (api.Done, api.Error)):
                 self._ended = True
             yield msg
 
     def pending(self) -> list[Any]:
         """Replies already queued, taken without waiting (in order)."""
-        out = []
+        out, self._front = self._front, []
         while not self._sink.queue.empty():
             msg = self._sink.queue.get_nowait()
             if isinstance(msg, (api.Done, api.Error)):

@@ -43,7 +43,6 @@ from prometheus_client.registry import Collector
 from basertd.server.requests import QOS_CLASSES
 
 if TYPE_CHECKING:
-    from basertd.server.metrics_vllm import VllmCollector, VllmWorker
     from basertd.server.requests import GenerationRequest
 
 log = structlog.get_logger("basertd.metrics")
@@ -326,10 +325,56 @@ class Metrics:
             registry=r,
         )
         self.reloads = Counter("reloads", "Configuration reloads (SIGHUP).", namespace=ns, registry=r)
+        self.connections_dropped = Counter(
+            "connections_dropped",
+            "Client connections refused or closed by a [limits] cap, by reason (total_cap, uid_cap, "
+            "buffer_budget, frame_timeout, idle_timeout, slow_reader).",
+            ["reason"],
+            namespace=ns,
+            registry=r,
+        )
+        self.connections_open = Gauge(
+            "client_connections", "Open client-socket connections.", namespace=ns, registry=r
+        )
+        self.request_buffer_bytes = Gauge(
+            "request_buffer_bytes",
+            "Bytes reserved for request frames being received (counted against "
+            "limits.max_request_buffer_bytes).",
+            namespace=ns,
+            registry=r,
+        )
+        self.resumed = Counter(
+            "requests_resumed",
+            "Requests resumed: after a daemon restart (re-queued from the write-ahead log) or after a "
+            "worker crash (DESIGN.md 'Crash = preemption; acceptance is durable').",
+            ["after"],
+            namespace=ns,
+            registry=r,
+        )
+        self.wal_bytes = Counter(
+            "wal_bytes", "Bytes written to the write-ahead log (group commits).", namespace=ns, registry=r
+        )
+        self.wal_fsync_seconds = Histogram(
+            "wal_fsync_seconds",
+            "Latency of one write-ahead log group commit's fdatasync (seconds).",
+            namespace=ns,
+            registry=r,
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+        )
+        self.wal_recovered = Gauge(
+            "wal_recovered",
+            "What the write-ahead log recovery found at start: records replayed, unfinished requests "
+            "re-queued, finished results kept, bytes of torn tail truncated.",
+            ["what"],
+            namespace=ns,
+            registry=r,
+        )
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
-        self._vllm: VllmCollector | None = None
+        self.extra_collectors: list[_LiveCollector] = []
+        """Live collectors registered beside the built-in one (``metrics_vllm.bind_vllm``); their
+        source is dropped at ``close()``."""
         self._http: tuple[Any, threading.Thread] | None = None
 
     # --- wiring ----------------------------------------------------------------------------------
@@ -346,21 +391,9 @@ class Metrics:
         """Stop reading live state (the daemon stopped): live gauges disappear from scrapes."""
         self._live.source = None
         self._live.loop = None
-        if self._vllm is not None:
-            self._vllm.source = None
-            self._vllm.loop = None
-
-    def bind_vllm(self, source: Callable[[], list[VllmWorker]]) -> None:
-        """Also export the ``vllm:*`` series (``basertd.server.metrics_vllm``), read from
-        ``source()`` on the running event loop at scrape time (``[metrics] vllm_compat``)."""
-        from basertd.server.metrics_vllm import VllmCollector
-
-        if self._vllm is None:
-            self._vllm = VllmCollector(self)
-            self.registry.register(self._vllm)
-        self._vllm.source = source
-        self._vllm.loop = asyncio.get_running_loop()
-        self._vllm.loop_thread = threading.get_ident()
+        for extra in self.extra_collectors:
+            extra.source = None
+            extra.loop = None
 
     def exposition(self) -> str:
         """The Prometheus text exposition of the registry."""
@@ -437,12 +470,38 @@ class Metrics:
         self.preemptions.labels(str(worker_id), qos).inc()
 
     def crash_resumed(self, worker_id: int) -> None:
-        """A running request of worker ``worker_id`` was requeued after the worker died."""
+        """A running request of worker ``worker_id`` was requeued after the worker died (also
+        counted as ``requests_resumed{after="worker_crash"}``)."""
         self.crash_resumes.labels(str(worker_id)).inc()
+        self.request_resumed("worker_crash")
 
     def grammar_handles_held(self, worker_id: int, count: int) -> None:
         """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
         self.grammar_handles.labels(str(worker_id)).set(count)
+
+    def connection_dropped(self, reason: str) -> None:
+        """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""
+        self.connections_dropped.labels(reason).inc()
+
+    def wal_commit(self, nbytes: int, fsync_s: float) -> None:
+        """A write-ahead log group commit wrote ``nbytes`` and its fdatasync took ``fsync_s``
+        (the journal's ``on_commit`` hook; called from the committing thread)."""
+        self.wal_bytes.inc(nbytes)
+        self.wal_fsync_seconds.observe(fsync_s)
+
+    def wal_recovery(self, records: int, requests: int, results: int, truncated_bytes: int) -> None:
+        """What the write-ahead log recovery found at start."""
+        for what, n in (
+            ("records", records),
+            ("requests", requests),
+            ("results", results),
+            ("truncated_bytes", truncated_bytes),
+        ):
+            self.wal_recovered.labels(what).set(n)
+
+    def request_resumed(self, after: str) -> None:
+        """A request resumed ``after`` "restart" (from the log) or "worker_crash"."""
+        self.resumed.labels(after).inc()
 
     def control_denied(self, verb: str) -> None:
         """A control verb was refused by the peer-credential check."""

@@ -20,16 +20,15 @@ workers serving it, and read at scrape time like the live gauges (exactly 0 once
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from basertd.server.metrics import _LiveCollector
-
-if TYPE_CHECKING:
-    from basertd.server.metrics import Metrics
+from basertd.server.metrics import Metrics, _LiveCollector
 
 
 @dataclass(frozen=True)
@@ -125,3 +124,15 @@ class VllmCollector(_LiveCollector):
         yield info
         yield queries
         yield hits
+
+
+def bind_vllm(metrics: Metrics, source: Callable[[], list[VllmWorker]]) -> VllmCollector:
+    """Also export the ``vllm:*`` series on ``metrics``' registry, read from ``source()`` on the
+    running event loop at scrape time (``[metrics] vllm_compat``). Returns the collector."""
+    collector = VllmCollector(metrics)
+    metrics.registry.register(collector)
+    metrics.extra_collectors.append(collector)
+    collector.source = source
+    collector.loop = asyncio.get_running_loop()
+    collector.loop_thread = threading.get_ident()
+    return collector

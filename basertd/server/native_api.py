@@ -2,9 +2,10 @@
 
 ``NativeService`` is the ``basertd.server.api.Service`` of the client socket. Generate goes to
 ``Frontend.submit`` with a ``ConnectionSink`` (replies are frames on that connection, tagged
-with the request id); Cancel, Tokenize, Models and Health are answered from the front end;
-everything else is a control verb for ``ControlService``. A connection that goes away cancels
-every generation it still had (DESIGN.md "Client API").
+with the request id); Resume follows a journaled request (``Frontend.resume``,
+``basertd.server.durable``) under its resume id; Cancel, Tokenize, Models and Health are
+answered from the front end; everything else is a control verb for ``ControlService``. A
+connection that goes away cancels every generation it still had (DESIGN.md "Client API").
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class NativeService:
         try:
             if isinstance(msg, api.Generate):
                 await self._generate(conn, msg)
+            elif isinstance(msg, api.Resume):
+                self._resume(conn, msg)
             elif isinstance(msg, api.Cancel):
                 req = conn.generations.get(msg.request_id)
                 if req is not None:
@@ -120,6 +123,19 @@ class NativeService:
             conn.generations[rid] = req
         else:
             conn.generations.pop(rid, None)
+
+    def _resume(self, conn: ClientConnection, msg: api.Resume) -> None:
+        """Follow journaled request ``msg.request_id`` on this connection (``Frontend.resume``);
+        its replies carry that id. Leaving does not cancel it: it belongs to the log, not to this
+        connection."""
+        rid = msg.request_id
+        if rid in conn.generations:
+            raise AdmissionError(
+                ErrorCode.INVALID_REQUEST, f"request id {rid!r} is already in use on this connection"
+            )
+        sink = ConnectionSink(conn, rid)
+        if self.frontend.resume(rid, msg.after, sink):
+            conn.generations[rid] = None  # routed here until its Done or Error
 
     def connection_lost(self, conn: ClientConnection) -> None:
         """Cancel every generation of a gone client (its lanes retire in the next plan)."""

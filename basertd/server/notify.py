@@ -10,7 +10,9 @@ The protocol is a handful of lines, so it is spoken here rather than through a C
   ``$WATCHDOG_USEC`` only when every registered heartbeat has beaten since the previous ping, so a
   scheduler loop that hangs (or dies) stops the pings and systemd restarts the service.
 - ``listen_fds`` / ``adopt_listener`` take the client socket systemd passed
-  (``$LISTEN_PID``, ``$LISTEN_FDS``, ``$LISTEN_FDNAMES``; descriptors from 3, sd_listen_fds(3)).
+  (``$LISTEN_PID``, ``$LISTEN_FDS``, ``$LISTEN_FDNAMES``; descriptors from 3, sd_listen_fds(3));
+  ``adopt_named`` takes the sockets of one ``FileDescriptorName=`` (``http``: the HTTP API), which
+  ``adopt_listener`` leaves alone.
 
 Every variable is removed from ``os.environ`` once read, so worker processes never inherit them
 (systemd only accepts notifications from the main process anyway, ``NotifyAccess=main``).
@@ -228,10 +230,35 @@ def listen_fds(environ: MutableMapping[str, str] | None = None) -> list[tuple[in
     return out
 
 
+HTTP_FD_NAME = "http"
+"""``FileDescriptorName=`` of sockets served as the HTTP API (``basertd.server.http``)."""
+
+
+def adopt_named(fds: list[tuple[int, str]], name: str) -> list[socket.socket]:
+    """The passed descriptors named ``name`` as non-blocking sockets (listening ``AF_UNIX`` or
+    ``AF_INET``/``AF_INET6`` stream sockets). Raises ``SocketActivationError`` for one that is not."""
+    out = []
+    for fd, label in fds:
+        if label != name:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError as exc:
+            raise SocketActivationError(f"fd {fd} ({name}): {exc.strerror or exc}") from None
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        if sock.type != socket.SOCK_STREAM or not listening:
+            sock.detach()
+            raise SocketActivationError(f"fd {fd} ({name}): not a listening stream socket")
+        sock.setblocking(False)
+        out.append(sock)
+    return out
+
+
 def adopt_listener(fds: list[tuple[int, str]]) -> socket.socket | None:
     """The first passed descriptor that is a listening ``AF_UNIX`` stream socket, as a non-blocking
     ``socket.socket`` (None when ``fds`` is empty). Raises ``SocketActivationError`` when
     descriptors were passed but none qualifies."""
+    fds = [(fd, name) for fd, name in fds if name != HTTP_FD_NAME]
     if not fds:
         return None
     seen = []

@@ -68,6 +68,7 @@ def effective_config(old: Config, new: Config) -> Config:
         socket=old.socket,
         socket_mode=old.socket_mode,
         workers=old.workers,
+        limits=old.limits,
         operators=ops,
     )
 

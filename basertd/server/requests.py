@@ -204,6 +204,21 @@ class GenerationRequest:
         starts."""
         return self.cancelled or self.sink.closed
 
+    def restore(self, ids: Sequence[int]) -> str | None:
+        """Take ``ids`` as already delivered (a request re-run from the write-ahead log after a
+        restart): they join ``generated`` and prime the detokenizer and stop matcher, sending
+        nothing. Returns "stop" or "length" when they already end the generation, else None."""
+        ids = [int(t) for t in ids[: max(self.remaining, 0)]]
+        if not ids:
+            return None
+        self.generated.extend(ids)
+        if self.t_first_token is None:
+            self.t_first_token = time.monotonic()
+        text = self._detok.feed(ids)
+        if self._stops.stops and self._stops.feed(text)[1]:
+            return "stop"
+        return "length" if self.remaining <= 0 else None
+
     # --- output ---------------------------------------------------------------------------
 
     def _send_tokens(self, ids: list[int], text: str, final: bool) -> None:

@@ -10,7 +10,10 @@ One ``WorkerSlot`` per configured worker runs one supervisor task on the daemon'
   ``backoff_initial_s`` doubling up to ``backoff_max_s`` seconds;
 - after ``max_failures`` failures in a row (a start that failed, or an incarnation that died
   before finishing a single tick) it stops retrying, logs one ``worker_given_up`` line and calls
-  ``on_give_up``; the next request (``poke``) starts it again.
+  ``on_give_up``; the next request (``poke``) starts it again;
+- a start that fails with exit status 2 (bad command line) or 3 (engine or model cannot load;
+  ``worker_proc.PERMANENT_EXIT_CODES``) gives up at once: respawning the same spec cannot fix a
+  configuration or model error. ``last_error`` is then the worker's own one-line reason.
 
 ``stop()`` ends the task and closes the worker; no child survives it (the child also has
 ``PR_SET_PDEATHSIG`` should the coordinator itself be killed).
@@ -26,7 +29,7 @@ from collections.abc import Callable
 import structlog
 
 from basertd.server.link import LinkError
-from basertd.server.worker_proc import WorkerProcess, WorkerSpec
+from basertd.server.worker_proc import WorkerProcess, WorkerSpec, WorkerStartError
 
 log = structlog.get_logger("basertd.supervisor")
 
@@ -36,7 +39,10 @@ class WorkerSlot:
 
     ``state``: "starting", "ready", "restarting", "given_up" or "stopped". ``proc``: the ready
     ``WorkerProcess`` or None. ``respawns``: incarnations started after the first.
-    ``consecutive_failures``: failures since the last incarnation that finished a tick."""
+    ``consecutive_failures``: failures since the last incarnation that finished a tick.
+    ``start_failures``: starts that failed, in all. ``last_error``: why the last start failed or
+    the last incarnation ended, one line (for a worker that exited 2 or 3, its own reason and exit
+    status)."""
 
     def __init__(
         self,
@@ -60,7 +66,9 @@ class WorkerSlot:
         self.respawns = 0
         self.incarnations = 0
         self.consecutive_failures = 0
+        self.start_failures = 0
         self.last_error = ""
+        self.permanent_at: float | None = None
         self._progress = False
         self._changed = asyncio.Event()
         self._poked = asyncio.Event()
@@ -90,9 +98,19 @@ class WorkerSlot:
         return self.state == "given_up"
 
     def poke(self) -> None:
-        """A request arrived: if the slot gave up, try again (failure count reset)."""
-        if self.state == "given_up":
-            self._poked.set()
+        """A request arrived: if the slot gave up, try again (failure count reset). After a
+        permanent start failure (exit 2 or 3) it tries again only once ``backoff_max_s`` seconds
+        have passed since; before that the queued requests fail at once through ``on_give_up``
+        (the operator may have fixed the model or library meanwhile, but a stream of requests must
+        not become a stream of doomed spawns)."""
+        if self.state != "given_up":
+            return
+        held = self.permanent_at is not None and time.monotonic() - self.permanent_at < self.backoff_max_s
+        if held:
+            if self.on_give_up is not None:
+                asyncio.get_running_loop().call_soon(self.on_give_up, self.last_error)
+            return
+        self._poked.set()
 
     def progress(self) -> None:
         """The current incarnation finished a tick: it counts as healthy."""
@@ -126,7 +144,9 @@ class WorkerSlot:
                     worker_id=self.worker_id,
                     failures=self.consecutive_failures,
                     last_error=self.last_error,
-                    note="not retrying until the next request arrives",
+                    note="not retrying until the next request arrives"
+                    if self.permanent_at is None
+                    else f"configuration or model error: a request retries after {self.backoff_max_s:g} s",
                 )
                 self._set_state("given_up")
                 if self.on_give_up is not None:
@@ -141,6 +161,13 @@ class WorkerSlot:
             try:
                 proc = await WorkerProcess.start(self.spec)
             except (LinkError, OSError, ValueError) as exc:
+                self.start_failures += 1
+                if isinstance(exc, WorkerStartError) and exc.permanent:
+                    # A usage or load error: the same spec fails the same way; give up now.
+                    self.consecutive_failures = max(self.consecutive_failures + 1, self.max_failures)
+                    self.last_error = f"{exc.reason or exc} (exit status {exc.returncode})"
+                    self.permanent_at = time.monotonic()
+                    continue
                 self.consecutive_failures += 1
                 self.last_error = f"start failed: {exc}"
                 log.warning(
@@ -154,6 +181,7 @@ class WorkerSlot:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.backoff_max_s)
                 continue
+            self.permanent_at = None
             self.incarnations += 1
             if self.incarnations > 1:
                 self.respawns += 1

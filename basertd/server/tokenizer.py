@@ -33,6 +33,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from basertd.model_files import load_failure
+
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 """Special ids of the "bytes" vocabulary."""
 BYTE_BASE = 3
@@ -106,12 +108,13 @@ class GgufTokenizer:
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
-        if not self._model:
-            raise TokenizerError(f"cannot load the vocabulary of {path}")
+        if not self._model:  # say why: missing, not a GGUF, truncated, unsupported architecture
+            raise TokenizerError(load_failure(path, f"cannot load the vocabulary of {path}"))
         self.path = str(path)
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.bos_id = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self.eos_id = int(llama_cpp.llama_vocab_eos(self._vocab))
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self._lock = threading.Lock()
         self._pieces: dict[int, bytes] = {}
@@ -155,6 +158,31 @@ class GgufTokenizer:
         out = buf.raw[:n]
         self._pieces[token] = out
         return out
+
+    def meta(self, key: str) -> str | None:
+        """The GGUF metadata value of ``key`` as text (``llama_model_meta_val_str``), None when
+        absent (e.g. ``meta("tokenizer.chat_template")``)."""
+        with self._lock:
+            self._check_open()
+            size = 4096
+            while True:
+                buf = ctypes.create_string_buffer(size)
+                n = self._ll.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+                if n < 0:
+                    return None
+                if n < size:
+                    return buf.raw[:n].decode("utf-8", "replace")
+                size = n + 1
+
+    def token_text(self, token: int) -> str:
+        """The text of token ``token`` as the vocabulary spells it, special tokens included ("" for
+        -1 or an id out of range), e.g. ``<bos>`` for a chat template's ``bos_token``."""
+        if not 0 <= token < self.vocab_size:
+            return ""
+        with self._lock:
+            self._check_open()
+            raw = self._ll.llama_vocab_get_text(self._vocab, token)
+        return (raw or b"").decode("utf-8", "replace")
 
     def _check_open(self) -> None:
         if self._model is None:

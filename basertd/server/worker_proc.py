@@ -12,7 +12,11 @@
 3. a zmq PAIR socket bound on the endpoint (``configure_link_socket``: MAXMSGSIZE, no HWM);
 4. ``sys.executable -m basertd.worker.main`` (or ``spec.command``) with the segments' fds in
    ``pass_fds`` and on the command line (``--ring ID:KIND:FD:SLOTS:SLOT_BYTES``),
-   ``--parent-pid`` this process, ``--link`` the endpoint and the engine flags of the spec;
+   ``--parent-pid`` this process, ``--link`` the endpoint, ``--error-file`` in the private
+   directory (a worker exiting 2 or 3 writes its one-line reason there; it becomes the
+   ``WorkerStartError``'s ``reason``), the engine flags of the spec, and ``--control FD``, a
+   fresh 64-byte control segment (``basertd.shm.ControlBlock``: the yield word of
+   ``request_yield`` / ``clear_yield``);
 5. ``os.pidfd_open`` of the child, handed to the ``WorkerLink`` so its death is noticed at once;
 6. the Link W handshake and ring attach (``WorkerLink.handshake``).
 
@@ -57,7 +61,7 @@ from basertd.server.link import (
     WorkerLink,
     configure_link_socket,
 )
-from basertd.shm import RingReader, RingWriter, Segment, ring_bytes, slot_bytes_for
+from basertd.shm import ControlBlock, RingReader, RingWriter, Segment, YieldReason, ring_bytes, slot_bytes_for
 
 __all__ = [
     "EMIT_RING_ID",
@@ -69,6 +73,7 @@ __all__ = [
     "WorkerSpec",
     "WorkerSpecError",
     "WorkerStartError",
+    "read_error_line",
 ]
 
 log = structlog.get_logger("basertd.worker_proc")
@@ -96,11 +101,39 @@ class WorkerSpecError(ValueError):
 
 class WorkerStartError(LinkError):
     """The worker did not come up: it exited during startup (``returncode``: 2 bad command line,
-    3 model could not load, ...), the handshake failed or timed out. Everything was torn down."""
+    3 model could not load, ...), the handshake failed or timed out. Everything was torn down.
+    ``reason``: the worker's own one-line explanation (its ``--error-file``), "" when it wrote
+    none."""
 
-    def __init__(self, message: str, returncode: int | None = None) -> None:
+    def __init__(self, message: str, returncode: int | None = None, reason: str = "") -> None:
         self.returncode = returncode
+        self.reason = reason
         super().__init__(message)
+
+    @property
+    def permanent(self) -> bool:
+        """The worker refused its command line (exit 2) or could not load its engine or model
+        (exit 3): starting it again with the same spec fails the same way."""
+        return self.returncode in PERMANENT_EXIT_CODES
+
+
+PERMANENT_EXIT_CODES = (2, 3)
+"""Worker exit statuses that respawning cannot fix (``basertd.worker.lifecycle.ExitCode`` USAGE
+and MODEL_LOAD): the supervisor gives up at once."""
+ERROR_FILE = "error"
+"""Name, in the private runtime directory, of the file the worker writes its one-line reason to
+when it exits 2 or 3 (``basertd-worker --error-file``)."""
+
+
+def read_error_line(rundir: str | None) -> str:
+    """The worker's one-line reason from ``rundir``/``ERROR_FILE``, "" when there is none."""
+    if not rundir:
+        return ""
+    try:
+        with open(os.path.join(rundir, ERROR_FILE), encoding="utf-8", errors="replace") as f:
+            return " ".join(f.read(4096).split())
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -256,6 +289,7 @@ class _Resources:
         self.ipc_path: str | None = None
         self.segments: list[Segment] = []
         self.rings: list[Any] = []
+        self.control: ControlBlock | None = None
         self.sock: zmq.Socket | None = None
         self.proc: subprocess.Popen | None = None
         self.pidfd: int | None = None
@@ -292,6 +326,9 @@ class _Resources:
         for seg in self.segments:
             seg.close()
         self.segments.clear()
+        if self.control is not None:
+            self.control.close()
+            self.control = None
 
 
 class WorkerProcess:
@@ -301,7 +338,8 @@ class WorkerProcess:
     record); ``prompt_ring`` (``RingWriter``: write each admit's prompt here and put the returned
     ``TokenRef`` in ``LaneAdmit.prompt``); ``emit_ring`` / ``logits_ring`` (``RingReader``: read
     ``LaneEmit.token_ref`` / ``logits_row`` here, right after the tick, before the ring wraps);
-    ``ipc_path`` and ``runtime_dir`` (gone after ``close``)."""
+    ``control`` (the ``ControlBlock`` behind ``request_yield`` / ``clear_yield``); ``ipc_path`` and
+    ``runtime_dir`` (gone after ``close``)."""
 
     def __init__(self, spec: WorkerSpec, res: _Resources, caps: link.Capabilities) -> None:
         self.spec = spec
@@ -313,6 +351,8 @@ class WorkerProcess:
         self.prompt_ring: RingWriter = res.rings[0]
         self.emit_ring: RingReader = res.rings[1]
         self.logits_ring: RingReader = res.rings[2]
+        assert res.control is not None
+        self.control: ControlBlock = res.control
         self.ipc_path: str = res.ipc_path or ""
         self.runtime_dir: str = res.rundir
         self._closed = False
@@ -357,6 +397,7 @@ class WorkerProcess:
                         offset=0,
                     )
                 )
+            res.control = ControlBlock.create(name=f"basertd-w{spec.worker_id}-control")
             ctx = context or zmq.Context.instance()
             res.sock = ctx.socket(zmq.PAIR)
             configure_link_socket(res.sock)
@@ -373,16 +414,19 @@ class WorkerProcess:
                 str(os.getpid()),
                 "--log-level",
                 spec.log_level,
+                "--error-file",
+                os.path.join(res.rundir, ERROR_FILE),
                 *spec.engine_args(),
             ]
             for a in attach:
                 argv += ["--ring", f"{a.ring_id}:{_RING_NAMES[a.ring_id]}:{a.fd}:{a.slots}:{a.slot_bytes}"]
+            argv += ["--control", str(res.control.fd)]
             env = None
             if spec.env or device_env(spec.device):
                 env = {**os.environ, **device_env(spec.device), **(spec.env or {})}
             res.proc = subprocess.Popen(
                 argv,
-                pass_fds=[a.fd for a in attach],
+                pass_fds=[*(a.fd for a in attach), res.control.fd],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=spec.stderr,
@@ -401,8 +445,14 @@ class WorkerProcess:
             try:
                 caps = await res.link.handshake(attach, timeout=spec.start_timeout)
             except WorkerDied as exc:
+                code = exc.returncode
+                if code is None:  # the pidfd fired before subprocess reaped it: the exit is there
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        code = res.proc.wait(timeout=1.0)
+                reason = read_error_line(res.rundir)
+                said = f": {reason}" if reason else ""
                 raise WorkerStartError(
-                    f"worker {spec.worker_id} exited during startup: {exc}", exc.returncode
+                    f"worker {spec.worker_id} exited during startup: {exc}{said}", code, reason
                 ) from exc
             except LinkError as exc:
                 raise WorkerStartError(f"worker {spec.worker_id} handshake failed: {exc}") from exc
@@ -443,6 +493,39 @@ class WorkerProcess:
             finally:
                 loop.remove_reader(pidfd)
         return proc.wait()
+
+    # -- yield inside a tick -----------------------------------------------------------------------
+
+    @property
+    def can_yield(self) -> bool:
+        """True when the worker's engine ends a tick early on ``request_yield`` (capability record
+        ``extra["yield"] == "step"``); otherwise the word is ignored and every tick runs to its end."""
+        return self.capabilities.extra.get("yield") == "step"
+
+    def request_yield(self, reason: int = YieldReason.URGENT_ADMIT) -> None:
+        """Ask the tick in flight to end at its next step boundary (``basertd.shm.control``): set
+        when work arrives that outranks it (an interactive request, a cancel, a drain). Sticky: every
+        tick ends after its first step until ``clear_yield``. The yielded tick's events report the
+        prefill not done as PREFILL_CHUNK shed entries (ABI rules 56, 57) and decode lanes with fewer
+        tokens than granted (finish NONE). ValueError for reason 0. No-op once closed."""
+        if not self._closed:
+            self.control.request_yield(reason)
+
+    def clear_yield(self) -> None:
+        """Let ticks run to their end again; call it when sending the plan that serves the urgent
+        work (before the reply, so that plan is not itself cut short). No-op once closed."""
+        if not self._closed:
+            self.control.clear_yield()
+
+    @property
+    def yield_requested(self) -> bool:
+        """Whether the yield word is set now."""
+        return not self._closed and self.control.yield_reason() != 0
+
+    @property
+    def yields_taken(self) -> int:
+        """Ticks the engine has ended early in this incarnation."""
+        return 0 if self._closed else self.control.yields_taken
 
     # -- teardown --------------------------------------------------------------------------------
 

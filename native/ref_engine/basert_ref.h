@@ -102,7 +102,14 @@
  * next accepted tick after it or baseRT_ref_free [70]. Logprob records are written for GPU
  * lanes admitted with want_logprobs (1 + n_top); HOST lanes get none (the host has the row).
  * The partial-emit callback gets each freshly drawn token of GPU lanes, one call per token, on
- * the ticking thread [64]. tick_delay_us sleeps (never spins) once per accepted tick.
+ * the ticking thread [64]. tick_delay_us sleeps (never spins) once per accepted tick (the decode
+ * step); prefill_step_us sleeps once per prefill step of prefill_step_tokens tokens.
+ *
+ * Yield inside a tick (basertd.shm.control): with a yield word attached (baseRT_ref_set_yield_word),
+ * the engine reads it before every prefill step but the tick's first; when it is nonzero the tick's
+ * remaining prefill is not run and is reported exactly as a budget-shed chunk (one PREFILL_CHUNK
+ * shed entry per cut lane, tokens = planned - done) [56, 57]; lanes whose prefill was cut do not
+ * decode this tick; every other decode runs.
  *
  * Threading: one bundle is driven from one thread at a time; every entry point takes the
  * bundle's lock, and a call re-entering the engine from the partial-emit callback returns
@@ -162,7 +169,10 @@ typedef struct BaseRTRefConfig {
     uint32_t n_layers;                /* model layers (for strategy taps) */
     uint32_t _pad0;
     const char *arch;                 /* NULL = "ref-arch"; copied */
-} BaseRTRefConfig; /* 152 */
+    uint32_t prefill_step_tokens;     /* prefill runs in steps of at most this many tokens; 0 = one
+                                       * step per tick */
+    uint32_t prefill_step_us;         /* real sleep per prefill step, microseconds (a prefill rate) */
+} BaseRTRefConfig; /* 160 */
 
 /* Counters and gauges of a bundle (baseRT_ref_stats). Bytes are pool bytes unless named. */
 typedef struct BaseRTRefStats {
@@ -230,6 +240,12 @@ baseRT_status baseRT_ref_create_checked(const BaseRTRefConfig *cfg, baseRT_model
 
 /* As baseRT_ref_create_checked, NULL on any refusal. */
 baseRT_model_t baseRT_ref_create(const BaseRTRefConfig *cfg);
+
+/* Attaches the control segment's yield word: words[0] is read (relaxed atomic 64-bit loads) before
+ * each prefill step but a tick's first; words[1] is incremented by the engine for every tick it
+ * ends early. NULL detaches. The words must stay mapped until detached or baseRT_ref_free.
+ * BAD_STRUCT for a pointer not 8-byte aligned; FATAL for a dead bundle; EBUSY on re-entry. */
+baseRT_status baseRT_ref_set_yield_word(baseRT_model_t bundle, uint64_t *words);
 
 /* Frees the bundle and everything it holds (lanes, sequences, cache, leases, events). NULL is
  * ignored. Handles of the bundle are invalid afterwards. */

@@ -479,6 +479,20 @@ baseRT_status baseRT_ref_refuse_admits(baseRT_model_t bundle, uint32_t kind, uin
     return rc;
 }
 
+baseRT_status baseRT_ref_set_yield_word(baseRT_model_t bundle, uint64_t *words) {
+    baseRT_status rc;
+    ref_bundle *b = ref_lock(bundle, &rc);
+    if (!b)
+        return rc;
+    if ((uintptr_t)words % 8u) {
+        ref_unlock(b);
+        return BASERT_REJECT_BAD_STRUCT;
+    }
+    b->yield_words = words;
+    ref_unlock(b);
+    return BASERT_STATUS_OK;
+}
+
 baseRT_status baseRT_ref_stats(baseRT_model_t bundle, BaseRTRefStats *out) {
     baseRT_status rc;
     ref_bundle *b = ref_lock(bundle, &rc);

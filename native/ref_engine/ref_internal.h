@@ -417,6 +417,7 @@ struct ref_bundle {
     uint32_t n_leases, cap_leases;
     uint64_t next_seed;
 
+    uint64_t *yield_words;              /* control segment: [0] yield word, [1] yields taken */
     uint64_t ticks;                     /* accepted ticks = index of the next tick */
     uint64_t last_plan_seq;
     int has_plan_seq;

@@ -214,29 +214,63 @@ static int run_admits(ref_bundle *b, ref_work *w, ref_events *ev) {
     return 0;
 }
 
+static void sleep_us(uint32_t us) {
+    struct timespec ts = {us / 1000000u, (long)(us % 1000000u) * 1000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Whether the coordinator asked this tick to end early (basertd.shm.control): a relaxed atomic
+ * load of the yield word; no data is published through it, so no ordering is needed. */
+static int yield_requested(const ref_bundle *b) {
+    return b->yield_words && __atomic_load_n(&b->yield_words[0], __ATOMIC_RELAXED) != 0;
+}
+
+static int shed_chunk(ref_bundle *b, ref_events *ev, const ref_lane *l, uint32_t dropped) {
+    BaseRTShedEntry *s = PUSH(ev, shed, n_shed, cap_shed);
+    if (!s)
+        return -1;
+    s->lane_tag = l->tag;
+    s->kind = BASERT_SHED_PREFILL_CHUNK;
+    s->reason = REF_SHED_REASON_BUDGET;
+    s->tokens = dropped;
+    s->bytes = (uint64_t)dropped * (b->pool.block_bytes ? b->cfg.bytes_per_token : 0);
+    ev->ev.shed.prefill_chunks_dropped++;
+    return 0;
+}
+
+/* Prefills in steps of prefill_step_tokens (each followed by a prefill_step_us sleep). Before every
+ * step but the tick's first the yield word is read; once set, what is left of every chunk is
+ * dropped exactly like a budget cut [56, 57]: one shed entry per lane, tokens = planned - done. */
 static int run_prefills(ref_bundle *b, ref_work *w, ref_events *ev) {
+    uint32_t step = b->cfg.prefill_step_tokens, steps = 0;
+    int yielded = 0;
     for (uint32_t i = 0; i < w->n[2]; i++) {
         const BaseRTLanePrefill *p = &w->prefills[i];
         ref_lane *l = ref_lane_find(b, p->lane_tag);
         if (!l || l->state != REF_LANE_LIVE)
             continue; /* admit refused this tick, or a test hook ended it */
-        uint32_t eff = w->prefill_eff[i], dropped = p->token_count - eff;
-        if (eff && ref_seq_append(b, l->seq, l->prompt + l->fed, eff))
-            return -1;
-        l->fed += eff;
-        b->prefill_total += eff;
-        if (dropped) { /* rule 56 */
-            BaseRTShedEntry *s = PUSH(ev, shed, n_shed, cap_shed);
-            if (!s)
+        uint32_t eff = w->prefill_eff[i], done = 0;
+        while (done < eff) {
+            if (steps && !yielded && yield_requested(b))
+                yielded = 1;
+            if (yielded)
+                break;
+            uint32_t n = step && eff - done > step ? step : eff - done;
+            if (ref_seq_append(b, l->seq, l->prompt + l->fed, n))
                 return -1;
-            s->lane_tag = l->tag;
-            s->kind = BASERT_SHED_PREFILL_CHUNK;
-            s->reason = REF_SHED_REASON_BUDGET;
-            s->tokens = dropped;
-            s->bytes = (uint64_t)dropped * (b->pool.block_bytes ? b->cfg.bytes_per_token : 0);
-            ev->ev.shed.prefill_chunks_dropped++;
+            l->fed += n;
+            done += n;
+            b->prefill_total += n;
+            steps++;
+            if (b->cfg.prefill_step_us)
+                sleep_us(b->cfg.prefill_step_us);
         }
+        if (done < p->token_count && shed_chunk(b, ev, l, p->token_count - done)) /* rule 56 */
+            return -1;
     }
+    if (yielded)
+        __atomic_fetch_add(&b->yield_words[1], 1, __ATOMIC_RELAXED);
     return 0;
 }
 
@@ -329,20 +363,14 @@ static int run_decodes(ref_bundle *b, ref_work *w, ref_events *ev) {
     for (uint32_t i = 0; i < w->n[3]; i++) {
         const BaseRTLaneDecode *d = &w->decodes[i];
         ref_lane *l = ref_lane_find(b, d->lane_tag);
-        if (!l || l->state != REF_LANE_LIVE)
-            continue;
+        if (!l || l->state != REF_LANE_LIVE || l->fed < l->prefill_end)
+            continue; /* its prefill was cut by a yield: it decodes once the prefill resumes */
         int rc = l->sampling == BASERT_SAMPLING_HOST ? decode_host(b, l, ev)
                                                      : decode_gpu(b, w, l, d->max_new_tokens, ev);
         if (rc)
             return -1;
     }
     return 0;
-}
-
-static void sleep_us(uint32_t us) {
-    struct timespec ts = {us / 1000000u, (long)(us % 1000000u) * 1000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
 }
 
 static void fill_mem(const ref_bundle *b, BaseRTMemCounters *m) {

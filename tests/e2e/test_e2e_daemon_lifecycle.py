@@ -39,7 +39,8 @@ def test_sigint_stops_cleanly_and_fails_running_work_typed():
         REF_WORKER.replace("vocab_size = 259\n", "vocab_size = 259\ntick_delay_us = 50000\neos_period = 0\n")
     ) as d:
         c = d.client()
-        s = c.stream("long", max_tokens=100, temperature=0)
+        # resume=False: this test watches the daemon end the stream, not the client resume it
+        s = c.stream("long", max_tokens=100, temperature=0, resume=False)
         it = iter(s)
         next(it)
         kids = d.track_children()
@@ -72,12 +73,12 @@ def test_a_runtime_directory_the_daemon_created_is_removed_at_exit(tmp_path):
     import time
 
     config = tmp_path / "basertd.toml"
-    config.write_text(REF_WORKER)
+    config.write_text(REF_WORKER + "[http]\nlisten = []\n")
     for pre_existing in (False, True):
         rt = tmp_path / f"rt-{pre_existing}"
         if pre_existing:
             rt.mkdir()
-        env = {**os.environ, "RUNTIME_DIRECTORY": str(rt)}
+        env = {**os.environ, "RUNTIME_DIRECTORY": str(rt), "STATE_DIRECTORY": str(tmp_path / "state")}
         env.pop("BASERTD_SOCKET", None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "basertd.cli", "serve", "--config", str(config)],

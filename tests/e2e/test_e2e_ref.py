@@ -364,16 +364,25 @@ def test_worker_that_cannot_start_is_given_up_then_retried_on_the_next_request(t
         while "worker_given_up" not in d.log_text():
             assert d.proc.poll() is None and time.monotonic() < deadline, d.log_text()
             time.sleep(0.1)
-        assert d.log_text().count("worker_start_failed") == 5
+        given_up_at = time.monotonic()
+        # exit status 3 (the engine cannot load) will not fix itself: given up after one start
+        assert d.log_text().count("worker_spawned") == 1
         with d.client() as c:
             health = c.health()  # a given-up worker is named with its reason, not "starting"
             assert health.status == "degraded" and health.workers_ready == 0
-            assert health.reason.startswith("worker 0: ") and "exit code 3" in health.reason, health.reason
-            with pytest.raises(ClientError) as info:
+            assert health.reason.startswith("worker 0: ") and health.reason.endswith("(exit status 3)")
+            assert "cannot load the basert engine" in health.reason and str(missing) in health.reason
+            with pytest.raises(ClientError) as info:  # at once, without a doomed respawn
+                c.generate("anyone there?", max_tokens=4)
+            assert info.value.code == ErrorCode.WORKER_FAILED and str(missing) in info.value.message
+            assert d.log_text().count("worker_spawned") == 1
+            time.sleep(max(0.0, given_up_at + 5.5 - time.monotonic()))  # the supervisor's backoff_max_s
+            with pytest.raises(ClientError) as info:  # now it tries once more, and fails the same way
                 c.generate("anyone there?", max_tokens=4)
             assert info.value.code == ErrorCode.WORKER_FAILED
         log = d.log_text()
         assert log.count("worker_retry_on_request") == 1 and log.count("worker_given_up") == 2
+        assert log.count("worker_spawned") == 2
 
 
 def test_rejected_plan_is_logged_and_replanned_never_a_crash():

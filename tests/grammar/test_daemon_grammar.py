@@ -14,12 +14,18 @@ import signal
 import time
 
 import jsonschema
+import msgspec
 import pytest
 from daemon_harness import Daemon
 from serving_harness import access_lines, tiny_toml
 
 from basertd.client import AsyncClient, ClientError
+from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
+from basertd.server import durable, grammar
+from basertd.server.requests import GenerationRequest, sampler_for
+from basertd.server.tokenizer import BytesTokenizer
+from basertd.server.wal import RequestRecord
 
 PERSON = {
     "type": "object",
@@ -169,3 +175,33 @@ def test_a_constrained_lane_whose_worker_is_killed_resumes_token_exact(daemon):
     (w1,) = daemon.workers()
     assert w1.pid != w0.pid
     wait_grammars(daemon, 0)
+
+
+def test_a_constrained_requests_log_record_keeps_its_grammar():
+    """A request re-run from the write-ahead log after a restart stays constrained: its record's
+    ``extra`` carries the spec through the log's msgpack encoding."""
+    spec = grammar.spec_from_request(regex=LONG_REGEX)
+    gen = api.Generate(request_id="c", prompt="x", regex=LONG_REGEX)
+    req = GenerationRequest(
+        request_id="c",
+        prompt=[1, 2],
+        max_tokens=4,
+        sampler=sampler_for(gen),
+        sink=None,  # type: ignore[arg-type]
+        tokenizer=BytesTokenizer(),
+        grammar=spec,
+    )
+    extra = durable._extra(gen, req)
+    rec = RequestRecord.from_generate(gen, [1, 2], 7, t_accepted=0.0, extra=extra)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(rec), type=RequestRecord)
+    assert grammar.GrammarSpec(*back.extra[durable.GRAMMAR]) == spec
+    assert back.extra[durable.CLIENT_ID] == "c"
+    plain = GenerationRequest(
+        request_id="p",
+        prompt=[1],
+        max_tokens=4,
+        sampler=sampler_for(gen),
+        sink=None,
+        tokenizer=BytesTokenizer(),
+    )
+    assert durable.GRAMMAR not in durable._extra(gen, plain)

@@ -83,6 +83,8 @@ def test_a_hung_scheduler_loop_stops_the_watchdog(monkeypatch):
     cfg = parse_config(
         {
             "runtime_dir": str(base / "rt"),
+            "state_dir": str(base / "state"),
+            "http": {"listen": []},
             "workers": [
                 {"engine": "basert", "lanes": 2, "context_length": 128, "ref_config": {"vocab_size": 259}}
             ],

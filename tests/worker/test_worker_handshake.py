@@ -53,7 +53,8 @@ def test_capabilities_describe_engine_model_and_rings(make_spec):
             for fd in os.listdir(fd_dir)
             if os.readlink(f"{fd_dir}/{fd}").startswith("/memfd:basertd-w0-")
         }
-        assert len(memfds) == 3  # the three ring segments (Python's mmap holds a dup of each)
+        # the three ring segments and the control segment (Python's mmap holds a dup of each)
+        assert len(memfds) == 4
         first_id = caps.model_id
     with SyncWorker(spec) as w:
         assert w.capabilities.model_id == first_id  # same model, same identity

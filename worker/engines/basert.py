@@ -196,6 +196,19 @@ class BasertEngine:
         self._decode_tokens += sum(e.n_tokens for e in events.emits)
         return events
 
+    def attach_control(self, control: Any) -> bool:
+        """Attach the worker's control segment (``basertd.shm.ControlBlock``) so ticks end early at a
+        step boundary when its yield word is set. Only libraries with ``baseRT_ref_set_yield_word``
+        (the reference engine) can; others return False and finish every tick. On success the
+        capability record says ``extra["yield"] = "step"``."""
+        setter = getattr(self.bundle, "set_yield_word", None)
+        if setter is None:
+            return False
+        self._call(setter, control.yield_word_address)
+        self._keepalive.append(control)
+        self._info.extra["yield"] = "step"
+        return True
+
     # -- cache and seeds -------------------------------------------------------------------------
 
     def space_match(self, space_id: int, span: TokenRef) -> MatchResult:
@@ -388,7 +401,7 @@ class HookedEngine(BasertEngine):
 
 # --- the factory --------------------------------------------------------------------------------
 
-_MODEL_FIELDS_EXCLUDED = frozenset({"tick_delay_us"})
+_MODEL_FIELDS_EXCLUDED = frozenset({"tick_delay_us", "prefill_step_tokens", "prefill_step_us"})
 TEST_HOOK_KEYS = frozenset({"test_reject_top_k", "test_stall_top_k", "test_stall_s", "test_crash_top_k"})
 """``--ref-config`` keys that install ``HookedEngine`` test hooks (module docstring)."""
 

@@ -11,6 +11,7 @@ part, so a round larger than ``n_batch`` never reaches llama.cpp's ``n_batch`` G
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
 
 import llama_cpp as L
@@ -50,6 +51,7 @@ class TokenBatch:
         self._ptr_size = ctypes.sizeof(ctypes.c_void_p)
         self._head = self._struct(0, 0)  # the struct for parts starting at row 0, built once
         self.n = 0
+        self.parts: list[tuple[int, int]] = []  # (rows, ns) of each llama_decode of the last decode
 
     def clear(self) -> None:
         """Empty the batch."""
@@ -86,19 +88,33 @@ class TokenBatch:
         b.logits = ctypes.cast(self.logits.ctypes.data + start, ctypes.POINTER(ctypes.c_int8))
         return b
 
-    def decode(self, ctx: L.llama_context_p, on_part: Callable[[int, int], None]) -> None:
-        """Decode every row, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
-        after each successful part. Raises BatchDecodeError on the first nonzero return code."""
+    def decode(
+        self,
+        ctx: L.llama_context_p,
+        on_part: Callable[[int, int], None],
+        stop: Callable[[int], bool] | None = None,
+    ) -> int:
+        """Decode the rows, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
+        after each successful part. Before every part but the first, ``stop(rows_done)`` may end
+        the call early (a yield inside a tick). Returns the rows decoded (``n`` unless stopped);
+        ``parts`` then holds ``(rows, ns)`` of every successful llama_decode. Raises
+        BatchDecodeError on the first nonzero return code."""
+        self.parts = []
         start = 0
         while start < self.n:
+            if start and stop is not None and stop(start):
+                return start
             end = min(self.n, start + self.n_batch)
             if start == 0:
                 part = self._head
                 part.n_tokens = end
             else:
                 part = self._struct(start, end)
+            t = time.perf_counter_ns()
             rc = L.llama_decode(ctx, part)
             if rc != 0:
                 raise BatchDecodeError(int(rc), start, end)
+            self.parts.append((end - start, time.perf_counter_ns() - t))
             on_part(start, end)
             start = end
+        return start

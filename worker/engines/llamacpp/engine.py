@@ -34,6 +34,16 @@ Output depends on batch composition and, through the order of llama.cpp's sums o
 where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
 loop from an empty cache, and elsewhere allow divergence only at a near-tie of the reference).
 
+Yield inside a tick (``basertd.shm.control``): a tick's work is split into steps, one
+``llama_decode`` of at most ``yield_step_tokens`` rows each (default n_ubatch). With a control
+segment attached, the yield word is read before every step but the tick's first (and before every
+decode round after the first, unless a decoding lane is in its replay tail, whose units emit
+nothing and so must all run); once it is set the tick ends with what it has done: the planned
+prefill that did not run is reported exactly as a budget-shed chunk (one PREFILL_CHUNK entry per
+lane, tokens = planned - done; ABI rules 56, 57) and the lane resumes at the offset reached; lanes
+whose prefill was cut do not decode; decode lanes keep the tokens they have (finish NONE). KV the
+coordinator already counts as prefilled (cold fallback, a cached prompt's last token) is never cut.
+
 Test hooks (not part of the Engine protocol): ``inject_fault(lane_tag, code)``,
 ``force_finish(lane_tag, finish)``, as the reference engine's ``baseRT_ref_*`` ones.
 """
@@ -108,9 +118,11 @@ from basertd.worker.engines.llamacpp.prefix_cache import (
     prefix_servable,
     window_intact,
 )
+from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.validate import (
+    SHED_REASON_BUDGET,
     SHED_REASON_POOL,
     SHED_REASON_PUBLISH,
     AdmitWork,
@@ -143,6 +155,10 @@ class _TickScratch:
         self.fault_lanes: dict[int, Lane] = {}
         self.prefill_ns = 0
         self.decode_ns = 0
+        self.floor: dict[int, int] = {}  # lane tag -> prefilled before this tick's chunk
+        self.min_rows = 0  # rows of the batch in flight that a yield may not cut
+        self.steps = 0  # llama_decode calls so far
+        self.yielded = False
         self._noted: set[int] = set()
 
     def note(self, tag: int) -> None:
@@ -163,6 +179,8 @@ class LlamaCppEngine:
     ``seed_lease_ticks`` the lease TTL (rule 84). ``n_threads`` / ``n_threads_batch`` go to
     llama.cpp (single-token / multi-token batches). ``n_batch`` caps one ``llama_decode``.
     ``swa_full`` keeps a full-size sliding-window cache (the C default; see the reference notes).
+    ``yield_step_tokens`` rows per llama_decode (the yield granularity; default n_ubatch).
+    ``repack`` False loads the weights without llama.cpp's CPU repacking (``LlamaModel``).
 
     Raises EngineError(ERR_FATAL) when the model or context cannot be created, ValueError for
     sizes llama.cpp cannot serve (more than 256 sequences, an empty pool). A pool smaller than
@@ -185,6 +203,8 @@ class LlamaCppEngine:
         n_ubatch: int = 512,
         swa_full: bool = True,
         n_gpu_layers: int = 0,
+        yield_step_tokens: int | None = None,
+        repack: bool = True,
     ) -> None:
         if lanes < 1 or context_length < 2 or page_size_tokens < 1 or seed_lease_ticks < 0:
             raise ValueError("lanes >= 1, context_length >= 2, page_size_tokens >= 1 required")
@@ -198,7 +218,7 @@ class LlamaCppEngine:
         # llama.cpp reserves graphs with one output per sequence: n_batch (clamped to n_ctx) must
         # cover n_seq_max, or context creation hits a GGML_ASSERT. Cells are padded to 256 anyway.
         n_batch = max(n_batch, lanes, n_seq_max)
-        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers)
+        self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers, repack=repack)
         cp = L.llama_context_default_params()
         cp.n_ctx = max(-(-pool_tokens // 256) * 256, -(-n_batch // 256) * 256)
         cp.n_batch = n_batch
@@ -228,6 +248,13 @@ class LlamaCppEngine:
         # ledger then enforces (never more than llama.cpp actually has).
         self.n_cells = min(pool_tokens, int(L.llama_n_ctx(self.ctx)))
         self.n_batch = int(L.llama_n_batch(self.ctx))
+        # One step = one llama_decode of at most step_rows rows: where a tick may yield.
+        step = int(L.llama_n_ubatch(self.ctx)) if yield_step_tokens is None else yield_step_tokens
+        if step < 1:
+            raise ValueError("yield_step_tokens must be >= 1")
+        self.step_rows = max(lanes, min(self.n_batch, step))  # a round's decode rows: one step
+        self._control = None
+        self.rates = RateCurve()
         self.max_lanes = lanes
         self.context_length = context_length
         self.page = page_size_tokens
@@ -248,7 +275,7 @@ class LlamaCppEngine:
         self.ledger = CellLedger(self.n_cells)
         self.cache = PrefixCache(page_size_tokens, cache_sequences)
         self.rings = EngineRings()
-        self.batch = TokenBatch(n_batch + lanes, self.n_batch)
+        self.batch = TokenBatch(n_batch + lanes, self.step_rows)
         self.lanes: dict[int, Lane] = {}
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
@@ -273,6 +300,7 @@ class LlamaCppEngine:
             "faults_total": 0,
             "rejected_plans": 0,
             "cold_fallbacks_total": 0,
+            "yields_total": 0,
         }
         self._closed = False
 
@@ -302,9 +330,16 @@ class LlamaCppEngine:
                 "n_swa": str(self.n_swa),
                 "kv_cells": str(self.n_cells),
                 "n_batch": str(self.n_batch),
+                "step_tokens": str(self.step_rows),
                 "description": m.description,
+                **({"yield": "step"} if self._control is not None else {}),
             },
         )
+
+    def prefill_curve(self) -> list[tuple[int, float]]:
+        """Measured tokens per second of a llama_decode by row count, ``[(rows_bucket, tok_s)]``
+        (``rates.RateCurve``); empty until the engine has run."""
+        return self.rates.curve()
 
     def context_params(self) -> dict[str, int | bool]:
         """The llama_context_params this engine created its context with (for reference runs)."""
@@ -337,8 +372,11 @@ class LlamaCppEngine:
         replay_tokens_total, live_lanes, live_seed_leases, grammar_handles (live grammar handles),
         cache_entries, bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
-        cold_fallbacks_total (seeds whose sliding window was lost)."""
+        cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
+        by the yield word), and the measured rate curve (``rates.RateCurve.stats``:
+        ``rate_tok_s_b<rows>`` per power-of-two llama_decode size)."""
         out = dict(self._stats)
+        out.update(self.rates.stats())
         out.update(
             last_plan_seq=self.last_plan_seq or 0,
             bare_sequences=len(self.ops.bare) + len(self.ops.leased),
@@ -357,6 +395,13 @@ class LlamaCppEngine:
         """Attach (or re-attach) the prompt, emit and optional logits rings; all or nothing
         (EngineError(ERR_RING_LAYOUT), ABI rule 125); writer cursors restart (rule 130)."""
         self.rings.attach(rings)
+
+    def attach_control(self, control: object) -> bool:
+        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) between llama_decode
+        calls: once it is set, the tick in flight ends after its current step (module docstring).
+        Returns True (this engine can yield; its capability record then says ``yield = step``)."""
+        self._control = control
+        return True
 
     # ------------------------------------------------------------------ sequence ids
 
@@ -643,6 +688,7 @@ class LlamaCppEngine:
         for tag, eff in work.prefills:
             lane = self.lanes.get(tag)
             if lane is not None:
+                sc.floor.setdefault(tag, lane.prefilled)
                 lane.prefilled += eff
         for tag, max_new in work.decodes:
             if tag in self.lanes:
@@ -668,6 +714,9 @@ class LlamaCppEngine:
             active = [t for t in decode_order if sc.grant.get(t, 0) > 0 and t in self.lanes]
             if not active and not feed:
                 break
+            if sc.steps and self._yield_requested() and not self._replaying(active):
+                sc.yielded = True  # decode lanes keep the tokens they have (finish NONE)
+                break
             self._grammar_fill(active)
             self._round(active, feed, sc)
             feed = []
@@ -676,6 +725,46 @@ class LlamaCppEngine:
                     if toks:
                         sc.on_partial(tag, np.array(toks, dtype=np.uint32))
             sc.fresh.clear()
+            if sc.yielded:
+                break
+        if sc.yielded:
+            self._shed_cut_prefills(work, sc)
+
+    def _replaying(self, tags: list[int]) -> bool:
+        """Whether any of these lanes is still in its replay tail: replay units emit nothing (ABI
+        rule 72), so the coordinator counts them from the grant, and the rounds must not be cut."""
+        return any((ln := self.lanes.get(t)) is not None and ln.produced < ln.n_tokens for t in tags)
+
+    def _yield_requested(self) -> bool:
+        """The control segment's yield word is set (``basertd.shm.control``)."""
+        c = self._control
+        return c is not None and c.yield_reason() != 0
+
+    def _shed_cut_prefills(self, work: TickWork, sc: _TickScratch) -> None:
+        """After a yield: each lane whose planned prefill did not all run is reported exactly as a
+        budget-shed chunk (one PREFILL_CHUNK entry per lane, tokens = planned - done; ABI rules 56,
+        57), its cursor set back to what its KV holds."""
+        self._stats["yields_total"] += 1
+        if self._control is not None:
+            self._control.note_yield_taken()
+        by_tag = {e.lane_tag: e for e in work.shed if e.kind == ShedKind.PREFILL_CHUNK}
+        for tag, _ in work.prefills:
+            lane = self.lanes.get(tag)
+            if lane is None or lane.kv_len >= lane.prefilled:
+                continue
+            cut = lane.prefilled - max(lane.kv_len, sc.floor.get(tag, 0))
+            lane.prefilled -= cut
+            entry = by_tag.get(tag)
+            if entry is not None:
+                entry.tokens += cut
+            else:
+                entry = ShedEntry(
+                    lane_tag=tag, kind=ShedKind.PREFILL_CHUNK, reason=SHED_REASON_BUDGET, tokens=cut
+                )
+                by_tag[tag] = entry
+                work.shed.append(entry)
+                work.chunks_dropped += 1
+            sc.grant[tag] = 0  # its decode waits for the prefill to resume (ABI rule 47)
 
     def _round(self, active: list[int], feed: list[Lane], sc: _TickScratch) -> None:
         """One ``llama_decode`` (more if it exceeds n_batch): a token for every decoding lane that
@@ -702,7 +791,7 @@ class LlamaCppEngine:
         need_rows = len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed)
         b = self.batch
         if need_rows > b.capacity:
-            self.batch = b = TokenBatch(need_rows, self.n_batch)
+            self.batch = b = TokenBatch(need_rows, self.step_rows)
         b.clear()
         runs: list[tuple[Lane, int, int, bool]] = []  # lane, first row, rows, wants logits
         for lane in forward:
@@ -710,18 +799,30 @@ class LlamaCppEngine:
             row = b.add(lane.tokens[k : k + 1], k, lane.seq, True)
             runs.append((lane, row, 1, True))
         n_decode_rows = b.n
-        for lane in feed:
-            k, end = lane.kv_len, lane.prefilled
-            want = end == lane.prefill_end and lane.produced == end
-            row = b.add(lane.tokens[k:end], k, lane.seq, want)
-            runs.append((lane, row - (end - k) + 1, end - k, want))
+        # Rows a yield may not cut come first: KV the coordinator already counts as prefilled (a
+        # cold fallback, a cached prompt's last token); then this tick's planned chunks.
+        for mandatory in (True, False):
+            for lane in feed:
+                floor = min(max(sc.floor.get(lane.tag, lane.prefilled), lane.kv_len), lane.prefilled)
+                k, end = (lane.kv_len, floor) if mandatory else (floor, lane.prefilled)
+                if end <= k:
+                    continue
+                want = end == lane.prefilled and end == lane.prefill_end and lane.produced == end
+                row = b.add(lane.tokens[k:end], k, lane.seq, want)
+                runs.append((lane, row - (end - k) + 1, end - k, want))
+            if mandatory:
+                sc.min_rows = b.n
         if b.n:
             self._decode_batch(runs, n_decode_rows, sc)
-        for lane in ready:
-            if lane.tag in self.lanes and sc.grant.get(lane.tag, 0) > 0:
-                row = lane.held_row
+        ready = [ln for ln in ready if ln.tag in self.lanes and sc.grant.get(ln.tag, 0) > 0]
+        for lane in [ln for ln in ready if ln.held_row is None]:
+            self._units([lane], None, sc)  # a replayed token: no logits
+        held = [ln for ln in ready if ln.held_row is not None]
+        if held:
+            rows = np.stack([ln.held_row for ln in held])
+            for lane in held:
                 lane.held_row = None
-                self._unit(lane, row, sc)  # row is None only for a replayed token
+            self._units(held, rows, sc)
 
     def _decode_batch(
         self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, sc: _TickScratch
@@ -730,6 +831,8 @@ class LlamaCppEngine:
         ctx = self.ctx
 
         def on_part(start: int, end: int) -> None:
+            units: list[tuple[Lane, int]] = []  # lane, output row of this part
+            out_of_row: np.ndarray | None = None
             for lane, first, n, want in runs:
                 lo, hi = max(first, start), min(first + n, end)
                 if lo >= hi or lane.tag not in self.lanes:
@@ -741,16 +844,36 @@ class LlamaCppEngine:
                 if first >= n_decode_rows:
                     self._stats["prefill_tokens_total"] += k
                 if want and lane.kv_len == lane.produced:
-                    ptr = L.llama_get_logits_ith(ctx, first + n - 1 - start)
-                    row = np.ctypeslib.as_array(ptr, (n_vocab,))
-                    if sc.grant.get(lane.tag, 0) > 0:
-                        self._unit(lane, row, sc)
-                    else:
-                        lane.held_row = row.copy()
+                    if out_of_row is None:  # llama_get_logits keeps the batch's output order
+                        out_of_row = np.cumsum(self.batch.logits[start:end], dtype=np.int64) - 1
+                    units.append((lane, int(out_of_row[first + n - 1 - start])))
+            if not units:
+                return
+            n_out = int(out_of_row[-1]) + 1
+            logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), (n_out, n_vocab))
+            go = [(ln, o) for ln, o in units if sc.grant.get(ln.tag, 0) > 0]
+            for lane, o in units:
+                if sc.grant.get(lane.tag, 0) <= 0:
+                    lane.held_row = logits[o].copy()
+            if go:
+                idx = [o for _, o in go]
+                contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
+                rows = logits[idx[0] : idx[0] + len(idx)] if contiguous else logits[idx]
+                self._units([ln for ln, _ in go], rows, sc)
+
+        def stop(rows_done: int) -> bool:
+            if rows_done < sc.min_rows or not self._yield_requested():
+                return False
+            sc.yielded = True
+            return True
+
+        def on_step(start: int, end: int) -> None:
+            sc.steps += 1
+            on_part(start, end)
 
         t = time.perf_counter_ns()
         try:
-            self.batch.decode(ctx, on_part)
+            self.batch.decode(ctx, on_step, stop)
         except BatchDecodeError as exc:
             if exc.rc < -1:
                 raise EngineFatal(Status.ERR_FATAL, str(exc)) from exc
@@ -758,43 +881,85 @@ class LlamaCppEngine:
                 if first + n > exc.start and lane.tag in self.lanes:
                     self._fault(lane, FaultCode.INTERNAL, exc.rc & _U32, sc)
         dt = time.perf_counter_ns() - t
+        for rows, ns in self.batch.parts:
+            self.rates.note(rows, ns)
         if self.batch.n > n_decode_rows:
             sc.prefill_ns += dt
         else:
             sc.decode_ns += dt
 
-    def _unit(self, lane: Lane, row: np.ndarray | None, sc: _TickScratch) -> None:
-        """One decode unit with the logits for ``lane.produced`` (ABI rules 67, 72)."""
+    def _units(self, lanes: list[Lane], rows: np.ndarray | None, sc: _TickScratch) -> None:
+        """One decode unit for each of ``lanes`` (ABI rules 67, 72), lane i taking logits row
+        ``rows[i]`` of the 2-D float32 array ``rows`` (n_lanes, vocab), or no row (None: replayed
+        tokens). Token selection is one ``sampling.select_batch`` call over every sampling lane."""
+        pend: list[int] = []
+        heads: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # lane index -> (its row, masked row)
+        for i, lane in enumerate(lanes):
+            own = None if rows is None else rows[i]
+            head = self._unit_head(lane, own, sc)
+            if head is not None:
+                pend.append(i)
+                heads[i] = (own, head)
+        if not pend:
+            return
+        assert rows is not None
+        adjusted: dict[int, np.ndarray] = {}
+        for j, i in enumerate(pend):
+            lane = lanes[i]
+            own, row = heads[i]  # the logits row, and the same masked by the lane's grammar
+            r = sampling.adjusted_row(row, lane.cfg, lane.tokens[: lane.n_tokens], lane.prefill_end)
+            if r is not own:
+                adjusted[j] = r
+        if not adjusted and pend == list(range(rows.shape[0])):
+            mat = rows  # every row as llama.cpp wrote it: no copy
+        else:
+            mat = rows[pend]
+            for j, r in adjusted.items():
+                mat[j] = r
+        cfgs = [lanes[i].cfg for i in pend]
+        samplers = [lanes[i] for i in pend]
+        us = [sampling.draw(ln.rng_base + ln.generated) if ln.cfg.sampled else 0.0 for ln in samplers]
+        toks = sampling.select_batch(mat, cfgs, us)
+        for j, i in enumerate(pend):
+            self._unit_tail(lanes[i], mat[j], int(toks[j]), sc)
+
+    def _unit_head(self, lane: Lane, row: np.ndarray | None, sc: _TickScratch) -> np.ndarray | None:
+        """The part of a decode unit before sampling: a replayed token, a full context, the
+        lane's grammar mask, or a HOST lane's row to the logits ring. Returns the row the lane
+        samples its token from (masked by its grammar), or None when it samples nothing."""
         tag = lane.tag
         sc.grant[tag] -= 1
         if lane.produced < lane.n_tokens:  # a replayed token: its forward is done, no emit
             lane.produced += 1
             self._stats["replay_tokens_total"] += 1
-            return
+            return None
         if lane.n_tokens >= self.context_length:  # a prompt of the full context: nothing fits
             lane.finish = Finish.LENGTH
             sc.grant[tag] = 0
             sc.finish[tag] = lane.finish
-            return
+            return None
         cfg = lane.cfg
         if lane.grammar is not None:
             row = self.grammars.mask_row(lane.grammar, row)
             if row is None:  # the grammar allows no token
                 self._fault(lane, FaultCode.GRAMMAR_OVERFLOW, 0, sc)
-                return
+                return None
         if lane.is_host:
             try:
                 ref = self.rings.write_row(sampling.adjusted_row(row, cfg, lane.tokens[:0], 0))
             except RingError:
                 self._fault(lane, FaultCode.REF_SPAN_OOB, 0, sc)
-                return
+                return None
             lane.pending_nonce = ref.generation
             sc.rows[tag] = ref
-            return
-        hist = lane.tokens[: lane.n_tokens]
-        r = sampling.adjusted_row(row, cfg, hist, lane.prefill_end)
-        u = sampling.draw(lane.rng_base + lane.generated) if cfg.sampled else 0.0
-        tok = sampling.select(r, cfg, u)
+            return None
+        return row
+
+    def _unit_tail(self, lane: Lane, r: np.ndarray, tok: int, sc: _TickScratch) -> None:
+        """The part of a decode unit after sampling ``tok`` from the adjusted row ``r``: logprobs,
+        commit, partial-emit bookkeeping, finish."""
+        tag = lane.tag
+        cfg = lane.cfg
         if cfg.n_logprobs >= 0:
             lp, ids, lps = sampling.logprobs(r, tok, cfg.n_logprobs)
             sc.ev.logprobs.append(

@@ -19,6 +19,7 @@ import llama_cpp as L
 import numpy as np
 import xxhash
 
+from basertd.model_files import load_failure
 from basertd.schema.abi import Status
 from basertd.worker.engines.base import EngineError
 
@@ -81,21 +82,24 @@ class LlamaModel:
 
     Facts are in tokens and bytes: ``n_vocab``, ``n_ctx_train``, ``n_swa`` (sliding window in
     tokens, 0 = none), ``kv_bytes_per_token`` (K+V of every layer at F16), ``eog_ids`` (sorted),
-    ``bos_id`` (-1 when none), ``add_bos``. Raises EngineError(ERR_FATAL) when the file is missing
+    ``bos_id`` (-1 when none), ``add_bos``. ``repack`` False keeps llama.cpp from repacking CPU
+    weights into its batched GEMM layouts (``use_extra_bufts``), so every batch size runs the same
+    dot-product kernels. Raises EngineError(ERR_FATAL) when the file is missing
     or llama.cpp cannot load it, and EngineError(ERR_OP_UNSUPPORTED) for recurrent, hybrid,
     encoder-decoder or diffusion models, whose state this engine cannot share or truncate."""
 
-    def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, repack: bool = True) -> None:
         init_backend()
         self.path = Path(path)
         if not self.path.is_file():
-            raise EngineError(Status.ERR_FATAL, f"model file {self.path} does not exist")
+            raise EngineError(Status.ERR_FATAL, load_failure(self.path, f"cannot load {self.path}"))
         self.model_id = model_digest(self.path)
         params = L.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = repack  # CPU weight repacking: GEMM kernels for >= 4-row batches
         self.ptr = L.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
-            raise EngineError(Status.ERR_FATAL, f"llama.cpp cannot load {self.path}")
+            raise EngineError(Status.ERR_FATAL, load_failure(self.path, f"llama.cpp cannot load {self.path}"))
         m = self.ptr
         if (
             L.llama_model_is_recurrent(m)
@@ -103,8 +107,11 @@ class LlamaModel:
             or L.llama_model_has_encoder(m)
             or L.llama_model_is_diffusion(m)
         ):
+            arch = _meta(m, "general.architecture")
             self.close()
-            raise EngineError(Status.ERR_OP_UNSUPPORTED, f"{self.path}: only decoder-only KV models")
+            raise EngineError(
+                Status.ERR_OP_UNSUPPORTED, f"{self.path}: architecture {arch!r}: only decoder-only KV models"
+            )
         self.vocab = L.llama_model_get_vocab(m)
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(m))

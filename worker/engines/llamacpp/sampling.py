@@ -16,12 +16,16 @@ selection with ``u`` over the surviving tokens in token-id order (the same distr
 Gumbel-max draw, one uniform per token). GPU_GREEDY lanes take the argmax of the row plus any logit
 bias; their penalties are recorded but unused (the header: params are used by GPU_GUMBEL).
 
+A step's rows are selected together (``select_batch``): one ``argmax`` over the 2-D array of every
+greedy row; sampled rows, whose truncation differs per lane, are selected row by row.
+
 Cost per sampled row is a few O(vocab) numpy passes (no Python loop over the vocabulary); top-p
 sorts only as many candidates as it needs. Greedy rows without bias or logprobs are read in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,6 +194,29 @@ def select(row: np.ndarray, cfg: SamplerConfig, u: float) -> int:
     j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     j = min(j, cdf.shape[0] - 1)
     return int(ids[j]) if ids is not None else j
+
+
+def select_batch(rows: np.ndarray, cfgs: Sequence[SamplerConfig], us: Sequence[float]) -> np.ndarray:
+    """The token of every row of one step: ``rows`` is float32 (n, vocab), row i already through
+    ``adjusted_row`` for lane i with config ``cfgs[i]`` and uniform ``us[i]``. Returns int64 (n,).
+
+    Token-identical to ``select`` row by row: every greedy row is resolved by one ``argmax`` over
+    the 2-D array (lowest id on ties); only sampled rows (GPU_GUMBEL, temperature > 0), whose
+    truncation differs per lane, go through ``select`` one by one. ValueError when the lengths of
+    ``cfgs`` / ``us`` differ from the row count."""
+    n = rows.shape[0]
+    if len(cfgs) != n or len(us) != n:
+        raise ValueError(f"{n} rows, {len(cfgs)} configs, {len(us)} draws")
+    sampled = [i for i, c in enumerate(cfgs) if c.sampled]
+    if not sampled:
+        return np.argmax(rows, axis=1)
+    out = np.empty(n, np.int64)
+    greedy = [i for i, c in enumerate(cfgs) if not c.sampled]
+    if greedy:
+        out[greedy] = np.argmax(rows[greedy], axis=1)
+    for i in sampled:
+        out[i] = select(rows[i], cfgs[i], us[i])
+    return out
 
 
 def logprobs(row: np.ndarray, token: int, n_top: int) -> tuple[float, np.ndarray, np.ndarray]:

@@ -1,0 +1,312 @@
+"""OpenAI request bodies to the front end's ``Generate``, and its replies back to OpenAI's shapes.
+
+Requests decode with msgspec into the structs below; a field we do not serve (``echo``,
+``suffix``, ``best_of``, ``tools``, ...) or a wrong type is a 400 naming the field, never silently
+ignored. ``logprobs`` (> 0 / true) and a non-empty ``logit_bias`` are 400 "not supported": the
+native ``Generate`` does not carry them yet. Extensions: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos`` and ``qos`` (also the header ``X-Basertd-QoS``).
+
+Responses: ``text_completion`` / ``chat.completion`` objects and their ``*.chunk`` stream events,
+``finish_reason`` "stop" (a stop string or the end-of-generation token) or "length", ``usage``
+with ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+from basertd.schema import client as api
+from basertd.server.http.errors import bad_request
+
+QOS_HEADER = "X-Basertd-QoS"
+QOS_CLASSES = ("interactive", "batch", "background")
+MAX_N = 16
+"""Most choices one request may ask for (``n``)."""
+MAX_PROMPTS = 64
+"""Most prompts one completions request may batch."""
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for /v1/completions; chat defaults to the rest of the context."""
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+
+
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    qos: str | None = None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[Any] | None = None
+    logprobs: int | None = None
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`(?: - at `\$([^`]*)`)?")
+_AT = re.compile(r" - at `\$\.?([^`]*)`")
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode ``body`` as ``kind``. Raises a 400 ``HttpError`` naming the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _UNKNOWN.search(text)
+        if m:
+            where = (m.group(2) or "").lstrip(".")
+            field = f"{where}.{m.group(1)}" if where else m.group(1)
+            raise bad_request(f"unsupported field {field!r}: this server does not serve it", field) from None
+        at = _AT.search(text)
+        param = at.group(1) if at else None
+        raise bad_request(
+            f"invalid request body: {_AT.sub('', text)}" + (f" (at {param})" if param else ""), param
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+
+
+def qos_of(req: _Common, header: str | None) -> str:
+    """The QoS class: the header, else the body's ``qos``, else interactive. 400 for others."""
+    for value, where in ((header, QOS_HEADER), (req.qos, "qos")):
+        if value is not None:
+            if value not in QOS_CLASSES:
+                raise bad_request(f"{where} must be one of {', '.join(QOS_CLASSES)}, got {value!r}", "qos")
+            return value
+    return "interactive"
+
+
+def stops_of(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prompts_of(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completions request: a string, a list of strings, a list of token ids or
+    a list of token-id lists. Raises 400 (empty prompt, mixed or wrong element types)."""
+    if prompt is None:
+        raise bad_request("prompt is required", "prompt", code="empty_prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt", code="empty_prompt")
+    if all(isinstance(p, str) for p in prompt):
+        out: list[str | list[int]] = list(prompt)
+    elif all(_is_id(p) for p in prompt):
+        out = [list(prompt)]
+    elif all(isinstance(p, list) and all(_is_id(t) for t in p) for p in prompt):
+        out = [list(p) for p in prompt]
+    else:
+        raise bad_request(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            "prompt",
+        )
+    if len(out) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(out)}", "prompt")
+    return out
+
+
+def refuse_unserved(req: _Common, *, logprobs: bool) -> None:
+    """400 for values the daemon does not serve yet (module docstring)."""
+    if logprobs:
+        raise bad_request("logprobs are not supported by this server yet", "logprobs")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server yet", "logit_bias")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", "n")
+
+
+def generate_of(
+    req: _Common,
+    request_id: str,
+    *,
+    prompt: str | list[int],
+    max_tokens: int,
+    qos: str,
+    stream: bool,
+) -> api.Generate:
+    """The ``Generate`` of one choice (the limits table checks the values at admission)."""
+    seed = req.seed
+    if seed is not None and seed < 0:
+        if seed < -(1 << 63):
+            raise bad_request(f"seed must be a signed or unsigned 64-bit integer, got {seed}", "seed")
+        seed &= (1 << 64) - 1  # OpenAI clients send signed 64-bit seeds
+    return api.Generate(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_tokens=prompt if isinstance(prompt, list) else None,
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repeat_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        seed=seed,
+        stop=stops_of(req.stop),
+        qos=qos,  # type: ignore[arg-type]
+        ignore_eos=bool(req.ignore_eos),
+        stream=stream,
+        model=req.model,
+    )
+
+
+def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as a chat template sees them: content a string (text parts joined with a newline).
+    Raises 400 for an empty list or a part that is not text."""
+    if not messages:
+        raise bad_request("messages is empty", "messages", code="empty_prompt")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: only text parts are served, got type {part.type!r}",
+                        f"messages[{i}].content[{j}].type",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(done: api.Done) -> str:
+    return "length" if done.finish_reason == "length" else "stop"
+
+
+def usage_of(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Shape:
+    """Builds one endpoint's response objects (``chat`` selects chat.completion)."""
+
+    def __init__(self, chat: bool, response_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed response of ``(text, finish_reason)`` choices in index order."""
+        out = self._head("chat.completion" if self.chat else "text_completion")
+        if self.chat:
+            out["choices"] = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": fr,
+                }
+                for i, (text, fr) in enumerate(choices)
+            ]
+        else:
+            out["choices"] = [
+                {"index": i, "text": text, "logprobs": None, "finish_reason": fr}
+                for i, (text, fr) in enumerate(choices)
+            ]
+        out["usage"] = usage
+        return out
+
+    def chunk(
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None = None,
+        *,
+        role: bool = False,
+        include_usage: bool = False,
+    ) -> dict[str, Any]:
+        """One stream chunk of choice ``index``."""
+        if self.chat:
+            obj = self._head("chat.completion.chunk")
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            obj = self._head("text_completion")
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj["choices"] = [choice]
+        if include_usage:
+            obj["usage"] = None
+        return obj
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        obj["choices"] = []
+        obj["usage"] = usage
+        return obj
