@@ -17,7 +17,7 @@ appended with defaults; unknown fields are ignored so older and newer peers inte
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -64,7 +64,14 @@ class Generate(_Msg, tag="generate"):
     ``presence_penalty`` 0 disable their knob; ``seed`` (None: the coordinator picks one) seeds
     the counter-based RNG. ``stop`` strings end the text; ``ignore_eos`` decodes to max_tokens.
     ``logprobs`` 0..20 top alternatives per token (0: none). ``stream`` False sends one Tokens
-    reply before Done instead of one per tick. ``model`` "" is the default model."""
+    reply before Done instead of one per tick. ``model`` "" is the default model.
+
+    Structured output (at most one of the three): ``response_format`` in OpenAI's shape
+    (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}``), ``grammar`` (a Lark grammar, llguidance's dialect) or
+    ``regex``; the output then always matches it and a generation the grammar completes ends with
+    finish reason "stop". A spec that does not compile is INVALID_REQUEST with the library's
+    message, before anything is queued."""
 
     request_id: str
     prompt: str | None = None
@@ -84,6 +91,9 @@ class Generate(_Msg, tag="generate"):
     ignore_eos: bool = False
     stream: bool = True
     model: str = ""
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None
+    regex: str | None = None
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -114,6 +114,7 @@ class ObservedSink:
             total_s=round(timings.total_s, 6),
             finish_reason=req.finish_reason,
             preemptions=req.preemptions,
+            crash_resumes=req.crash_resumes,
             ttft_ticks=req.ttft_ticks,
         )
         if code is not None:

@@ -164,7 +164,12 @@ class SchedulerConfig(_Section):
 
     ``stall_timeout_s``: the progress watchdog's bound (seconds): a worker with work waiting that
     completes no tick for this long is reported stalled (``/health``), its worker restarted and
-    its stuck work failed (``basertd.server.watchdog``)."""
+    its stuck work failed (``basertd.server.watchdog``).
+
+    ``max_crash_resumes``: a worker that dies is a preemption of its lanes (each resumes exactly on
+    the respawned worker); a request running at this many crashes of its worker in a row, with no
+    token delivered in between, fails ``worker_failed`` instead (a poison request cannot
+    crash-loop its worker)."""
 
     prefill_budget: _Pos = 512
     decode_grant: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8
@@ -178,6 +183,7 @@ class SchedulerConfig(_Section):
         default_factory=dict
     )
     stall_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 60.0
+    max_crash_resumes: _Pos = 2
 
 
 class CacheConfig(_Section):

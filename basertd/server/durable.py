@@ -51,6 +51,7 @@ import structlog
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.access import ObservedSink
+from basertd.server.grammar import GrammarSpec
 from basertd.server.requests import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.tokenizer import IncrementalDetokenizer, StopMatcher
 from basertd.server.wal import Journal, JournalFailed, RequestRecord, WalError
@@ -66,6 +67,9 @@ log = structlog.get_logger("basertd.durable")
 MAX_REMEMBERED = 65536
 """Requests of this run whose tokenizer and stop strings are remembered for replaying their text."""
 CLIENT_ID = "client_id"
+GRAMMAR = "grammar"
+"""``extra`` key of a constrained request's grammar spec, ``[kind, text]``: a request re-run after a
+restart stays constrained (``basertd.server.grammar.GrammarSpec``)."""
 """Key of ``RequestRecord.extra`` holding the client's own request id."""
 
 
@@ -155,6 +159,14 @@ class DurableSink:
             self.subscribers = []
             if isinstance(msg, api.Error) and msg.code is ErrorCode.SHUTTING_DOWN:
                 self.durability.handed_over.add(self.resume_id)
+
+
+def _extra(gen: api.Generate, req: GenerationRequest) -> dict[str, Any]:
+    """The front-end fields a request record keeps: the client's request id and the grammar."""
+    extra: dict[str, Any] = {CLIENT_ID: gen.request_id}
+    if req.grammar is not None:
+        extra[GRAMMAR] = [req.grammar.kind, req.grammar.text]
+    return extra
 
 
 class Durability:
@@ -268,7 +280,7 @@ class Durability:
         rid = new_resume_id()
         record = msgspec.structs.replace(
             RequestRecord.from_generate(
-                gen, prompt, req.sampler.seed, t_accepted=time.time(), extra={CLIENT_ID: gen.request_id}
+                gen, prompt, req.sampler.seed, t_accepted=time.time(), extra=_extra(gen, req)
             ),
             request_id=rid,
         )
@@ -338,6 +350,7 @@ class Durability:
                 stop=list(rec.stop),
                 qos=rec.qos,
                 stream=rec.stream,
+                grammar=GrammarSpec(*rec.extra[GRAMMAR]) if GRAMMAR in rec.extra else None,
             )
             observed.attach(req)
             self._attach(req, sink, rec)

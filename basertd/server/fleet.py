@@ -151,6 +151,12 @@ class Fleet:
             sched.cache_policy = CapabilityGatedCache(worker_id, cfg.cache)
             holder.append(sched)
             self.members.append(Member(worker_id, wcfg, name, slot, sched, tok))
+        for m in self.members:  # a crashed worker's lanes resume on a live peer of the same model
+            m.scheduler.peers = lambda me=m: [
+                o.scheduler
+                for o in self.members
+                if o is not me and o.model_name == me.model_name and o.tokenizer is me.tokenizer
+            ]
 
     def start(self) -> None:
         """Start every supervisor and scheduler task."""

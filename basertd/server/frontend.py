@@ -39,6 +39,7 @@ from basertd.server.access import ObservedSink
 from basertd.server.drain import Drainer
 from basertd.server.durable import Durability
 from basertd.server.fleet import Fleet
+from basertd.server.grammar import GrammarRequestError, spec_from_request
 from basertd.server.limits import check_generate, check_prompt_bytes, check_prompt_tokens
 from basertd.server.metrics import Metrics
 from basertd.server.requests import AdmissionError, GenerationRequest, RequestSink, sampler_for
@@ -160,6 +161,10 @@ class Frontend:
     async def _submit(self, gen: api.Generate, sink: RequestSink, api_name: str) -> GenerationRequest:
         self._admissible()
         check_generate(gen)
+        try:  # structured output: compiled and validated here, it never reaches a worker invalid
+            spec = spec_from_request(gen.response_format, gen.grammar, gen.regex)
+        except GrammarRequestError as exc:
+            raise AdmissionError(exc.code, str(exc)) from None
         wid = self.fleet.route(gen.model)
         m = self.fleet[wid]
         if gen.prompt is not None:
@@ -185,6 +190,7 @@ class Frontend:
             stop=list(gen.stop),
             qos=gen.qos,
             stream=gen.stream,
+            grammar=spec,
         )
         if self.durability is not None:
             accepted = self.durability.wrap(gen, prompt, req, observed)

@@ -186,6 +186,32 @@ class RequestQueues:
         return now - q[0].t_received if q else 0.0
 
 
+def on_probation(req: GenerationRequest, max_crash_resumes: int) -> bool:
+    """True when one more crash of its worker while ``req`` runs would fail it (``[scheduler]
+    max_crash_resumes``, DESIGN.md "Scheduling"): such requests run one at a time until one
+    delivers a token, so a crash names the poison request and never fails the lanes that merely
+    shared its ticks."""
+    streak = req.crash_streak
+    return not req.finished and streak > 0 and streak + 1 >= max_crash_resumes
+
+
+class Probe:
+    """The one admission per plan open to a request on probation (``on_probation``): ``take()``
+    is True once, and never while such a lane already runs (``busy``)."""
+
+    __slots__ = ("busy",)
+
+    def __init__(self, busy: bool) -> None:
+        self.busy = busy
+
+    def take(self) -> bool:
+        """Claim the place; False when it is taken."""
+        if self.busy:
+            return False
+        self.busy = True
+        return True
+
+
 def candidate(
     req: GenerationRequest,
     page_tokens: int,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
+
 from basertd.schema import client as api
 from basertd.schema.abi import MAX_TOP_LOGPROBS
 from basertd.schema.client import ErrorCode
@@ -27,6 +29,9 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_MODEL_CHARS = 256
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+MAX_GRAMMAR_CHARS = 1 << 20
+"""Longest ``grammar`` / ``regex`` a Generate may carry, and longest ``response_format`` once
+encoded as JSON (characters): a spec is compiled at admission, so its size is bounded."""
 MAX_TOKEN_BYTES_GGUF = 256
 """Upper bound of the bytes one token of a GGUF vocabulary stands for, special-token text included
 (the longest piece of the default model's 262,144-token vocabulary is 48 bytes)."""
@@ -111,6 +116,12 @@ def check_generate(gen: api.Generate) -> None:
         raise _invalid(rid, f"stop: at most {MAX_STOPS} stop strings, got {len(gen.stop)}")
     if any(len(s) > MAX_STOP_CHARS for s in gen.stop):
         raise _invalid(rid, f"stop: each stop string is at most {MAX_STOP_CHARS} characters")
+    for name in ("grammar", "regex"):
+        text = getattr(gen, name)
+        if text is not None and len(text) > MAX_GRAMMAR_CHARS:
+            raise _invalid(rid, f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
+    if gen.response_format is not None and len(msgspec.json.encode(gen.response_format)) > MAX_GRAMMAR_CHARS:
+        raise _invalid(rid, f"response_format is longer than {MAX_GRAMMAR_CHARS} bytes as JSON")
 
 
 def normalise_top_k(top_k: int, vocab_size: int) -> int:

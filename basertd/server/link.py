@@ -625,6 +625,16 @@ class WorkerLink:
         """SEED_RELEASE an unconsumed seed; ``WorkerError(ERR_UNKNOWN_HANDLE)`` if unknown (rule 81)."""
         await self.request(link.SeedRelease(seed_handle=seed_handle))
 
+    async def grammar_create(self, msg: link.GrammarCreate, *, timeout: float | None = None) -> int:
+        """GRAMMAR_CREATE -> the grammar handle for ``LaneAdmit.grammar_handle``; 0 when the engine
+        cannot compile the spec (or does not serve its kind). Raises the link's errors."""
+        created: link.GrammarCreated = await self.request(msg, timeout=timeout)
+        return created.handle
+
+    async def grammar_free(self, handle: int) -> None:
+        """GRAMMAR_FREE a handle; ``WorkerError(ERR_UNKNOWN_HANDLE)`` if unknown (ABI rule 113)."""
+        await self.request(link.GrammarFree(handle=handle))
+
     async def state_op(self, op: Any) -> link.StateOpAccepted:
         """STATE_OP (one of ``link.STATE_OPS``) -> STATE_OP_ACCEPTED. For an async op
         (``accepted.op != 0``) collect the end with ``op_done``."""

@@ -295,6 +295,20 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.crash_resumes = Counter(
+            "crash_resumes",
+            "Running requests requeued to resume exactly after their worker died.",
+            ["worker"],
+            namespace=ns,
+            registry=r,
+        )
+        self.grammar_handles = Gauge(
+            "grammar_handles",
+            "Grammar handles the scheduler holds on the worker (one per constrained lane).",
+            ["worker"],
+            namespace=ns,
+            registry=r,
+        )
         self.control_denials = Counter(
             "control_denied",
             "Control verbs refused by the peer-credential check.",
@@ -454,6 +468,16 @@ class Metrics:
     def preempted(self, worker_id: int, qos: str) -> None:
         """A ``qos`` lane of worker ``worker_id`` was preempted (the preemption policy, issue 8)."""
         self.preemptions.labels(str(worker_id), qos).inc()
+
+    def crash_resumed(self, worker_id: int) -> None:
+        """A running request of worker ``worker_id`` was requeued after the worker died (also
+        counted as ``requests_resumed{after="worker_crash"}``)."""
+        self.crash_resumes.labels(str(worker_id)).inc()
+        self.request_resumed("worker_crash")
+
+    def grammar_handles_held(self, worker_id: int, count: int) -> None:
+        """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
+        self.grammar_handles.labels(str(worker_id)).set(count)
 
     def connection_dropped(self, reason: str) -> None:
         """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""

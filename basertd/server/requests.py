@@ -27,6 +27,7 @@ from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import SamplingParams
+from basertd.server.grammar import GrammarSpec
 from basertd.server.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 QOS_CLASSES: tuple[str, ...] = ("interactive", "batch", "background")
@@ -129,7 +130,17 @@ class GenerationRequest:
     ``page_hashes`` (the prompt's page hash path at its worker's page size,
     ``basertd.server.cache_policy.page_hashes``), ``plan_seq_received`` (the last plan submitted to
     its worker when it arrived) and ``ttft_ticks`` (ticks from its arrival to the tick that
-    delivered its first token, the tick in flight at arrival included)."""
+    delivered its first token, the tick in flight at arrival included).
+
+    Worker crashes (DESIGN.md "Scheduling": a crash is a preemption): ``crash_resumes`` (times it
+    was requeued because its worker died while it ran; the access log's field) and
+    ``crash_streak`` (crashes it ran at with no token delivered in between; at the scheduler's
+    ``max_crash_resumes`` it fails WORKER_FAILED).
+
+    Structured output: ``grammar`` (the validated spec, ``basertd.server.grammar.GrammarSpec``, or
+    None) and ``grammar_handle`` (its handle on the current worker incarnation while the request
+    owns a lane, else 0: a handle lives from the plan that admits the lane to the plan that retires
+    it, ABI rule 74)."""
 
     request_id: str
     prompt: list[int]
@@ -159,6 +170,10 @@ class GenerationRequest:
     plan_seq_received: int = 0
     tick_in_flight_at_arrival: bool = False
     ttft_ticks: int | None = None
+    crash_resumes: int = 0
+    crash_streak: int = 0
+    grammar: GrammarSpec | None = None
+    grammar_handle: int = 0
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)
@@ -246,6 +261,8 @@ class GenerationRequest:
         else:
             text = self._detok.feed(take)
         self.generated.extend(take)
+        if take:
+            self.crash_streak = 0  # progress: a later crash starts a new streak
         if reason is None and self.remaining <= 0:
             reason = "length"
         self._send_tokens(take, text, final=False)

@@ -16,9 +16,26 @@ Failure rules:
   the engine and the scheduler disagree, and the worker is restarted.
 - An admit refused by the engine (AdmitResult REJECTED) fails its request with a typed error, or
   requeues it at the head of its class when the code is transient.
-- A worker that dies (or breaks the link) fails each of its lanes with ``WORKER_FAILED`` after the
-  tokens already delivered (none is delivered twice); queued requests stay queued and are served by
-  the respawned worker (``basertd.server.supervisor``).
+- A worker that dies (or breaks the link) preempts its lanes: each request goes back to the head
+  of its class with its prompt and delivered tokens and resumes on the respawned worker
+  (``basertd.server.supervisor``) with ``decode_replay`` exactly as after a preemption (ABI rules
+  71-73), so its client sees a pause, never an error or a repeated token. A request that ran at
+  ``max_crash_resumes`` crashes in a row with no token delivered in between fails
+  ``WORKER_FAILED`` (a poison request cannot crash-loop its worker). Requests one crash away from
+  that bound run one at a time until they deliver a token, so the bound fails the poison request
+  and not the lanes that shared its ticks. The lanes resume on a live worker serving the same
+  model when there is one (``peers``), else on the respawned worker. Queued requests stay queued.
+  A worker the progress watchdog restarts is not a crash: its running work is what stalled, and
+  fails ``WORKER_FAILED`` (``basertd.server.watchdog``).
+
+Grammar-constrained lanes (DESIGN.md "Link W", ABI rule 74): a request with a grammar spec owns a
+grammar handle on its worker from the plan that admits its lane to the plan that retires it. The
+handle is created (GRAMMAR_CREATE) for each admission, right after the plan is drafted (handle 0
+fails the request INTERNAL and the plan is drafted again), admitted as ``grammar_handle`` with
+``grammar_replay = decode_replay`` on a resume, and freed (GRAMMAR_FREE, between ticks) whenever
+the lane leaves the engine: done, cancel, fault, preemption, checkpoint, a refused admit or a
+rejected plan. Handles belong to one worker incarnation: a dead worker's are forgotten and a
+resumed request gets a new one on the next.
 
 Lane tags come from a counter that is never reset, so a tag is never reused within a worker (nor
 across its incarnations). Sampling and the RNG stream: see ``basertd.server.requests.Sampler``.
@@ -79,7 +96,8 @@ from basertd.schema.tick import (
 )
 from basertd.server.cache_policy import Coalescing, PrefillingLane, QueuedPrompt, Seed, WorkerCache, coalesce
 from basertd.server.config import CacheConfig, SchedulerConfig
-from basertd.server.lanes import Lane, RequestQueues, candidate, reservation
+from basertd.server.grammar_handles import GrammarHandles
+from basertd.server.lanes import Lane, Probe, RequestQueues, candidate, on_probation, reservation
 from basertd.server.link import EmitCallbackError, LinkError, PlanRejected, WorkerError
 from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
@@ -254,6 +272,12 @@ class Scheduler:
         self._in_tick = False
         self._seedless_plans = 0
         self._release: list[int] = []
+        self.grammars = GrammarHandles(slot.worker_id, self.metrics)
+        self.crash_resumes = 0
+        self._stalled: str | None = None
+        self.peers: Callable[[], list[Scheduler]] = list
+        """The schedulers of the other workers serving the same model with the same vocabulary
+        (set by the fleet): a crashed worker's lanes resume on the least loaded live one."""
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
@@ -403,6 +427,8 @@ class Scheduler:
                 self._prefill_cap = None
                 if not live:
                     continue
+            if self.slot.proc is not None:
+                self._stalled = reason  # its running work is the suspect: failed, not resumed
             self.slot.restart(f"scheduler stalled: {reason}")
 
     # --- the loop ----------------------------------------------------------------------------
@@ -423,6 +449,7 @@ class Scheduler:
             proc = await self.heartbeat.wait(self.slot.ready())
             self.watchdog.progress()
             self._proc = proc
+            self._stalled = None
             self.cache_policy.attach(proc.capabilities)
             self.limits = WorkerLimits.from_worker(proc)
             self.rates = TickRates(
@@ -432,6 +459,8 @@ class Scheduler:
                 await self._serve(proc)
             except LinkError as exc:
                 self._worker_lost(proc, exc)
+                if proc.link.alive:  # a tick that never answered: the engine holds the lanes
+                    self.slot.restart(f"link error: {exc}")
             except Exception as exc:  # a bug of ours: never let it end the loop of this worker
                 log.exception("scheduler_error", worker_id=self.worker_id, error=repr(exc))
                 self._worker_lost(proc, LinkError(f"scheduler error: {exc!r}"))
@@ -440,6 +469,7 @@ class Scheduler:
                 self._proc = None
                 self.cache_policy.detach()
                 self._release.clear()  # leases die with the incarnation
+                self.grammars.forget()  # and so do grammar handles
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
@@ -469,8 +499,8 @@ class Scheduler:
                 await self._between(proc)
                 self._phase = Phase.PLANNING
                 plan = await self._plan(proc)
-                if plan.draft.empty and self._release:
-                    continue  # release the leases it did not use before waiting
+                if plan.draft.empty and (self._release or self.grammars.pending_free):
+                    continue  # release the leases and grammars it did not use before waiting
                 if plan.draft.empty:
                     self._phase = Phase.IDLE
                     waiter = asyncio.ensure_future(self._wake.wait())
@@ -522,6 +552,7 @@ class Scheduler:
                 fut.set_result(result)
         while self._release:
             await wc.release(proc, self._release.pop())
+        await self.grammars.free_pending(proc)
         if wc.renewals_due():
             for pin in await wc.renew(proc):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -692,6 +723,44 @@ class Scheduler:
         )
 
     async def _plan(self, proc: WorkerProcess) -> _Plan:
+        """The next plan (``_draft``) with a grammar handle for each constrained admit; drafted
+        again without the requests whose grammar the worker refused (failed INTERNAL) or that
+        finished (a cancel) while it was being made. Handles made for requests the final plan does
+        not admit are freed between ticks."""
+        made: dict[int, GenerationRequest] = {}
+        while True:
+            plan = await self._draft(proc)
+            dropped = False
+            for _, cand in plan.draft.admits:
+                req = plan.requests[cand.key]
+                if not req.finished and req.grammar is not None and not req.grammar_handle:
+                    await self._create_grammar(proc, req)
+                    if req.grammar_handle:
+                        made[req.key] = req
+                if req.finished:
+                    dropped = True
+            if not dropped:
+                break
+            self._release.extend(seed.handle for seed in plan.seeds.values())
+        admitted = {cand.key for _, cand in plan.draft.admits}
+        for key, req in made.items():
+            if key not in admitted:
+                self.grammars.drop(req)
+        return plan
+
+    async def _create_grammar(self, proc: WorkerProcess, req: GenerationRequest) -> None:
+        """A grammar handle for ``req``'s admission; a worker that gives none fails ``req``
+        INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
+        why = await self.grammars.create(proc, req)
+        if why is None or req.grammar is None:
+            return
+        log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
+        self.queues.remove(req)
+        what = req.grammar.kind
+        req.fail(ErrorCode.INTERNAL, f"the worker could not compile this request's {what} ({why})")
+        self.requests_done += 1
+
+    async def _draft(self, proc: WorkerProcess) -> _Plan:
         """Build the next plan: coalescing, then the plan with cached-prefix hints, then matches
         and seed leases for the admits that carry a hint, rebuilt while a hint did not hold."""
         now = time.monotonic()
@@ -704,6 +773,7 @@ class Scheduler:
         cold: set[int] = set()  # hints that did not hold: admitted cold
         for attempt in range(SEED_ROUNDS + 1):
             coal = self._coalesce(now)
+            probe = Probe(any(self._probation(lane.request) for lane in self.lanes.values()))
             seen: list[GenerationRequest] = []
             last = attempt == SEED_ROUNDS or not use_seeds
 
@@ -717,11 +787,13 @@ class Scheduler:
                 return wc.hint(self._resume_hashes(req), prompt_len)
 
             def candidates(
-                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: Probe = probe
             ) -> Iterator[Candidate]:
                 blocked = coal.blocked
                 order = self.queues.ordered(now, self.config.aging_s, skip=lambda r: r.key in blocked)
                 for req in order:
+                    if self._probation(req) and not probe.take():
+                        continue
                     seen.append(req)
                     yield candidate(
                         req,
@@ -732,13 +804,15 @@ class Scheduler:
                     )
 
             def urgent_after(
-                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of
+                coal: Coalescing = coal, seen: list = seen, seed_of=seed_of, probe: Probe = probe
             ) -> Iterator[Candidate]:
                 if not self.config.preempt:
                     return
                 read = {r.key for r in seen}
                 for req in list(self.queues.classes[QOS_CLASSES[INTERACTIVE]]):
                     if req.finished or req.key in read or req.key in coal.blocked:
+                        continue
+                    if self._probation(req) and not probe.take():
                         continue
                     seen.append(req)
                     yield candidate(
@@ -778,6 +852,9 @@ class Scheduler:
             self._release.append(plan.seeds.pop(key).handle)
         return plan
 
+    def _probation(self, req: GenerationRequest) -> bool:
+        return on_probation(req, self.config.max_crash_resumes)
+
     def _resume_hashes(self, req: GenerationRequest) -> list[int]:
         base = self._hashes(req)
         if not req.generated:
@@ -809,6 +886,8 @@ class Scheduler:
                     req.fail(ErrorCode.INTERNAL, f"cannot stage the prompt: {exc}")
                     self.requests_done += 1
                     self._release.extend(s.handle for s in plan.seeds.values())
+                    for r in requests.values():
+                        self.grammars.drop(r)
                     return
             admits.append(
                 LaneAdmit(
@@ -819,6 +898,8 @@ class Scheduler:
                     params=sampler.params,
                     rng_counter_base=sampler.rng_counter_base(len(req.generated)),
                     decode_replay=len(req.generated),
+                    grammar_handle=req.grammar_handle,
+                    grammar_replay=len(req.generated) if req.grammar_handle else 0,
                 )
             )
         plan.admits = admits
@@ -928,6 +1009,7 @@ class Scheduler:
         if publish and lane.kv_tokens >= self.cache_policy.page:
             self.cache_policy.published(lane.published_tokens(), lane.kv_tokens, lane.hashes)
         req = lane.request
+        self.grammars.drop(req)
         if not (preempted or lane.requeue) or req.finished:
             return
         req.state = RequestState.QUEUED
@@ -968,6 +1050,7 @@ class Scheduler:
                 seed = plan.seeds.get(cand.key)
                 if seed is not None:
                     self._release.append(seed.handle)
+                self.grammars.drop(lane.request)
                 self._admit_refused(lane.request, r)
             elif lane is not None and lane.request.admissions == 0:
                 lane.request.cached_tokens = min(lane.seed, len(lane.request.prompt))
@@ -1106,6 +1189,7 @@ class Scheduler:
         for tag, cand in reversed(draft.admits):  # back to the head of their classes, in order
             lane = self.lanes.pop(tag, None)
             req = requests[cand.key]
+            self.grammars.drop(req)
             if lane is not None and not req.finished:
                 req.state = RequestState.QUEUED
                 req.lane_tag = None
@@ -1162,15 +1246,88 @@ class Scheduler:
             self._max_admits = verdict.max_admits
 
     def _worker_lost(self, proc: WorkerProcess, exc: LinkError) -> None:
-        n = 0
-        for lane in self.lanes.values():
-            if not lane.request.finished:
-                lane.request.fail(ErrorCode.WORKER_FAILED, f"worker {self.worker_id} failed: {exc}")
-                self.requests_done += 1
-                n += 1
+        """The worker died or broke the link: a preemption of every live lane (module
+        docstring). Each request goes back to the head of its class (the oldest at the head) to
+        resume with its delivered tokens on the next incarnation; one that ran at
+        ``max_crash_resumes`` crashes in a row without a token in between fails WORKER_FAILED.
+        Grammar handles of the incarnation are forgotten (the engine that held them is gone)."""
+        live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
+        stalled, self._stalled = self._stalled, None
+        for req in self.queues:  # handles made for a plan that never ran
+            req.grammar_handle = 0
+        live.sort(key=lambda lane: -lane.request.t_received)
+        resumed: list[int] = []
+        failed: list[int] = []
+        moved: list[int] = []
+        for lane in live:
+            req = lane.request
+            req.grammar_handle = 0
+            req.crash_streak += 1
+            if stalled is not None:
+                req.fail(
+                    ErrorCode.WORKER_FAILED, f"worker {self.worker_id} stalled and was restarted: {stalled}"
+                )
+                self.requests_done += 1
+                failed.append(req.key)
+                continue
+            if req.crash_streak >= self.config.max_crash_resumes:
+                req.fail(
+                    ErrorCode.WORKER_FAILED,
+                    f"worker {self.worker_id} died {req.crash_streak} times in a row while this request "
+                    f"ran, without a token in between (last: {exc})",
+                )
+                self.requests_done += 1
+                failed.append(req.key)
+                continue
+            req.state = RequestState.QUEUED
+            req.lane_tag = None
+            req.crash_resumes += 1
+            peer = self._peer_for(req)
+            if peer is None:
+                self.queues.push_front(req)
+            else:
+                peer.adopt(req)
+                moved.append(req.key)
+            self.crash_resumes += 1
+            self.metrics.crash_resumed(self.worker_id)
+            resumed.append(req.key)
         self._signal_tick()
-        log.warning("worker_lanes_failed", worker_id=self.worker_id, pid=proc.pid, lanes=n, error=str(exc))
+        self._wake.set()
+        log.warning(
+            "worker_lanes_resumed",
+            worker_id=self.worker_id,
+            pid=proc.pid,
+            resumed=len(resumed),
+            failed=len(failed),
+            resumed_keys=resumed[::-1],
+            failed_keys=failed,
+            moved_to_peers=moved[::-1],
+            error=str(exc),
+        )
+
+    def _peer_for(self, req: GenerationRequest) -> Scheduler | None:
+        """The least loaded live peer (``peers``) that can run ``req`` now, or None."""
+        fits = []
+        for peer in self.peers():
+            proc = peer.slot.proc
+            if proc is None or not proc.link.alive or peer.slot.state != "ready":
+                continue
+            try:
+                peer.check_admission(len(req.prompt), req.max_tokens, req.qos)
+            except AdmissionError:
+                continue
+            fits.append(peer)
+        return min(fits, key=lambda p: p.load(), default=None)
+
+    def adopt(self, req: GenerationRequest) -> None:
+        """Take over ``req``, resumed after its worker died (``peers``): it goes to the head of
+        its class and resumes here with its delivered tokens (ABI rules 71-73)."""
+        req.worker_id = self.worker_id
+        req.page_hashes = []  # this worker's page size may differ
+        self.queues.push_front(req)
+        self.slot.poke()
+        self._wake.set()
 
     # --- operator views ------------------------------------------------------------------------
 

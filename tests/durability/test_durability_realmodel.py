@@ -1,7 +1,7 @@
 """The default model (Gemma 3 270M, llama.cpp): a worker SIGKILLed mid-stream is a preemption
 (DESIGN.md "Crash = preemption; acceptance is durable"): the stream pauses and completes, with no
-error and no repeated token. Needs the scheduler to requeue a dead worker's lanes (crash =
-preemption); until that lands the stream ends with WORKER_FAILED and this test xfails."""
+error and no repeated token: the scheduler requeues a dead worker's lanes, which resume on the
+respawned worker."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from daemon_harness import Daemon
 
 @pytest.mark.realmodel
 @pytest.mark.slow
-@pytest.mark.xfail(reason="waits on worker crash = preemption in the scheduler", strict=False)
 def test_worker_sigkill_mid_stream_the_stream_completes(default_model):
     cfg = '[[workers]]\nengine = "llamacpp"\nlanes = 2\ncontext_length = 512\nthreads = 1\n'
     with Daemon(cfg, ready_timeout=180) as d:

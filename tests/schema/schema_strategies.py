@@ -64,6 +64,13 @@ def strategy(t: mi.Type, kind: str | None = None) -> st.SearchStrategy:
         return _array_strategy(kind)
     if isinstance(t, mi.StructType):
         return struct_strategy(t.cls)
+    if isinstance(t, mi.AnyType):  # JSON values (an OpenAI-shaped response_format)
+        scalars = st.none() | st.booleans() | st.integers(INT_MIN, INT_MAX) | st.text(max_size=10)
+        return st.recursive(
+            scalars,
+            lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+            max_leaves=6,
+        )
     raise AssertionError(f"no strategy for {t!r}")
 
 

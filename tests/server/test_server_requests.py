@@ -8,7 +8,7 @@ from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.client import ErrorCode
 from basertd.server.lanes import RequestQueues, candidate, reservation
-from basertd.server.limits import check_generate
+from basertd.server.limits import MAX_GRAMMAR_CHARS, check_generate
 from basertd.server.requests import AdmissionError, GenerationRequest, fold_seed, sampler_for
 from basertd.server.tokenizer import BytesTokenizer
 
@@ -132,6 +132,9 @@ def test_sampler_greedy_and_gumbel_and_rng_stream():  # ABI rule 73
     assert len(drawn) > 1 and all(0 <= s < 1 << 32 for s in drawn)
 
 
+INVALID = ErrorCode.INVALID_REQUEST
+
+
 @pytest.mark.parametrize(
     ("fields", "code"),
     [
@@ -153,6 +156,9 @@ def test_sampler_greedy_and_gumbel_and_rng_stream():  # ABI rule 73
         ({"logprobs": 3}, ErrorCode.INVALID_REQUEST),
         ({"stop": ["x"] * 17}, ErrorCode.INVALID_REQUEST),
         ({"request_id": ""}, ErrorCode.INVALID_REQUEST),
+        ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, ErrorCode.INVALID_REQUEST),
+        ({"grammar": "x" * (MAX_GRAMMAR_CHARS + 1)}, ErrorCode.INVALID_REQUEST),
+        ({"response_format": {"type": "json_object", "x": "y" * MAX_GRAMMAR_CHARS}}, INVALID),
     ],
 )
 def test_invalid_generates_are_refused_typed(fields, code):
@@ -188,3 +194,14 @@ def test_u64_seeds_fold_to_a_32_bit_stream_key_and_big_top_k_is_off():
     assert s.rng_counter_base() == s.seed << 32 < 1 << 64
     s = sampler_for(api.Generate(request_id="r", prompt="x", top_k=1000, temperature=1.0), vocab_size=259)
     assert s.params.top_k == 0  # a top_k over the vocabulary keeps every token: off
+
+
+def test_a_delivered_token_ends_a_crash_streak_and_specs_under_the_limit_pass():
+    req, _ = make(max_tokens=5)
+    req.crash_streak = 1
+    req.deliver([])
+    assert req.crash_streak == 1  # nothing delivered: still on the streak
+    req.deliver(ids("a"))
+    assert req.crash_streak == 0
+    check_generate(api.Generate(request_id="r", prompt="x", regex="a" * MAX_GRAMMAR_CHARS))
+    check_generate(api.Generate(request_id="r", prompt="x", response_format={"type": "json_object"}))

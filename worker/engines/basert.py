@@ -42,12 +42,16 @@ Test hooks (``TEST_HOOK_KEYS``, never set in production configs) ride in ``--ref
 the engine in ``HookedEngine``, so the production ``tick`` carries no test code:
 ``test_reject_top_k`` = K: a plan with an admit whose ``top_k`` is K is rejected (REJECT_BOUNDS,
 naming the lane), as a value outside the ABI's u32 would be; ``test_stall_top_k`` = K: such a plan
-hangs the tick (sleeps ``test_stall_s`` seconds, default 3600) before running.
+hangs the tick (sleeps ``test_stall_s`` seconds, default 3600) before running;
+``test_crash_top_k`` = K: a plan that decodes a lane admitted with that ``top_k`` kills the worker
+(SIGKILL), in every incarnation (a poison request).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
@@ -370,11 +374,20 @@ class HookedEngine(BasertEngine):
     def __init__(self, *args: Any, hooks: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.hooks = dict(hooks)
+        self._poison: set[int] = set()  # lanes admitted with test_crash_top_k
 
     def tick(self, plan: TickPlan, on_partial_emit: PartialEmit | None = None) -> TickEvents:
-        """``BasertEngine.tick`` after the hooks: a marked admit rejects or stalls the plan."""
+        """``BasertEngine.tick`` after the hooks: a marked admit rejects or stalls the plan; a plan
+        that decodes (replay included) a lane admitted with ``params.top_k == test_crash_top_k``
+        kills this worker process with SIGKILL before the engine runs it (a poison request)."""
         reject = self.hooks.get("test_reject_top_k")
         stall = self.hooks.get("test_stall_top_k")
+        crash = self.hooks.get("test_crash_top_k")
+        if crash is not None:
+            self._poison.update(a.lane_tag for a in plan.admits if a.params.top_k == crash)
+            if any(d.lane_tag in self._poison for d in plan.decodes):
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._poison.difference_update(r.lane_tag for r in plan.retires)
         for i, admit in enumerate(plan.admits):
             if reject is not None and admit.params.top_k == reject:
                 raise PlanRejected(
@@ -389,7 +402,7 @@ class HookedEngine(BasertEngine):
 # --- the factory --------------------------------------------------------------------------------
 
 _MODEL_FIELDS_EXCLUDED = frozenset({"tick_delay_us", "prefill_step_tokens", "prefill_step_us"})
-TEST_HOOK_KEYS = frozenset({"test_reject_top_k", "test_stall_top_k", "test_stall_s"})
+TEST_HOOK_KEYS = frozenset({"test_reject_top_k", "test_stall_top_k", "test_stall_s", "test_crash_top_k"})
 """``--ref-config`` keys that install ``HookedEngine`` test hooks (module docstring)."""
 
 
