@@ -443,7 +443,7 @@ def main() -> int:
             + ")",
         )
         row(
-            f"interactive TTFT behind them ({args.delay:.0f} s later)",
+            f"interactive TTFT behind them ({args.delay:.1f} s later)",
             r["ttft"],
             "s",
             f"<= {TARGETS['ttft']:.1f} s",
