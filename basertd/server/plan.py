@@ -28,8 +28,10 @@
    max_tokens is exact (replay units emit nothing, ABI rule 72; at most ``max_decode_lanes``
    lanes, rule 30). A lane holding for a checkpoint gets no decode.
 
-``TickRates`` turns measured tick timings into the budgets: ticks stay near ``tick_target_s``
-while anything waits, and use the full configured budgets when nothing does.
+``TickRates`` turns measured tick timings and the engine's measured rate curve into the budgets:
+long ticks of whole prefill chunks near the engine's best rate when nothing urgent waits, ticks
+near ``tick_target_s`` while an interactive request waits, and prefill bounded by ``max_itl_s``
+beside streaming lanes on an engine that cannot yield.
 
 Nothing here does I/O or reads a clock: the scheduler converts the ``PlanDraft`` into a
 ``TickPlan`` (writing admitted prompts into the prompt ring), and tests drive it directly.

@@ -20,6 +20,13 @@ Failure rules:
   tokens already delivered (none is delivered twice); queued requests stay queued and are served by
   the respawned worker (``basertd.server.supervisor``).
 
+Long ticks that yield (``basertd.shm.control``): with nothing urgent waiting, ticks are long
+(``TickRates`` throughput budgets). The yield word ends the tick in flight at its next step when a
+request that outranks it arrives, a running request is cancelled, the scheduler stops, or a
+streaming lane would otherwise wait past ``max_itl_s`` (a timer that follows the lanes' tokens);
+it is cleared just before the next plan is sent. A lane whose prefill was cut (a PREFILL_CHUNK
+shed entry) did not decode in that tick, so its replay is not counted down for it.
+
 Lane tags come from a counter that is never reset, so a tag is never reused within a worker (nor
 across its incarnations). Sampling and the RNG stream: see ``basertd.server.requests.Sampler``.
 
