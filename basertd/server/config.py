@@ -25,7 +25,10 @@ Example (every key shown with its default)::
     [scheduler]                 # DESIGN.md "Scheduling"
     prefill_budget = 512        # most prompt tokens prefilled per tick
     decode_grant = 8            # most tokens one lane decodes per tick
-    tick_target_s = 0.05        # tick length aimed at while anything waits
+    tick_target_s = 0.05        # tick length aimed at while an interactive request waits
+    long_prefill_budget = 2048  # most prompt tokens per tick when nothing urgent waits (a long tick)
+    max_itl_s = 0.5             # a streaming lane never waits longer than this between two tokens
+    min_prefill_chunk = 64      # smallest prefill chunk taken from the engine's measured rate curve
     queue_limit = 256           # queued requests per QoS class
     max_queued_tokens = 1048576 # prompt tokens queued in all, per worker
     partial_emits = true        # stream tokens mid-tick (TICK_EMIT, ABI rule 64)
@@ -169,9 +172,21 @@ class SchedulerConfig(_Section):
     ``max_crash_resumes``: a worker that dies is a preemption of its lanes (each resumes exactly on
     the respawned worker); a request running at this many crashes of its worker in a row, with no
     token delivered in between, fails ``worker_failed`` instead (a poison request cannot
-    crash-loop its worker)."""
+    crash-loop its worker).
+
+    Long ticks that yield (DESIGN.md "Scheduling"): ``long_prefill_budget``: the most prompt tokens
+    one tick prefills when nothing urgent waits and no streaming lane would stall (a long tick at
+    the engine's best rate; rounded to the prefill chunk of the engine's measured rate curve; an
+    engine that yields ends it early when urgent work arrives); ``max_itl_s``: the inter-token
+    latency bound (seconds): a decoding streaming lane never waits longer between two tokens (the
+    scheduler caps the prefill of a tick, and asks a yielding engine to end the tick in time);
+    ``min_prefill_chunk``: the smallest prefill chunk (tokens) taken from the measured curve.
+    ``prefill_budget`` also bounds the whole-prompt prefill of short interactive prompts."""
 
     prefill_budget: _Pos = 512
+    long_prefill_budget: _Pos = 2048
+    max_itl_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 0.5
+    min_prefill_chunk: _Pos = 64
     decode_grant: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8
     tick_target_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.05
     queue_limit: _Pos = 256

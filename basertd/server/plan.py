@@ -28,8 +28,10 @@
    max_tokens is exact (replay units emit nothing, ABI rule 72; at most ``max_decode_lanes``
    lanes, rule 30). A lane holding for a checkpoint gets no decode.
 
-``TickRates`` turns measured tick timings into the budgets: ticks stay near ``tick_target_s``
-while anything waits, and use the full configured budgets when nothing does.
+``TickRates`` turns measured tick timings and the engine's measured rate curve into the budgets:
+long ticks of whole prefill chunks near the engine's best rate when nothing urgent waits, ticks
+near ``tick_target_s`` while an interactive request waits, and prefill bounded by ``max_itl_s``
+beside streaming lanes on an engine that cannot yield.
 
 Nothing here does I/O or reads a clock: the scheduler converts the ``PlanDraft`` into a
 ``TickPlan`` (writing admitted prompts into the prompt ring), and tests drive it directly.
@@ -277,18 +279,56 @@ def build_plan(
     return draft
 
 
+CHUNK_WITHIN = 0.9
+"""A prefill chunk runs "near the best rate" when its bucket reaches this fraction of the best."""
+ITL_MARGIN = 0.8
+"""Fraction of ``max_itl_s`` a tick's prefill may fill when an engine cannot yield (the rest is
+slack for the decode step, planning and the link)."""
+
+
+def rate_curve(stats: dict[str, int] | None) -> list[tuple[int, float]]:
+    """The engine's measured prefill-rate curve from its PONG ``stats``: ``[(rows, tokens/s)]``
+    from every ``rate_tok_s_b<rows>`` entry, smallest bucket first (empty when none)."""
+    out = []
+    for key, value in (stats or {}).items():
+        if key.startswith("rate_tok_s_b") and key[12:].isdigit() and value > 0:
+            out.append((int(key[12:]), float(value)))
+    return sorted(out)
+
+
+def best_chunk(curve: list[tuple[int, float]], floor: int, ceiling: int) -> int:
+    """The smallest bucket of ``curve`` whose rate is within ``CHUNK_WITHIN`` of the best one,
+    clamped to ``[floor, ceiling]`` tokens (``ceiling`` when nothing is measured)."""
+    if not curve:
+        return ceiling
+    best = max(r for _, r in curve)
+    rows = min(b for b, r in curve if r >= CHUNK_WITHIN * best)
+    return max(min(floor, ceiling), min(rows, ceiling))
+
+
 @dataclass
 class TickRates:
-    """Measured engine speed, for budgets that keep ticks near ``tick_target_s`` (seconds) while
-    anything waits (DESIGN.md "Scheduling": "Ticks stay short while anything waits").
+    """Measured engine speed, and the budgets of the next tick (DESIGN.md "Scheduling").
 
-    ``observe`` takes one tick's prefill tokens and decode steps (the largest grant) with its
-    measured prefill and decode seconds and keeps exponentially weighted means of seconds per
-    prefill token and per decode step. ``budgets`` returns ``(prefill_budget, decode_grant)``:
-    the configured maxima when nothing waits; otherwise decode steps limited to half the target,
-    and the prefill budget to what the rest of the target allows at the measured rate (at least
-    ``min_prefill`` tokens, so prompts always progress). With no lane decoding the whole target
-    goes to prefill."""
+    ``observe`` takes one tick's prefill tokens and decode steps (the most tokens a lane decoded)
+    with its measured prefill and decode seconds and keeps exponentially weighted means of seconds
+    per prefill token and per decode step; ``set_curve`` takes the engine's measured rate curve
+    (``rate_curve`` of its PONG stats), from which ``chunk`` is the prefill size at which the
+    engine runs near its best rate.
+
+    ``budgets`` returns ``(prefill_budget, decode_grant)`` in one of three regimes:
+
+    - *urgent* (an interactive request waits): decode steps limited to half of ``tick_target_s``
+      and the prefill budget to what the rest of the target allows at the measured rate (at least
+      ``min_prefill`` tokens, so prompts always progress; with no lane decoding the whole target
+      goes to prefill);
+    - *streaming* (a streaming lane decodes) on an engine that cannot yield: the prefill budget is
+      what ``ITL_MARGIN`` of ``max_itl_s`` less one decode step allows, so no streaming lane waits
+      longer than ``max_itl_s`` between tokens (an engine that yields is instead asked to end the
+      tick in time, and keeps the long budget);
+    - *throughput* (nothing urgent): ``long_prefill`` (0: ``max_prefill``) rounded down to a whole
+      number of chunks (at least one), the full ``max_grant``; decode lanes are granted every tick.
+    """
 
     tick_target_s: float
     max_prefill: int
@@ -297,6 +337,10 @@ class TickRates:
     alpha: float = 0.3
     prefill_s_per_token: float | None = None
     decode_s_per_step: float | None = None
+    long_prefill: int = 0
+    max_itl_s: float = 0.5
+    min_chunk: int = 64
+    curve: list[tuple[int, float]] = field(default_factory=list)
 
     def observe(self, prefill_tokens: int, prefill_s: float, decode_steps: int, decode_s: float) -> None:
         """Fold one tick's measurements in (counts in tokens / steps, times in seconds)."""
@@ -309,11 +353,39 @@ class TickRates:
             d = self.decode_s_per_step
             self.decode_s_per_step = x if d is None else d + self.alpha * (x - d)
 
-    def budgets(self, waiting: bool, decoding: bool = True) -> tuple[int, int]:
-        """``(prefill_budget tokens, decode_grant tokens)`` for the next tick; ``decoding``: some
-        lane will decode in it."""
-        if not waiting:
-            return self.max_prefill, self.max_grant
+    def set_curve(self, curve: list[tuple[int, float]]) -> None:
+        """Take the engine's measured rate curve (``[(rows, tokens/s)]``); an empty one is ignored."""
+        if curve:
+            self.curve = list(curve)
+
+    @property
+    def long_budget(self) -> int:
+        """The throughput regime's ceiling (tokens): ``long_prefill``, or ``max_prefill`` if 0."""
+        return max(self.long_prefill, self.max_prefill) if self.long_prefill else self.max_prefill
+
+    def chunk(self) -> int:
+        """The prefill chunk (tokens) near the engine's best rate (``best_chunk``)."""
+        return best_chunk(self.curve, self.min_chunk, self.long_budget)
+
+    def budgets(
+        self, waiting: bool, decoding: bool = True, *, streaming: bool = False, can_yield: bool = False
+    ) -> tuple[int, int]:
+        """``(prefill_budget tokens, decode_grant tokens)`` for the next tick. ``waiting``: an
+        urgent (interactive) request waits; ``decoding``: some lane will decode in it;
+        ``streaming``: a streaming lane decodes (its inter-token gap is bounded by ``max_itl_s``);
+        ``can_yield``: the engine ends a tick early when asked (class docstring)."""
+        if waiting:
+            return self._urgent(decoding)
+        if streaming and not can_yield and self.prefill_s_per_token:
+            step = self.decode_s_per_step or 0.0
+            room = max(ITL_MARGIN * self.max_itl_s - step, 0.0)
+            prefill = int(room / self.prefill_s_per_token)
+            floor = min(self.min_prefill, self.long_budget)
+            return max(floor, min(self.long_budget, prefill)), self.max_grant
+        chunk = self.chunk()
+        return max(chunk, (self.long_budget // chunk) * chunk), self.max_grant
+
+    def _urgent(self, decoding: bool) -> tuple[int, int]:
         grant = self.max_grant
         decode_s = 0.0
         if self.decode_s_per_step and decoding:
@@ -324,3 +396,12 @@ class TickRates:
             room = max(self.tick_target_s - decode_s, 0.0)
             prefill = int(room / self.prefill_s_per_token)
         return max(min(self.min_prefill, self.max_prefill), min(self.max_prefill, prefill)), grant
+
+    def itl_yield_after(self, step_tokens: int) -> float:
+        """Seconds after a streaming lane's last token at which a yielding engine must be asked to
+        end its tick so the lane's next token still comes within ``max_itl_s``: the bound less one
+        prefill step of ``step_tokens`` tokens (the step in flight finishes), one decode step and
+        a tenth of the bound for planning and the link; never below a tenth of the bound."""
+        step = (self.prefill_s_per_token or 0.0) * max(1, step_tokens)
+        decode = self.decode_s_per_step or 0.0
+        return max(0.1 * self.max_itl_s, 0.9 * self.max_itl_s - step - decode)

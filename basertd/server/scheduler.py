@@ -37,6 +37,13 @@ the lane leaves the engine: done, cancel, fault, preemption, checkpoint, a refus
 rejected plan. Handles belong to one worker incarnation: a dead worker's are forgotten and a
 resumed request gets a new one on the next.
 
+Long ticks that yield (``basertd.shm.control``): with nothing urgent waiting, ticks are long
+(``TickRates`` throughput budgets). The yield word ends the tick in flight at its next step when a
+request that outranks it arrives, a running request is cancelled, the scheduler stops, or a
+streaming lane would otherwise wait past ``max_itl_s`` (a timer that follows the lanes' tokens);
+it is cleared just before the next plan is sent. A lane whose prefill was cut (a PREFILL_CHUNK
+shed entry) did not decode in that tick, so its replay is not counted down for it.
+
 Lane tags come from a counter that is never reset, so a tag is never reused within a worker (nor
 across its incarnations). Sampling and the RNG stream: see ``basertd.server.requests.Sampler``.
 
@@ -98,10 +105,10 @@ from basertd.server.cache_policy import Coalescing, PrefillingLane, QueuedPrompt
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.grammar_handles import GrammarHandles
 from basertd.server.lanes import Lane, Probe, RequestQueues, candidate, on_probation, reservation
-from basertd.server.link import EmitCallbackError, LinkError, PlanRejected, WorkerError
+from basertd.server.link import EmitCallbackError, LinkError, LinkTimeout, PlanRejected, WorkerError
 from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
-from basertd.server.plan import Candidate, PlanDraft, PlanLimits, TickRates, build_plan
+from basertd.server.plan import Candidate, PlanDraft, PlanLimits, TickRates, build_plan, rate_curve
 from basertd.server.qos import INTERACTIVE, LaneCaps, effective_rank, qos_rank
 from basertd.server.rejects import CLIENT_FIELD, Action, suspect_field, triage
 from basertd.server.requests import (
@@ -115,7 +122,7 @@ from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer
 from basertd.server.watchdog import Phase, ProgressWatchdog
 from basertd.server.worker_proc import WorkerProcess
-from basertd.shm import RingError
+from basertd.shm import RingError, YieldReason
 
 log = structlog.get_logger("basertd.scheduler")
 
@@ -139,6 +146,10 @@ QUEUED_FIRST_S = 1.0
 """Seconds a request waits in the queue before its first ``Queued`` notice."""
 QUEUED_EVERY_S = 5.0
 """Seconds between two ``Queued`` notices of a request that still waits."""
+CURVE_EVERY_S = 5.0
+"""Seconds between two reads of the engine's measured rate curve (a PING between ticks)."""
+CURVE_TIMEOUT_S = 1.0
+"""Seconds the curve's PING may take before it is skipped until the next turn."""
 
 
 class _WarmupSink:
@@ -249,6 +260,12 @@ class Scheduler:
         self.lanes: dict[int, Lane] = {}
         self.queues = RequestQueues()
         self.rates = TickRates(config.tick_target_s, config.prefill_budget, config.decode_grant)
+        self.yields_requested = 0
+        self._t_token: dict[int, float] = {}  # lane tag -> monotonic seconds of its last token
+        self._flight: _Plan | None = None  # the plan of the tick in flight
+        self._urgent_arrivals: list[GenerationRequest] = []  # since the plan in making started
+        self._itl_timer: asyncio.TimerHandle | None = None
+        self._curve_at = 0.0
         self.ticks_run = 0
         self.plans_rejected = 0
         self.requests_done = 0
@@ -325,6 +342,7 @@ class Scheduler:
         req.plan_seq_received = self._plan_seq
         req.tick_in_flight_at_arrival = self._in_tick
         self.queues.push(req)
+        self._urgent_arrival(req)
         self.slot.poke()
         self._wake.set()
 
@@ -339,6 +357,8 @@ class Scheduler:
         req.cancelled = True
         if req.state is RequestState.QUEUED:
             self.queues.remove(req)
+        elif self._flight is not None and req.lane_tag is not None:
+            self._yield(YieldReason.CANCEL)  # its lane retires in the next plan: end this tick soon
         req.fail(code, message or "cancelled")
         self.requests_done += 1
         self._wake.set()
@@ -474,6 +494,7 @@ class Scheduler:
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
         self._stopping = True
+        self._yield(YieldReason.DRAIN)
         for task in list(self._tasks):
             task.cancel()
         while self._jobs:
@@ -553,6 +574,7 @@ class Scheduler:
         while self._release:
             await wc.release(proc, self._release.pop())
         await self.grammars.free_pending(proc)
+        await self._read_curve(proc)
         if wc.renewals_due():
             for pin in await wc.renew(proc):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -702,9 +724,21 @@ class Scheduler:
 
     def _plan_limits(self, now: float) -> PlanLimits:
         live = [lane for lane in self.lanes.values() if not lane.retire and not lane.request.finished]
-        waiting = len(self.queues) > 0 or any(lane.phase == "prefill" for lane in live)
-        decoding = any(lane.phase == "decode" for lane in live)
-        prefill_budget, grant = self.rates.budgets(waiting, decoding)
+        interactive = QOS_CLASSES[INTERACTIVE]
+        waiting = self.queues.depth(interactive) > 0 or any(
+            lane.phase == "prefill" and lane.request.qos == interactive for lane in live
+        )
+        decoding = [lane for lane in live if lane.phase == "decode"]
+        streaming = any(lane.request.stream for lane in decoding)
+        rates, cfg = self.rates, self.config
+        rates.long_prefill = cfg.long_prefill_budget
+        rates.max_itl_s = cfg.max_itl_s
+        rates.min_chunk = cfg.min_prefill_chunk
+        proc = self._proc
+        can_yield = proc is not None and proc.can_yield
+        prefill_budget, grant = rates.budgets(
+            waiting, bool(decoding), streaming=streaming, can_yield=can_yield
+        )
         if self._prefill_cap is not None:
             prefill_budget = min(prefill_budget, self._prefill_cap)
         lim = self.limits
@@ -764,6 +798,7 @@ class Scheduler:
         """Build the next plan: coalescing, then the plan with cached-prefix hints, then matches
         and seed leases for the admits that carry a hint, rebuilt while a hint did not hold."""
         now = time.monotonic()
+        self._urgent_arrivals = []  # arrivals from now on may miss this plan (``_tick`` checks)
         limits = self._plan_limits(now)
         wc = self.cache_policy
         use_seeds = wc.enabled and self._seedless_plans == 0
@@ -947,6 +982,8 @@ class Scheduler:
             self.lanes[tag] = lane
         self._in_tick = True
         self._phase = Phase.TICK
+        self._flight = plan
+        self._send_yield_word(proc, plan)
         t_tick = time.monotonic()
         try:
             events = await self.heartbeat.wait(
@@ -960,6 +997,10 @@ class Scheduler:
             events = exc.events
         finally:
             self._in_tick = False
+            self._flight = None
+            if self._itl_timer is not None:
+                self._itl_timer.cancel()
+                self._itl_timer = None
         self._rejections = 0
         self._max_admits = None
         self._prefill_cap = None
@@ -975,11 +1016,117 @@ class Scheduler:
         ticked, self._ticked = self._ticked, asyncio.Event()
         ticked.set()
 
+    # --- yield inside a tick (basertd.shm.control) ---------------------------------------------
+
+    def _yield(self, reason: YieldReason) -> None:
+        """Ask the tick in flight to end at its next step boundary (no-op when no tick is in
+        flight or the engine cannot yield)."""
+        proc = self._proc
+        if self._flight is None or proc is None or not proc.can_yield or proc.yield_requested:
+            return
+        proc.request_yield(reason)
+        self.yields_requested += 1
+        log.debug("yield_requested", worker_id=self.worker_id, reason=reason.name)
+
+    def _outranks_flight(self, req: GenerationRequest) -> bool:
+        """Whether ``req`` outranks the work of the tick in flight: an interactive request always
+        (it must not wait for a long tick), another one when every lane of that tick is of a
+        lower class."""
+        rank = qos_rank(req.qos)
+        if rank == INTERACTIVE:
+            return True
+        flight = self._flight
+        if flight is None:
+            return False
+        tags = {t for t, _, _ in flight.draft.prefills} | {t for t, _ in flight.draft.decodes}
+        ranks = [qos_rank(lane.request.qos) for t in tags if (lane := self.lanes.get(t)) is not None]
+        return bool(ranks) and rank < min(ranks)
+
+    def _urgent_arrival(self, req: GenerationRequest) -> None:
+        """A request was queued: when it outranks the tick in flight, that tick yields; one that
+        arrives while a plan is being made is remembered, so the tick of a plan that missed it
+        yields too (``_send_yield_word``)."""
+        if not self._outranks_flight(req):
+            return
+        if self._flight is not None:
+            self._yield(YieldReason.URGENT_ADMIT)
+        else:
+            self._urgent_arrivals.append(req)
+
+    def _send_yield_word(self, proc: WorkerProcess, plan: _Plan) -> None:
+        """Just before ``plan`` is sent: clear the yield word (this plan serves what asked for the
+        yield), set it again when an urgent request arrived while the plan was made and the plan
+        does not admit it, and arm the inter-token latency timer (``_arm_itl``)."""
+        if not proc.can_yield:
+            return
+        if proc.yield_requested:
+            proc.clear_yield()
+        missed = [r for r in self._urgent_arrivals if r.state is RequestState.QUEUED and not r.finished]
+        self._urgent_arrivals = []
+        if missed:
+            self._yield(YieldReason.URGENT_ADMIT)
+        elif plan.draft.prefills:
+            self._arm_itl(plan)
+
+    def _itl_deadline(self, plan: _Plan) -> float | None:
+        """Monotonic seconds at which the tick of ``plan`` must be asked to end so that each of its
+        streaming decode lanes gets its next token within ``max_itl_s``; None when it has none."""
+        proc = self._proc
+        step = self.config.min_prefill_chunk
+        if proc is not None:
+            try:
+                step = int(proc.capabilities.extra.get("step_tokens", step))
+            except ValueError:
+                pass
+        after = self.rates.itl_yield_after(step)
+        last = [
+            self._t_token[tag]
+            for tag, _ in plan.draft.decodes
+            if tag in self._t_token
+            and (lane := self.lanes.get(tag)) is not None
+            and lane.request.stream
+            and not lane.request.finished
+        ]
+        return min(last) + after if last else None
+
+    def _arm_itl(self, plan: _Plan) -> None:
+        """Yield the tick of ``plan`` (reason ITL_BOUND) when a streaming lane would otherwise
+        wait past ``max_itl_s``; the deadline moves on as partial emits deliver tokens."""
+        if self._itl_timer is not None:
+            self._itl_timer.cancel()
+            self._itl_timer = None
+        if self._flight is not plan:
+            return
+        deadline = self._itl_deadline(plan)
+        if deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        if deadline <= time.monotonic():
+            self._yield(YieldReason.ITL_BOUND)
+            return
+        self._itl_timer = loop.call_at(deadline - time.monotonic() + loop.time(), lambda: self._arm_itl(plan))
+
+    async def _read_curve(self, proc: WorkerProcess) -> None:
+        """Every ``CURVE_EVERY_S`` seconds, read the engine's measured prefill-rate curve from a
+        PONG (``plan.rate_curve``) into ``rates``; a slow or refused PING is skipped."""
+        now = time.monotonic()
+        if now - self._curve_at < CURVE_EVERY_S or not self.ticks_run:
+            return
+        self._curve_at = now
+        try:
+            pong = await proc.link.ping(timeout=CURVE_TIMEOUT_S)
+        except (LinkTimeout, WorkerError) as exc:  # the worker may still answer: it serves on
+            log.debug("rate_curve_unread", worker_id=self.worker_id, error=repr(exc))
+            return
+        self.rates.set_curve(rate_curve(pong.stats))
+
     # --- events --------------------------------------------------------------------------------
 
     def _deliver(self, lane: Lane, tokens: list[int]) -> str | None:
         req = lane.request
         first = req.t_first_token is None
+        if tokens:
+            self._t_token[lane.tag] = time.monotonic()
         reason = req.deliver(tokens)
         if first and req.t_first_token is not None:
             req.ttft_ticks = (
@@ -1066,12 +1213,16 @@ class Scheduler:
                 self.prefill_tokens_total += done
                 if lane.checkpoint and lane.prefilled >= lane.checkpoint:
                     self._checkpoint(lane)
+        replayed: dict[int, int] = {}
         for tag, grant in draft.decodes:
             lane = self.lanes.get(tag)
+            if tag in shed:
+                continue  # its prefill was cut (a yield or a budget shed): it did not decode
             if lane is not None and lane.replay_left:
                 used = min(grant, lane.replay_left)
                 lane.replay_left -= used
                 lane.replayed += used
+                replayed[tag] = used
 
         for fault in events.faults:
             lane = self.lanes.get(fault.lane_tag)
@@ -1138,9 +1289,13 @@ class Scheduler:
             lane.tick_tokens.clear()
 
         t = events.timings
-        steps = max((g for _, g in draft.decodes), default=0)
-        self.rates.observe(draft.prefill_tokens, t.prefill_ns / 1e9, steps, t.decode_ns / 1e9)
+        emitted = {e.lane_tag: e.n_tokens for e in events.emits}
+        steps = max((emitted.get(tag, 0) + replayed.get(tag, 0) for tag, _ in draft.decodes), default=0)
+        prefilled = sum(max(0, n - shed.get(tag, 0)) for tag, _, n in draft.prefills)
+        self.rates.observe(prefilled, t.prefill_ns / 1e9, steps, t.decode_ns / 1e9)
         self.last_mem = events.mem
+        for tag in [t for t in self._t_token if t not in self.lanes]:
+            del self._t_token[tag]
 
     def _admit_refused(self, req: GenerationRequest, result) -> None:
         if req.finished:
