@@ -1,9 +1,10 @@
 """Anthropic's Messages API and Ollama's API, through the official ``anthropic`` and ``ollama``
 packages, on the default model (Gemma 3 270M Q4_K_M, llama.cpp, Gemma's shipped turn template;
 marked ``realmodel``): a short greedy chat streamed and not, the same text both ways, a sensible
-stop reason, and cached tokens when the same prompt comes again (the prefix cache, DESIGN.md
-"Prefix cache"). One daemon for the module, one llama.cpp thread. Each test prints the events of
-its streamed exchange (``pytest -s`` shows them)."""
+stop reason (the model is a base model: through the turn template it tends to restate the turn
+rather than answer it, so the text itself is not checked), and cached tokens when the same prompt
+comes again (the prefix cache, DESIGN.md "Prefix cache"). One daemon for the module, one llama.cpp
+thread. Each test prints the events of its streamed exchange (``pytest -s`` shows them)."""
 
 from __future__ import annotations
 
@@ -54,10 +55,10 @@ def test_anthropic_stream_on_the_default_model(daemon):
             elif ev.type == "message_delta":
                 end = ev
     answer = full.content[0].text
-    assert "Paris" in answer and "".join(text) == answer
+    assert answer.strip() and "".join(text) == answer
     assert full.stop_reason == ("max_tokens" if full.usage.output_tokens == MAX else "end_turn")
     assert end.delta.stop_reason == full.stop_reason and end.usage.output_tokens == full.usage.output_tokens
-    assert "<end_of_turn>" not in answer  # the turn end is the end-of-generation token, never text
+    assert "<end_of_turn>" not in answer and "<start_of_turn>" not in answer  # specials are never text
     prompt = full.usage.input_tokens + full.usage.cache_read_input_tokens
     assert end.usage.cache_read_input_tokens > 0, end.usage  # the same prompt again: a prefix-cache hit
     assert end.usage.input_tokens + end.usage.cache_read_input_tokens == prompt
@@ -75,7 +76,7 @@ def test_ollama_stream_on_the_default_model(daemon):
         print(" ", chunk.model_dump_json(exclude_none=True))
         chunks.append(chunk)
     answer = full.message.content
-    assert "Paris" in answer and "".join(c.message.content for c in chunks) == answer
+    assert answer.strip() and "".join(c.message.content for c in chunks) == answer
     assert full.done_reason == ("length" if full.eval_count == MAX else "stop")
     last = chunks[-1]
     assert last.done and last.done_reason == full.done_reason and last.eval_count == full.eval_count
