@@ -3,7 +3,7 @@ packages, on the default model (Gemma 3 270M Q4_K_M, llama.cpp, Gemma's shipped 
 marked ``realmodel``): a short greedy chat streamed and not, the same text both ways, a sensible
 stop reason (the model is a base model: through the turn template it tends to restate the turn
 rather than answer it, so the text itself is not checked), and cached tokens when the same prompt
-comes again (the prefix cache, DESIGN.md "Prefix cache"). One daemon for the module, one llama.cpp
+comes again (DESIGN.md "Prefix cache policy"). One daemon for the module, one llama.cpp
 thread. Each test prints the events of its streamed exchange (``pytest -s`` shows them)."""
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def test_ollama_stream_on_the_default_model(daemon):
     last = chunks[-1]
     assert last.done and last.done_reason == full.done_reason and last.eval_count == full.eval_count
     assert last.prompt_eval_count == full.prompt_eval_count and last.eval_duration > 0
+    stamps = [c.created_at for c in chunks]  # each line stamped when written
+    assert stamps == sorted(stamps) and stamps[0] < stamps[-1]
     served = access_of(daemon, "ollama")[-2:]
     assert [e.get("prompt_tokens") for e in served] == [full.prompt_eval_count] * 2
     assert served[-1].get("cached_tokens", 0) > 0, served  # the same prompt again: a prefix-cache hit
