@@ -127,7 +127,7 @@ def _refuse(req: _Common, fields: tuple[str, ...]) -> None:
 
 
 def created_at() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def done_fields(done: api.Done) -> dict[str, Any]:
@@ -323,8 +323,9 @@ class OllamaApi:
         )
         head = self._head(model)
 
-        def piece(s: str) -> dict[str, Any]:
-            return head | ({"message": {"role": "assistant", "content": s}} if chat else {"response": s})
+        def piece(s: str) -> dict[str, Any]:  # each line stamped when written, as Ollama does
+            body = {"message": {"role": "assistant", "content": s}} if chat else {"response": s}
+            return head | {"created_at": created_at()} | body
 
         async with await self.frontend.stream(gen, api_name=API_NAME) as out:
             if not stream:
