@@ -39,7 +39,7 @@ from basertd.server.access import ObservedSink
 from basertd.server.drain import Drainer
 from basertd.server.durable import Durability
 from basertd.server.fleet import Fleet
-from basertd.server.limits import check_generate, check_prompt_bytes, check_prompt_tokens
+from basertd.server.limits import check_generate, check_logit_bias, check_prompt_bytes, check_prompt_tokens
 from basertd.server.metrics import Metrics
 from basertd.server.requests import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.tokenizer import TokenizerError
@@ -162,6 +162,7 @@ class Frontend:
         check_generate(gen)
         wid = self.fleet.route(gen.model)
         m = self.fleet[wid]
+        check_logit_bias(gen, m.tokenizer.vocab_size)
         if gen.prompt is not None:
             check_prompt_bytes(gen.prompt, m.config.context_length, m.tokenizer)
             prompt = await self.encode(wid, gen.prompt)
