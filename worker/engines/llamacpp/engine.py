@@ -369,7 +369,8 @@ class LlamaCppEngine:
         """Counters and gauges (the reference engine's names where it has them): ticks,
         last_plan_seq, prefill_tokens_total (seeded and replayed tokens excluded),
         cached_tokens_total (served by seeds), decode_tokens_total (sampled and HOST-committed),
-        replay_tokens_total, live_lanes, live_seed_leases, cache_entries, bare_sequences,
+        replay_tokens_total, live_lanes, live_seed_leases, live_logit_biases, cache_entries,
+        bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
         by the yield word), and the measured rate curve (``rates.RateCurve.stats``:
@@ -381,6 +382,7 @@ class LlamaCppEngine:
             bare_sequences=len(self.ops.bare) + len(self.ops.leased),
             live_lanes=len(self.lanes),
             live_seed_leases=len(self.cache.leases),
+            live_logit_biases=len(self.logit_biases),
             cache_entries=len(self.cache.entries),
             pool_bytes_used=self.ledger.used * self.bytes_per_token,
             pool_bytes_total=self.n_cells * self.bytes_per_token,
