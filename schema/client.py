@@ -63,8 +63,11 @@ class Generate(_Msg, tag="generate"):
     ``top_k`` 0 / ``top_p`` 1 / ``min_p`` 0 / ``repeat_penalty`` 1 / ``frequency_penalty`` 0 /
     ``presence_penalty`` 0 disable their knob; ``seed`` (None: the coordinator picks one) seeds
     the counter-based RNG. ``stop`` strings end the text; ``ignore_eos`` decodes to max_tokens.
-    ``logprobs`` 0..20 top alternatives per token (0: none). ``stream`` False sends one Tokens
-    reply before Done instead of one per tick. ``model`` "" is the default model.
+    ``logprobs`` None: no logprobs; 0..20: each Tokens carries every generated token's natural-log
+    probability and that many top alternatives (``TokenLogprob``). ``logit_bias`` maps token ids
+    (in the vocabulary) to a finite bias in [-100, 100] added to the token's logit before sampling
+    (at most 300 entries; -100 bans a token, +100 all but forces it). ``stream`` False sends one
+    Tokens reply before Done instead of one per tick. ``model`` "" is the default model.
 
     Structured output (at most one of the three): ``response_format`` in OpenAI's shape
     (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
@@ -87,13 +90,14 @@ class Generate(_Msg, tag="generate"):
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     qos: Qos = "interactive"
-    logprobs: int = 0
+    logprobs: int | None = None
     ignore_eos: bool = False
     stream: bool = True
     model: str = ""
     response_format: dict[str, Any] | None = None
     grammar: str | None = None
     regex: str | None = None
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -174,7 +178,9 @@ class TopLogprob(_Rec):
 
 
 class TokenLogprob(_Rec):
-    """Natural-log probability of a generated token and its ``top`` alternatives (<= 20)."""
+    """Natural-log probability (<= 0) of generated token ``id`` under the distribution it was
+    sampled from (after logit bias and penalties, before temperature and truncation) and its
+    ``top`` alternatives, most likely first (as many as the Generate's ``logprobs``, <= 20)."""
 
     id: int
     logprob: float

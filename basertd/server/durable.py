@@ -67,10 +67,13 @@ log = structlog.get_logger("basertd.durable")
 MAX_REMEMBERED = 65536
 """Requests of this run whose tokenizer and stop strings are remembered for replaying their text."""
 CLIENT_ID = "client_id"
+"""Key of ``RequestRecord.extra`` holding the client's own request id."""
 GRAMMAR = "grammar"
 """``extra`` key of a constrained request's grammar spec, ``[kind, text]``: a request re-run after a
 restart stays constrained (``basertd.server.grammar.GrammarSpec``)."""
-"""Key of ``RequestRecord.extra`` holding the client's own request id."""
+LOGIT_BIAS = "logit_bias"
+"""``extra`` key of a request's logit bias, ``[[token id, bias], ...]``: a request re-run after a
+restart samples with the same bias."""
 
 
 def new_resume_id() -> str:
@@ -166,6 +169,8 @@ def _extra(gen: api.Generate, req: GenerationRequest) -> dict[str, Any]:
     extra: dict[str, Any] = {CLIENT_ID: gen.request_id}
     if req.grammar is not None:
         extra[GRAMMAR] = [req.grammar.kind, req.grammar.text]
+    if gen.logit_bias:
+        extra[LOGIT_BIAS] = [[int(t), float(b)] for t, b in gen.logit_bias.items()]
     return extra
 
 
@@ -339,12 +344,14 @@ class Durability:
                 ignore_eos=rec.ignore_eos,
                 stream=rec.stream,
                 model=rec.model,
+                logprobs=getattr(rec, "logprobs", None),
+                logit_bias={int(t): float(b) for t, b in rec.extra.get(LOGIT_BIAS, [])},
             )
             req = GenerationRequest(
                 request_id=client_id,
                 prompt=list(rec.prompt),
                 max_tokens=rec.max_tokens,
-                sampler=sampler_for(gen),
+                sampler=sampler_for(gen, m.tokenizer.vocab_size),
                 sink=sink,
                 tokenizer=m.tokenizer,
                 stop=list(rec.stop),

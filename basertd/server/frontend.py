@@ -40,7 +40,7 @@ from basertd.server.drain import Drainer
 from basertd.server.durable import Durability
 from basertd.server.fleet import Fleet
 from basertd.server.grammar import GrammarRequestError, spec_from_request
-from basertd.server.limits import check_generate, check_prompt_bytes, check_prompt_tokens
+from basertd.server.limits import check_generate, check_logit_bias, check_prompt_bytes, check_prompt_tokens
 from basertd.server.metrics import Metrics
 from basertd.server.requests import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.tokenizer import TokenizerError
@@ -167,6 +167,7 @@ class Frontend:
             raise AdmissionError(exc.code, str(exc)) from None
         wid = self.fleet.route(gen.model)
         m = self.fleet[wid]
+        check_logit_bias(gen, m.tokenizer.vocab_size)
         if gen.prompt is not None:
             check_prompt_bytes(gen.prompt, m.config.context_length, m.tokenizer)
             prompt = await self.encode(wid, gen.prompt)
@@ -184,7 +185,7 @@ class Frontend:
             request_id=gen.request_id,
             prompt=prompt,
             max_tokens=gen.max_tokens,
-            sampler=sampler_for(gen),
+            sampler=sampler_for(gen, m.tokenizer.vocab_size),
             sink=observed,
             tokenizer=m.tokenizer,
             stop=list(gen.stop),

@@ -32,6 +32,10 @@ MAX_STOP_CHARS = 256
 MAX_GRAMMAR_CHARS = 1 << 20
 """Longest ``grammar`` / ``regex`` a Generate may carry, and longest ``response_format`` once
 encoded as JSON (characters): a spec is compiled at admission, so its size is bounded."""
+MAX_LOGIT_BIAS = 300
+"""Most ``logit_bias`` entries one Generate may carry (OpenAI's bound)."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""Inclusive range of one ``logit_bias`` value (added to the logit; -100 bans the token)."""
 MAX_TOKEN_BYTES_GGUF = 256
 """Upper bound of the bytes one token of a GGUF vocabulary stands for, special-token text included
 (the longest piece of the default model's 262,144-token vocabulary is 48 bytes)."""
@@ -81,7 +85,7 @@ GENERATE_LIMITS: tuple[Limit, ...] = (
     Limit("frequency_penalty", -2.0, 2.0, note="0 = off"),
     Limit("presence_penalty", -2.0, 2.0, note="0 = off"),
     Limit("seed", 0, U64_MAX, integer=True, note="u64; folded to the 32-bit RNG stream key"),
-    Limit("logprobs", 0, MAX_TOP_LOGPROBS, integer=True, note="top alternatives per token"),
+    Limit("logprobs", 0, MAX_TOP_LOGPROBS, integer=True, note="None = off; top alternatives per token"),
 )
 """Every numeric field of ``Generate`` with its bounds (README "Limits" lists them)."""
 
@@ -110,8 +114,17 @@ def check_generate(gen: api.Generate) -> None:
         raise _invalid(rid, f"model is longer than {MAX_MODEL_CHARS} characters")
     for limit in GENERATE_LIMITS:
         limit.check(getattr(gen, limit.field), rid)
-    if gen.logprobs:
-        raise _invalid(rid, "logprobs are not served by this daemon yet")
+    bias = gen.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _invalid(rid, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    lo, hi = LOGIT_BIAS_RANGE
+    for token, value in bias.items():
+        if token < 0 or token > U32_MAX:
+            raise _invalid(rid, f"logit_bias: token id {token} is not a token id")
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
+            raise _invalid(
+                rid, f"logit_bias[{token}] must be a finite number in [{lo:g}, {hi:g}], got {value!r}"
+            )
     if len(gen.stop) > MAX_STOPS:
         raise _invalid(rid, f"stop: at most {MAX_STOPS} stop strings, got {len(gen.stop)}")
     if any(len(s) > MAX_STOP_CHARS for s in gen.stop):
@@ -122,6 +135,16 @@ def check_generate(gen: api.Generate) -> None:
             raise _invalid(rid, f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
     if gen.response_format is not None and len(msgspec.json.encode(gen.response_format)) > MAX_GRAMMAR_CHARS:
         raise _invalid(rid, f"response_format is longer than {MAX_GRAMMAR_CHARS} bytes as JSON")
+
+
+def check_logit_bias(gen: api.Generate, vocab_size: int) -> None:
+    """Refuse ``logit_bias`` token ids outside ``[0, vocab_size)`` (INVALID_REQUEST); the entry
+    count and values were checked by ``check_generate``."""
+    bad = [t for t in gen.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise _invalid(
+            gen.request_id, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+        )
 
 
 def normalise_top_k(top_k: int, vocab_size: int) -> int:

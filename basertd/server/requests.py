@@ -26,7 +26,7 @@ from typing import Protocol
 from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.client import ErrorCode
-from basertd.schema.tick import SamplingParams
+from basertd.schema.tick import LaneLogprob, SamplingParams
 from basertd.server.grammar import GrammarSpec
 from basertd.server.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
@@ -77,6 +77,16 @@ class Sampler:
     mode: Sampling
     params: SamplingParams
     seed: int
+    want_logprobs: int = 0
+    """``LaneAdmit.want_logprobs``: 0 = off, else 1 + the top alternatives per token (<= 20)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token id, bias)`` pairs for the lane's logit-bias table (LOGIT_BIAS_CREATE, ABI rule
+    113), sorted by id; empty: no table (``logit_bias_handle`` 0)."""
+
+    @property
+    def logprobs(self) -> bool:
+        """True when the lane reports a ``LaneLogprob`` row per emitted token."""
+        return self.want_logprobs > 0
 
     def rng_counter_base(self, generated: int = 0) -> int:
         """Counter base of a lane that resumes after ``generated`` tokens: ``(seed << 32) + k``."""
@@ -91,12 +101,16 @@ def fold_seed(seed: int) -> int:
 
 def sampler_for(gen: api.Generate, vocab_size: int | None = None) -> Sampler:
     """The ``Sampler`` of a Generate that passed ``basertd.server.limits.check_generate``: the
-    seed folded to 32 bits (drawn at random when none was given) and a ``top_k`` at or above
-    ``vocab_size`` turned off."""
+    seed folded to 32 bits (drawn at random when none was given), a ``top_k`` at or above
+    ``vocab_size`` turned off, ``logprobs`` and ``logit_bias`` in the ABI's terms."""
     seed = fold_seed(gen.seed) if gen.seed is not None else secrets.randbelow(MAX_SEED + 1)
     flags = SamplingFlag.IGNORE_EOS if gen.ignore_eos else 0
+    extra: dict = {
+        "want_logprobs": 0 if gen.logprobs is None else 1 + gen.logprobs,
+        "logit_bias": tuple(sorted((int(t), float(v)) for t, v in gen.logit_bias.items())),
+    }
     if gen.temperature == 0.0:
-        return Sampler(Sampling.GPU_GREEDY, SamplingParams(flags=int(flags)), seed)
+        return Sampler(Sampling.GPU_GREEDY, SamplingParams(flags=int(flags)), seed, **extra)
     params = SamplingParams(
         temperature=gen.temperature,
         top_p=0.0 if gen.top_p >= 1.0 else gen.top_p,
@@ -107,7 +121,24 @@ def sampler_for(gen: api.Generate, vocab_size: int | None = None) -> Sampler:
         repeat_penalty=0.0 if gen.repeat_penalty == 1.0 else gen.repeat_penalty,
         flags=int(flags),
     )
-    return Sampler(Sampling.GPU_GUMBEL, params, seed)
+    return Sampler(Sampling.GPU_GUMBEL, params, seed, **extra)
+
+
+def token_logprobs(ids: Sequence[int], rows: Sequence[LaneLogprob]) -> list[api.TokenLogprob]:
+    """The client records of emitted ``ids`` from the engine's ``LaneLogprob`` rows of the same
+    lane, in emission order (one row per id; ``n_top`` alternatives each, ABI "LaneLogprob").
+    Raises ``ValueError`` when the counts differ."""
+    if len(ids) != len(rows):
+        raise ValueError(f"{len(rows)} logprob rows for {len(ids)} tokens")
+    out = []
+    for t, r in zip(ids, rows, strict=True):
+        n = min(r.n_top, len(r.top_ids), len(r.top_logprobs))
+        top = [
+            api.TopLogprob(id=int(i), logprob=float(lp))
+            for i, lp in zip(r.top_ids[:n], r.top_logprobs[:n], strict=True)
+        ]
+        out.append(api.TokenLogprob(id=int(t), logprob=float(r.logprob), top=top))
+    return out
 
 
 _keys = itertools.count(1)
@@ -180,6 +211,7 @@ class GenerationRequest:
         self._stops = StopMatcher(self.stop)
         self._pending_ids: list[int] = []  # stream=False: everything goes out with Done
         self._pending_text: list[str] = []
+        self._pending_logprobs: list[api.TokenLogprob] = []
 
     # --- views the scheduler plans with ---------------------------------------------------
 
@@ -221,25 +253,44 @@ class GenerationRequest:
 
     # --- output ---------------------------------------------------------------------------
 
-    def _send_tokens(self, ids: list[int], text: str, final: bool) -> None:
+    def _tokens(self, ids: list[int], text: str, logprobs: list[api.TokenLogprob]) -> api.Tokens:
+        return api.Tokens(
+            request_id=self.request_id,
+            ids=ids,
+            text=text,
+            logprobs=logprobs if self.sampler.logprobs else None,
+        )
+
+    def _pending(self) -> api.Tokens:
+        return self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs)
+
+    def _send_tokens(
+        self, ids: list[int], text: str, final: bool, logprobs: Sequence[api.TokenLogprob] = ()
+    ) -> None:
         if self.stream:
             if ids or text:
-                self.sink.send(api.Tokens(request_id=self.request_id, ids=ids, text=text))
+                self.sink.send(self._tokens(ids, text, list(logprobs)))
             return
         self._pending_ids.extend(ids)
         self._pending_text.append(text)
+        self._pending_logprobs.extend(logprobs)
         if final and (self._pending_ids or any(self._pending_text)):
             self.sink.send(
-                api.Tokens(
-                    request_id=self.request_id, ids=self._pending_ids, text="".join(self._pending_text)
-                )
+                self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs)
             )
 
-    def deliver(self, ids: Sequence[int], now: float | None = None) -> str | None:
+    def deliver(
+        self,
+        ids: Sequence[int],
+        now: float | None = None,
+        logprobs: Sequence[api.TokenLogprob] | None = None,
+    ) -> str | None:
         """Deliver freshly generated ``ids`` (in order) to the client. At most ``remaining`` of them
-        are taken; with stop strings, none after the token that completed one. Returns the finish
-        reason this delivery reached ("stop" or "length"), else None; the caller then retires the
-        lane and calls ``finish``. Ignored once finished."""
+        are taken; with stop strings, none after the token that completed one. ``logprobs`` holds
+        one entry per id (the engine's ``LaneLogprob`` rows) when the request asked for logprobs;
+        the entries of the ids taken ride in the same Tokens. Returns the finish reason this
+        delivery reached ("stop" or "length"), else None; the caller then retires the lane and
+        calls ``finish``. Ignored once finished."""
         if self.finished or not ids:
             return None
         now = time.monotonic() if now is None else now
@@ -265,7 +316,7 @@ class GenerationRequest:
             self.crash_streak = 0  # progress: a later crash starts a new streak
         if reason is None and self.remaining <= 0:
             reason = "length"
-        self._send_tokens(take, text, final=False)
+        self._send_tokens(take, text, False, logprobs[: len(take)] if logprobs is not None else ())
         return reason
 
     def finish(self, reason: str, now: float | None = None) -> None:
@@ -297,9 +348,7 @@ class GenerationRequest:
         self.t_finished = time.monotonic() if now is None else now
         if not self.stream and self._pending_ids:
             self.sink.send(
-                api.Tokens(
-                    request_id=self.request_id, ids=self._pending_ids, text="".join(self._pending_text)
-                )
+                self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs)
             )
         self.sink.send(api.Error(code=code, request_id=self.request_id, message=message))
 

@@ -106,6 +106,7 @@ from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.grammar_handles import GrammarHandles
 from basertd.server.lanes import Lane, Probe, RequestQueues, candidate, on_probation, reservation
 from basertd.server.link import EmitCallbackError, LinkError, LinkTimeout, PlanRejected, WorkerError
+from basertd.server.logit_bias import BiasTables
 from basertd.server.metrics import NULL_METRICS, Metrics
 from basertd.server.notify import Heartbeat
 from basertd.server.plan import Candidate, PlanDraft, PlanLimits, TickRates, build_plan, rate_curve
@@ -117,6 +118,7 @@ from basertd.server.requests import (
     GenerationRequest,
     RequestState,
     Sampler,
+    token_logprobs,
 )
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer
@@ -295,6 +297,7 @@ class Scheduler:
         self.peers: Callable[[], list[Scheduler]] = list
         """The schedulers of the other workers serving the same model with the same vocabulary
         (set by the fleet): a crashed worker's lanes resume on the least loaded live one."""
+        self._biases = BiasTables()  # logit-bias tables of this incarnation's requests
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
@@ -490,6 +493,7 @@ class Scheduler:
                 self.cache_policy.detach()
                 self._release.clear()  # leases die with the incarnation
                 self.grammars.forget()  # and so do grammar handles
+                self._biases.clear()
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
@@ -575,6 +579,7 @@ class Scheduler:
             await wc.release(proc, self._release.pop())
         await self.grammars.free_pending(proc)
         await self._read_curve(proc)
+        await self._biases.sweep(proc.link, {lane.request.key for lane in self.lanes.values()})
         if wc.renewals_due():
             for pin in await wc.renew(proc):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -906,6 +911,14 @@ class Scheduler:
         now = time.monotonic()
         admits: list[LaneAdmit] = []
         prompts: dict[int, list[int]] = {}
+        biases, refused = await self._biases.handles(proc.link, [requests[c.key] for _, c in draft.admits])
+        for req, why in refused:
+            self.queues.remove(req)
+            req.fail(ErrorCode.INVALID_REQUEST, str(why))
+            self.requests_done += 1
+        if refused or any(requests[key].finished for key in biases):
+            self._release.extend(s.handle for s in plan.seeds.values())
+            return  # a request ended while its table was made: plan again without it
         for tag, cand in draft.admits:
             req = requests[cand.key]
             sampler = req.sampler
@@ -935,6 +948,8 @@ class Scheduler:
                     decode_replay=len(req.generated),
                     grammar_handle=req.grammar_handle,
                     grammar_replay=len(req.generated) if req.grammar_handle else 0,
+                    logit_bias_handle=biases.get(cand.key, 0),
+                    want_logprobs=sampler.want_logprobs,
                 )
             )
         plan.admits = admits
@@ -1122,12 +1137,12 @@ class Scheduler:
 
     # --- events --------------------------------------------------------------------------------
 
-    def _deliver(self, lane: Lane, tokens: list[int]) -> str | None:
+    def _deliver(self, lane: Lane, tokens: list[int], logprobs: list | None = None) -> str | None:
         req = lane.request
         first = req.t_first_token is None
         if tokens:
             self._t_token[lane.tag] = time.monotonic()
-        reason = req.deliver(tokens)
+        reason = req.deliver(tokens, logprobs=logprobs)
         if first and req.t_first_token is not None:
             req.ttft_ticks = (
                 self._plan_seq - req.plan_seq_received + (1 if req.tick_in_flight_at_arrival else 0)
@@ -1136,8 +1151,8 @@ class Scheduler:
 
     def _on_emit(self, emit: link.TickEmit) -> None:
         lane = self.lanes.get(emit.lane_tag)
-        if lane is None or lane.request.finished:
-            return
+        if lane is None or lane.request.finished or lane.request.sampler.logprobs:
+            return  # a logprobs lane's tokens go out with their rows, from the tick's events
         tokens = emit.tokens.tolist()
         lane.tick_tokens.extend(tokens)
         reason = self._deliver(lane, tokens)
@@ -1248,6 +1263,9 @@ class Scheduler:
             lane.publish = False
             lane.requeue = False
 
+        rows: dict[int, list] = {}
+        for row in events.logprobs:
+            rows.setdefault(row.lane_tag, []).append(row)
         for emit in events.emits:
             lane = self.lanes.get(emit.lane_tag)
             if lane is None:
@@ -1270,7 +1288,15 @@ class Scheduler:
             if tokens[: len(partial)] != partial:
                 log.error("partial_emits_disagree", worker_id=self.worker_id, lane_tag=lane.tag)
             req = lane.request
-            reason = self._deliver(lane, tokens[len(partial) :]) if len(tokens) > len(partial) else None
+            lps = None
+            if req.sampler.logprobs and not req.finished:
+                try:
+                    lps = token_logprobs(tokens, rows.get(lane.tag, []))[len(partial) :]
+                except ValueError as exc:
+                    req.fail(ErrorCode.INTERNAL, f"the engine's logprobs do not match its tokens: {exc}")
+                    self.requests_done += 1
+            fresh = tokens[len(partial) :]
+            reason = self._deliver(lane, fresh, lps) if fresh and not req.finished else None
             if reason is None and emit.finish != Finish.NONE and not req.finished:
                 if emit.finish in FINISH_REASON:
                     reason = FINISH_REASON[emit.finish]

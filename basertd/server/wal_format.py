@@ -104,7 +104,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     stop: list[str] = msgspec.field(default_factory=list)
     qos: str = "interactive"
-    logprobs: int = 0
+    logprobs: int | None = None
     ignore_eos: bool = False
     stream: bool = True
     model: str = ""

@@ -185,9 +185,9 @@ def test_error_classes(daemon, client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="", prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model="", prompt="x", max_tokens=2, logprobs=2)
+        client.completions.create(model="", prompt="x", max_tokens=2, logprobs=21)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model="", prompt="x", max_tokens=2, logit_bias={"5": 1.0})
+        client.completions.create(model="", prompt="x", max_tokens=2, logit_bias={"5": 101.0})
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="", prompt="", max_tokens=2)
     assert err.value.code == "empty_prompt"

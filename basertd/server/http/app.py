@@ -298,7 +298,7 @@ class HttpServer:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=False)
         req = oa.decode(await self._body(request), oa.CompletionRequest)
-        oa.refuse_unserved(req, logprobs=bool(req.logprobs))
+        oa.check_fields(req)
         prompts = oa.prompts_of(req.prompt)
         max_tokens = oa.COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
@@ -307,7 +307,7 @@ class HttpServer:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=True)
         req = oa.decode(await self._body(request), oa.ChatRequest)
-        oa.refuse_unserved(req, logprobs=bool(req.logprobs) or bool(req.top_logprobs))
+        oa.check_fields(req)
         messages = oa.message_dicts(req.messages)
         try:
             wid, template = self.template_for(req.model)
@@ -382,20 +382,30 @@ class HttpServer:
                 request, shape, [followed], 1, entry.state["include_usage"], ids=[rid], after=after
             )
 
+    def _logprobs(self, shape: oa.Shape, stream: Any) -> oa.Logprobs:
+        """The logprobs builder of one choice, with the vocabulary of the worker serving it."""
+        req = getattr(stream, "request", None)
+        if req is not None:
+            return oa.Logprobs(shape.chat, req.tokenizer.piece)
+        fleet = self.frontend.fleet
+        return oa.Logprobs(shape.chat, lambda t: fleet[fleet.route("")].tokenizer.piece(t))
+
     async def _collect(self, shape: oa.Shape, streams: list[GenerationStream], n: int) -> web.Response:
-        async def one(s: GenerationStream) -> tuple[str, api.Done]:
+        async def one(s: GenerationStream) -> tuple[oa.Choice, api.Done]:
             parts = []
+            lp = self._logprobs(shape, s)
             async for msg in s:
                 if isinstance(msg, api.Tokens):
                     parts.append(msg.text)
+                    lp.add(msg.logprobs)
                 elif isinstance(msg, api.Done):
-                    return "".join(parts), msg
+                    return ("".join(parts), oa.finish_reason(msg), lp.take()), msg
                 elif isinstance(msg, api.Error):
                     raise from_code(msg.code, msg.message)
             raise HttpError(500, "the generation ended without a result", code="internal")
 
         results = await asyncio.gather(*(one(s) for s in streams))
-        choices = [(text, oa.finish_reason(done)) for text, done in results]
+        choices = [choice for choice, _ in results]
         return json_response(shape.full(choices, _usage([d for _, d in results], n)))
 
     async def _sse(
@@ -422,16 +432,22 @@ class HttpServer:
             )
             await resp.write(first)
         dones: list[api.Done | None] = [None] * len(streams)
+        lps = [self._logprobs(shape, s) for s in streams]
         async for i, msg in _merge(streams):
             if isinstance(msg, api.Tokens):
                 counts[i] += len(msg.ids)
+                lps[i].add(msg.logprobs)
                 if msg.text:
-                    chunk = shape.chunk(i, msg.text, include_usage=include_usage)
+                    chunk = shape.chunk(i, msg.text, include_usage=include_usage, logprobs=lps[i].take())
                     await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Done):
                 dones[i] = msg
                 chunk = shape.chunk(
-                    i, None if shape.chat else "", oa.finish_reason(msg), include_usage=include_usage
+                    i,
+                    None if shape.chat else "",
+                    oa.finish_reason(msg),
+                    include_usage=include_usage,
+                    logprobs=lps[i].take(),
                 )
                 await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Error):

@@ -2,25 +2,33 @@
 
 Requests decode with msgspec into the structs below; a field we do not serve (``echo``,
 ``suffix``, ``best_of``, ``tools``, ...) or a wrong type is a 400 naming the field, never silently
-ignored. ``logprobs`` (> 0 / true) and a non-empty ``logit_bias`` are 400 "not supported": the
-native ``Generate`` does not carry them yet. Extensions: ``top_k``, ``min_p``,
+ignored. ``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs`` true with
+``top_logprobs`` 0..20) and ``logit_bias`` (token-id strings to a bias in [-100, 100], at most 300)
+map to the ``Generate`` fields of the same names. Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos`` and ``qos`` (also the header ``X-Basertd-QoS``).
 
 Responses: ``text_completion`` / ``chat.completion`` objects and their ``*.chunk`` stream events,
 ``finish_reason`` "stop" (a stop string or the end-of-generation token) or "length", ``usage``
 with ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the prefix cache).
+``logprobs`` objects (``Logprobs``): completions ``{tokens, token_logprobs, top_logprobs,
+text_offset}``, chat ``{content: [{token, logprob, bytes, top_logprobs}], refusal}``; a token's
+text is its own piece (its exact bytes in ``bytes``), and a streamed chunk carries the entries of
+the tokens whose text it completes (a token inside an unfinished UTF-8 character waits).
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
 
 from basertd.schema import client as api
+from basertd.schema.abi import MAX_TOP_LOGPROBS
 from basertd.server.http.errors import bad_request
 
 QOS_HEADER = "X-Basertd-QoS"
@@ -155,15 +163,45 @@ def prompts_of(prompt: Any) -> list[str | list[int]]:
     return out
 
 
-def refuse_unserved(req: _Common, *, logprobs: bool) -> None:
-    """400 for values the daemon does not serve yet (module docstring)."""
-    if logprobs:
-        raise bad_request("logprobs are not supported by this server yet", "logprobs")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server yet", "logit_bias")
+def check_fields(req: _Common) -> None:
+    """400 for ``n``, ``logprobs`` / ``top_logprobs`` and ``logit_bias`` keys out of their forms
+    (``logprobs_of``, ``logit_bias_of``); the value ranges are the limits table's."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", "n")
+    logprobs_of(req)
+    logit_bias_of(req)
+
+
+def logprobs_of(req: _Common) -> int | None:
+    """``Generate.logprobs``: None (off) or the top alternatives per token, 0..MAX_TOP_LOGPROBS.
+    Completions: ``logprobs``; chat: ``top_logprobs`` (default 0) when ``logprobs`` is true.
+    Raises 400 for values out of range, or chat ``top_logprobs`` without ``logprobs``."""
+    if isinstance(req, ChatRequest):
+        if not req.logprobs:
+            if req.top_logprobs is not None:
+                raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+            return None
+        value, field = (0 if req.top_logprobs is None else req.top_logprobs), "top_logprobs"
+    else:
+        value, field = getattr(req, "logprobs", None), "logprobs"
+        if value is None:
+            return None
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{field} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value}", field)
+    return value
+
+
+def logit_bias_of(req: _Common) -> dict[int, float]:
+    """``logit_bias`` with integer token ids (OpenAI sends the ids as JSON object keys). Raises
+    400 for a key that is not a decimal token id; ids and values are checked at admission."""
+    out: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        text = key.strip()
+        if not text.isdigit() or not text.isascii():
+            raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        out[int(text)] = value
+    return out
 
 
 def generate_of(
@@ -199,6 +237,8 @@ def generate_of(
         ignore_eos=bool(req.ignore_eos),
         stream=stream,
         model=req.model,
+        logprobs=logprobs_of(req),
+        logit_bias=logit_bias_of(req),
     )
 
 
@@ -246,6 +286,75 @@ def usage_of(prompt: int, cached: int, completion: int) -> dict[str, Any]:
     }
 
 
+def _completion_token(piece: bytes) -> str:
+    """A completions ``tokens`` entry: the piece as text, or ``bytes:\\xNN...`` when it is not
+    whole UTF-8 (OpenAI's form)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+class Logprobs:
+    """The ``logprobs`` objects of one choice, built from the ``TokenLogprob`` entries of its
+    Tokens. ``piece(id)`` is the token's bytes (``Tokenizer.piece``). Streamed, ``add`` collects
+    entries and ``take`` returns the object of those collected so far (None when none), so each
+    chunk carries its own tokens; ``text_offset`` (completions) counts characters of the generated
+    text before each token, across chunks."""
+
+    def __init__(self, chat: bool, piece: Callable[[int], bytes]) -> None:
+        self.chat = chat
+        self.piece = piece
+        self._pending: list[api.TokenLogprob] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def add(self, entries: list[api.TokenLogprob] | None) -> None:
+        if entries:
+            self._pending.extend(entries)
+
+    def take(self) -> dict[str, Any] | None:
+        """The object of the entries added since the last ``take``; None when there are none."""
+        if not self._pending:
+            return None
+        entries, self._pending = self._pending, []
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _chat(self, entries: list[api.TokenLogprob]) -> dict[str, Any]:
+        def item(tid: int, logprob: float) -> dict[str, Any]:
+            b = self.piece(tid)
+            return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+
+        content = []
+        for e in entries:
+            d = item(e.id, e.logprob)
+            d["top_logprobs"] = [item(t.id, t.logprob) for t in e.top]
+            content.append(d)
+        return {"content": content, "refusal": None}
+
+    def _completion(self, entries: list[api.TokenLogprob]) -> dict[str, Any]:
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            b = self.piece(e.id)
+            tokens.append(_completion_token(b))
+            offsets.append(self._chars)
+            self._chars += len(self._utf8.decode(b))
+            top: dict[str, float] = {}
+            for t in e.top:
+                top.setdefault(_completion_token(self.piece(t.id)), t.logprob)
+            tops.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+Choice = tuple[str, str, "dict[str, Any] | None"]
+"""One finished choice: (text, finish_reason, logprobs object or None)."""
+
+
 class Shape:
     """Builds one endpoint's response objects (``chat`` selects chat.completion)."""
 
@@ -258,23 +367,23 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streamed response of ``(text, finish_reason)`` choices in index order."""
+    def full(self, choices: list[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed response of ``(text, finish_reason, logprobs)`` choices in index order."""
         out = self._head("chat.completion" if self.chat else "text_completion")
         if self.chat:
             out["choices"] = [
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
+                    "logprobs": lp,
                     "finish_reason": fr,
                 }
-                for i, (text, fr) in enumerate(choices)
+                for i, (text, fr, lp) in enumerate(choices)
             ]
         else:
             out["choices"] = [
-                {"index": i, "text": text, "logprobs": None, "finish_reason": fr}
-                for i, (text, fr) in enumerate(choices)
+                {"index": i, "text": text, "logprobs": lp, "finish_reason": fr}
+                for i, (text, fr, lp) in enumerate(choices)
             ]
         out["usage"] = usage
         return out
@@ -287,8 +396,9 @@ class Shape:
         *,
         role: bool = False,
         include_usage: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk of choice ``index``."""
+        """One stream chunk of choice ``index`` (``logprobs``: the object of its tokens)."""
         if self.chat:
             obj = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {}
@@ -296,10 +406,10 @@ class Shape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             obj = self._head("text_completion")
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj["choices"] = [choice]
         if include_usage:
             obj["usage"] = None

@@ -370,7 +370,7 @@ class LlamaCppEngine:
         last_plan_seq, prefill_tokens_total (seeded and replayed tokens excluded),
         cached_tokens_total (served by seeds), decode_tokens_total (sampled and HOST-committed),
         replay_tokens_total, live_lanes, live_seed_leases, grammar_handles (live grammar handles),
-        cache_entries, bare_sequences,
+        live_logit_biases, cache_entries, bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
         by the yield word), and the measured rate curve (``rates.RateCurve.stats``:
@@ -383,6 +383,7 @@ class LlamaCppEngine:
             live_lanes=len(self.lanes),
             live_seed_leases=len(self.cache.leases),
             grammar_handles=len(self.grammars),
+            live_logit_biases=len(self.logit_biases),
             cache_entries=len(self.cache.entries),
             pool_bytes_used=self.ledger.used * self.bytes_per_token,
             pool_bytes_total=self.n_cells * self.bytes_per_token,
