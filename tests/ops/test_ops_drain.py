@@ -18,10 +18,14 @@ from basertd.client import Client, ClientError, ErrorCode
 from basertd.schema import control
 
 
-def _config(drain_timeout_s: float, grant: int = 2, delay_us: int = 20000) -> str:
+def _config(drain_timeout_s: float, grant: int = 2, delay_us: int = 20000, durability: str = "off") -> str:
+    """A reference-engine daemon. Durability is off: these tests check the drain's cancel path; with
+    ``[durability] mode = "tick"`` SIGTERM hands running requests over to the next start instead
+    (tests/durability)."""
     return (
         ref_worker(lanes=4, delay_us=delay_us)
         + f"[scheduler]\ndecode_grant = {grant}\n[operators]\ndrain_timeout_s = {drain_timeout_s}\n"
+        + f'[durability]\nmode = "{durability}"\n'
     )
 
 

@@ -122,6 +122,8 @@ def random_value(t: mi.Type, rng: random.Random, kind: str | None = None) -> Any
         return np.array([rng.randrange(hi) for _ in range(n)], dtype=dtype)
     if isinstance(t, mi.StructType):
         return random_struct(t.cls, rng)
+    if isinstance(t, mi.AnyType):  # a JSON value (an OpenAI-shaped response_format)
+        return rng.choice([None, True, rng.randrange(-5, 5), "x", [1, "a"], {"type": "json_object"}])
     raise AssertionError(f"no generator for {t!r}")
 
 
