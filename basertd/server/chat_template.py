@@ -99,13 +99,15 @@ class ChatTemplate:
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "_compiled", _ENV.from_string(self.source))
+            undeclared = jinja2.meta.find_undeclared_variables(_ENV.parse(self.source))
+            object.__setattr__(self, "_uses_tools", "tools" in undeclared)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
     @property
     def uses_tools(self) -> bool:
         """Whether the template reads the ``tools`` variable (it then offers tools itself)."""
-        return "tools" in jinja2.meta.find_undeclared_variables(_ENV.parse(self.source))
+        return self._uses_tools  # type: ignore[attr-defined]
 
     def render(
         self,

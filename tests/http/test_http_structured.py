@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import jsonschema
 import ollama
 import openai
@@ -420,6 +421,56 @@ def test_ollama_format(daemon, stream):
             model="tiny-llama", prompt="x", format={"type": "integer", "minimum": 5, "maximum": 1}
         )
     assert err.value.status_code == 400 and "minimum" in err.value.error
+
+
+A_TOOLS = [
+    {"name": "get_weather", "description": "Weather of a city", "input_schema": WEATHER},
+    {"name": "add", "input_schema": ADD},
+]
+
+
+@pytest.fixture(scope="module")
+def claude(daemon):
+    with anthropic.Anthropic(base_url=daemon.http_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_anthropic_tool_use(claude, model):
+    kw = {"model": model, "messages": MSGS, "tools": A_TOOLS, "max_tokens": PARALLEL_MAX}
+    for _ in range(2):
+        r = claude.messages.create(**kw, tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+        assert r.stop_reason == "tool_use" and r.content
+        for block in r.content:
+            assert block.type == "tool_use" and block.id.startswith("toolu_")
+            jsonschema.validate(block.input, PARAMS[block.name])
+    named = {"type": "tool", "name": "add", "disable_parallel_tool_use": True}
+    with claude.messages.stream(**kw, tool_choice=named, extra_body={"temperature": 1.0}) as st:
+        events = [ev.type for ev in st]
+        final = st.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].name == "add" and "content_block_start" in events
+    jsonschema.validate(final.content[0].input, ADD)
+    history = [
+        {"role": "user", "content": "add 1 and 2"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "3"}]},
+    ]
+    r = claude.messages.create(
+        model=model, messages=history, tools=A_TOOLS, max_tokens=4, extra_body={"temperature": 0}
+    )
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens > 20
+    none = claude.messages.create(**{**kw, "max_tokens": 4}, tool_choice={"type": "none"})
+    assert none.content[0].type == "text" and none.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError, match="unknown function"):
+        claude.messages.create(**kw, tool_choice={"type": "tool", "name": "nope"})
+    with pytest.raises(anthropic.BadRequestError, match="tools"):
+        claude.messages.create(**{**kw, "tools": [{"name": "f", "input_schema": {"type": "nonsense"}}]})
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        claude.messages.create(**kw, tool_choice={"type": "sometimes"})
 
 
 @pytest.mark.realmodel
