@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import httpx
 import jsonschema
 import ollama
 import openai
@@ -221,7 +222,7 @@ def test_required_and_named_tool_choice(oai, model, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
-def test_auto_gives_text_or_a_call(oai, stream):
+def test_auto_gives_text_or_a_call(daemon, oai, stream):
     for seed in range(4):
         calls, finish, content = calls_of(oai, "tiny-llama", stream, temperature=1.0, seed=seed)
         if calls:
@@ -230,8 +231,22 @@ def test_auto_gives_text_or_a_call(oai, stream):
                 jsonschema.validate(json.loads(args), PARAMS[name])
         else:
             assert content and content[0] not in "{[ \n" and finish in ("stop", "length")
+    # the random model opens with text; a bias towards "[" (parallel calls) makes it open a call
+    bracket = httpx.post(
+        daemon.http_url + "/tokenize", json={"content": "[", "add_special": False, "model": "tiny-llama"}
+    )
+    tid = bracket.json()["tokens"][-1]  # SPM may put a word-start piece first
+    piece = httpx.post(daemon.http_url + "/detokenize", json={"tokens": [tid], "model": "tiny-llama"})
+    assert piece.json()["content"].strip() == "["
+    for seed in range(2):
+        calls, finish, content = calls_of(
+            oai, "tiny-llama", stream, temperature=1.0, seed=seed, logit_bias={str(tid): 100}
+        )
+        assert finish == "tool_calls" and calls and not content
+        for _, name, args in calls:
+            jsonschema.validate(json.loads(args), PARAMS[name])
     _, finish, content = calls_of(oai, "tiny-llama", stream, tool_choice="none", temperature=0, max_tokens=8)
-    assert finish in ("stop", "length")
+    assert finish in ("stop", "length") and content
 
 
 @pytest.mark.parametrize("model", list(MODELS))
