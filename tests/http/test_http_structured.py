@@ -1,5 +1,5 @@
-"""Structured outputs and tool calls over the HTTP APIs, through the official ``openai`` and
-``ollama`` packages, on llama.cpp workers serving the tiny random-weight GGUFs
+"""Structured outputs and tool calls over the HTTP APIs, through the official ``openai``,
+``anthropic`` and ``ollama`` packages, on llama.cpp workers serving the tiny random-weight GGUFs
 (``tests/tinymodel.py``): a ``llama`` worker with the shipped ``chatml`` template and a ``gemma3``
 worker with the shipped ``gemma`` template (which insists on alternating user/model turns, so tool
 turns take the text form). One daemon per module, one llama.cpp thread each.
@@ -7,7 +7,7 @@ turns take the text form). One daemon per module, one llama.cpp thread each.
 Every constrained output parses and validates with ``jsonschema``; tool calls validate against
 their tool's parameter schema, streamed and not; bad schemas, grammars, tool lists and choices
 are 400s with the reason, and the daemon keeps serving. One ``realmodel`` test runs a JSON-schema
-chat on the default model."""
+chat and a required tool call on the default model (``pytest -s`` prints both)."""
 
 from __future__ import annotations
 
@@ -504,5 +504,18 @@ def test_json_schema_chat_on_the_default_model(default_model):
                 max_tokens=MAX,
                 temperature=0,
             )
+            call = c.chat.completions.create(
+                model="",
+                messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
+                tools=TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_tokens=MAX,
+                temperature=0,
+            )
+    print("\njson_schema:", r.choices[0].message.content, "\ntool call:", call.choices[0].message.tool_calls)
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    assert call.choices[0].finish_reason == "tool_calls"
+    (tc,) = call.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(tc.function.arguments), PARAMS[tc.function.name])
