@@ -5,7 +5,8 @@ rendered in jinja2's ``ImmutableSandboxedEnvironment`` (a template cannot reach 
 change its inputs) with what HF templates use: ``trim_blocks`` / ``lstrip_blocks``, the
 ``loopcontrols`` extension, the globals ``raise_exception(message)`` and ``strftime_now(format)``,
 the ``tojson`` filter (``ensure_ascii=False``), and the variables ``messages``,
-``add_generation_prompt``, ``bos_token`` and ``eos_token``.
+``add_generation_prompt``, ``bos_token``, ``eos_token`` and ``tools`` (OpenAI's ``tools`` array,
+or undefined when a request has none; ``ChatTemplate.uses_tools`` says whether a template reads it).
 
 Where a worker's template comes from (``template_source``): the worker key ``chat_template`` (a
 file path, or the name of a template shipped in ``basertd/server/chat_templates/``: ``gemma``,
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SHIPPED_PACKAGE = "basertd.server.chat_templates"
@@ -97,18 +99,35 @@ class ChatTemplate:
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "_compiled", _ENV.from_string(self.source))
+            undeclared = jinja2.meta.find_undeclared_variables(_ENV.parse(self.source))
+            object.__setattr__(self, "_uses_tools", "tools" in undeclared)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {exc}") from None
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` (dicts with ``role`` and ``content``). Raises
-        ``ChatTemplateError`` when the template refuses them (``raise_exception``) or fails."""
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the template reads the ``tools`` variable (it then offers tools itself)."""
+        return self._uses_tools  # type: ignore[attr-defined]
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of ``messages`` (dicts with ``role`` and ``content``; assistant turns
+        may carry ``tool_calls``, tool turns ``tool_call_id``), with ``tools`` (OpenAI's array)
+        defined when given. Raises ``ChatTemplateError`` when the template refuses them
+        (``raise_exception``) or fails."""
+        extra: dict[str, Any] = {} if tools is None else {"tools": tools}
         try:
             return self._compiled.render(  # type: ignore[attr-defined]
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except ChatTemplateError:
             raise

@@ -135,7 +135,7 @@ def test_cache_read_on_a_repeated_prefix(client):
 def test_error_classes(daemon, client):
     ok = {"model": "", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(anthropic.BadRequestError, match="tools"):
-        client.messages.create(**ok, tools=[{"name": "f", "input_schema": {"type": "object"}}])
+        client.messages.create(**ok, tools=[{"name": "bad name", "input_schema": {"type": "object"}}])
     img = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
     with pytest.raises(anthropic.BadRequestError, match="only text blocks"):
         client.messages.create(model="", max_tokens=2, messages=[{"role": "user", "content": [img]}])

@@ -58,7 +58,7 @@ BAD_FIELDS = {
         "logprobs": ["yes", 3],
         "top_logprobs": [3, -1],
         "tools": [[]],
-        "response_format": [{"type": "json_object"}],
+        "response_format": [{"type": "xml"}, "json", {"type": "json_schema", "json_schema": {"schema": 5}}],
     },
     "/tokenize": {"content": [5, None, ["x"]], "add_special": ["no"], "bogus": [1]},
     "/detokenize": {"tokens": [None, ["a"], [-1], [10**6], "x"], "bogus": [1]},

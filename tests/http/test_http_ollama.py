@@ -117,7 +117,7 @@ def test_error_classes(daemon, client, model):
         client.generate(model="nope", prompt="x")
     assert err.value.status_code == 404 and "nope" in err.value.error
     with pytest.raises(ollama.ResponseError) as err:
-        client.chat(model=model, messages=[{"role": "user", "content": "x"}], format="json")
+        client.chat(model=model, messages=[{"role": "user", "content": "x"}], format={"type": "nonsense"})
     assert err.value.status_code == 400 and "format" in err.value.error
     with pytest.raises(ollama.ResponseError) as err:
         client.generate(model=model, prompt="x", options={"mirostat": 2})

@@ -8,8 +8,17 @@ content a string or text blocks) are rendered with the worker's chat template
 ``max_tokens`` is required; ``temperature`` (0..1 in Anthropic's API, our limits table allows
 more), ``top_p``, ``top_k``, ``stop_sequences``, ``stream`` and ``metadata.user_id`` (logged
 nowhere, accepted) are served; ``qos`` (or the header ``X-Basertd-QoS``) is our extension.
-``cache_control`` on a block is accepted and has no effect: the prefix cache is automatic. Tools,
-images, documents and extended thinking are a 400 naming the field; any unknown field is a 400.
+``cache_control`` on a block is accepted and has no effect: the prefix cache is automatic.
+Images, documents and extended thinking are a 400 naming the field; any unknown field is a 400.
+
+Tools (``basertd.server.http.tool_calls``): ``tools`` (``name``, ``description``,
+``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool`` with ``name``, ``none``;
+``disable_parallel_tool_use``) map to OpenAI's function tools, ``tool_choice`` and
+``parallel_tool_calls``; ``any`` and ``tool`` constrain the reply to calls, ``auto`` to text or
+calls. A call comes back as ``tool_use`` content blocks (``id``, ``name``, ``input``) with
+``stop_reason`` ``tool_use``; streamed, each is a ``tool_use`` block with one
+``input_json_delta`` once the call is complete. ``tool_use`` blocks of assistant turns and
+``tool_result`` blocks of user turns go back into the template as tool calls and tool results.
 
 Responses: a ``message`` object with one ``text`` content block, ``stop_reason`` ``end_turn``
 (the end-of-generation token), ``max_tokens`` or ``stop_sequence`` (with ``stop_sequence`` set to
@@ -25,6 +34,7 @@ prefix cache), ``cache_read_input_tokens`` (served from it; the sum is the promp
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
@@ -34,7 +44,7 @@ from aiohttp import web
 from basertd.schema import client as api
 from basertd.server.chat_template import ChatTemplateError
 from basertd.server.http import openai as oa
-from basertd.server.http import resume, sse
+from basertd.server.http import resume, sse, tool_calls
 from basertd.server.http.errors import HttpError, bad_request, from_code
 
 API_NAME = "anthropic"
@@ -64,12 +74,18 @@ def error_body(err: HttpError) -> dict[str, Any]:
 
 
 class Block(msgspec.Struct):
-    """A content block; only ``text`` is served (other types' fields decode, then are refused by
-    type)."""
+    """A content block: ``text``, ``tool_use`` (assistant turns) or ``tool_result`` (user turns);
+    other types' fields decode, then are refused by type."""
 
     type: str
     text: str | None = None
     cache_control: dict[str, Any] | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: Any = None
+    is_error: bool | None = None
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -120,12 +136,80 @@ def _text_of(content: str | list[Block], where: str) -> str:
     return "\n".join(texts)
 
 
+def tools_of(req: CountRequest) -> tool_calls.ToolPlan | None:
+    """The tool plan of ``tools`` / ``tool_choice`` in OpenAI's terms (module docstring), or
+    None. Raises 400 for malformed tools or choices."""
+    tc = req.tool_choice
+    parallel = True
+    if tc is not None:
+        if not isinstance(tc, dict) or tc.get("type") not in ("auto", "any", "tool", "none"):
+            raise bad_request("tool_choice must be {type: auto | any | tool | none}", "tool_choice")
+        parallel = not tc.get("disable_parallel_tool_use", False)
+        kind = tc["type"]
+        tc = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
+            "type": "function",
+            "function": {"name": tc.get("name")},
+        }
+    tools = req.tools
+    if tools is not None:
+        oa_tools = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or t.get("type", "custom") != "custom":
+                raise bad_request(f"tools[{i}]: only custom tools (name, input_schema) are served", "tools")
+            unknown = set(t) - {"type", "name", "description", "input_schema", "cache_control"}
+            if unknown:
+                raise bad_request(f"tools[{i}]: unsupported field {sorted(unknown)[0]!r}", "tools")
+            fn = {"name": t.get("name"), "parameters": t.get("input_schema")}
+            if "description" in t:
+                fn["description"] = t["description"]
+            oa_tools.append({"type": "function", "function": fn})
+        tools = oa_tools
+    elif tc is not None and tc != "none":
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    return tool_calls.plan_of(tools, tc, parallel)
+
+
+def _result_text(block: Block, where: str) -> str:
+    c = block.content
+    if c is None or isinstance(c, str):
+        text = c or ""
+    elif isinstance(c, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in c):
+        text = "\n".join(str(b.get("text", "")) for b in c)
+    else:
+        raise bad_request(f"{where}.content: a tool result is a string or text blocks", f"{where}.content")
+    return f"(error) {text}" if block.is_error else text
+
+
+def _turns(i: int, m: Message) -> list[dict[str, Any]]:
+    """The chat-template messages of one Anthropic message (tool blocks as tool turns)."""
+    where = f"messages[{i}].content"
+    if isinstance(m.content, str) or not any(b.type in ("tool_use", "tool_result") for b in m.content):
+        return [{"role": m.role, "content": _text_of(m.content, where)}]
+    texts, calls, results = [], [], []
+    for j, b in enumerate(m.content):
+        if b.type == "tool_use" and m.role == "assistant":
+            if not isinstance(b.id, str) or not isinstance(b.name, str) or not isinstance(b.input, dict):
+                raise bad_request(f"{where}[{j}]: a tool_use block has id, name and an input object", where)
+            args = json.dumps(b.input, ensure_ascii=False)
+            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": args}})
+        elif b.type == "tool_result" and m.role == "user":
+            if not isinstance(b.tool_use_id, str):
+                raise bad_request(f"{where}[{j}]: a tool_result block needs tool_use_id", where)
+            results.append(
+                {"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b, f"{where}[{j}]")}
+            )
+        else:
+            texts.append(_text_of([b], where))
+    if m.role == "assistant":
+        return [{"role": "assistant", "content": "\n".join(texts), "tool_calls": calls}]
+    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+
+
 def conversation(req: CountRequest) -> tuple[list[dict[str, Any]], str]:
-    """``(messages for the chat template, assistant prefill)``. Raises 400 for tools, non-text
-    blocks, an empty conversation or one whose first message is not the user's."""
-    for field in ("tools", "tool_choice", "thinking"):
-        if getattr(req, field):
-            raise bad_request(f"{field} is not supported by this server yet", field)
+    """``(messages for the chat template, assistant prefill)``. Raises 400 for thinking, blocks
+    we do not serve, an empty conversation or one whose first message is not the user's."""
+    if req.thinking:
+        raise bad_request("thinking is not supported by this server yet", "thinking")
     if not req.messages:
         raise bad_request("messages: at least one message is required", "messages")
     out: list[dict[str, Any]] = []
@@ -134,16 +218,18 @@ def conversation(req: CountRequest) -> tuple[list[dict[str, Any]], str]:
         if system:
             out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
-        out.append({"role": m.role, "content": _text_of(m.content, f"messages[{i}].content")})
+        out.extend(_turns(i, m))
     prefill = ""
-    if req.messages[-1].role == "assistant":
+    if req.messages[-1].role == "assistant" and not out[-1].get("tool_calls"):
         prefill = out.pop()["content"]
         if prefill != prefill.rstrip():
             raise bad_request("final assistant content cannot end with trailing whitespace", "messages")
     return out, prefill
 
 
-def stop_reason(done: api.Done, matched: str | None) -> str:
+def stop_reason(done: api.Done, matched: str | None, calls: Any = None) -> str:
+    if calls:
+        return "tool_use"
     if done.finish_reason == "length":
         return "max_tokens"
     return "stop_sequence" if matched is not None else "end_turn"
@@ -172,15 +258,38 @@ def new_id() -> str:
     return "msg_" + uuid.uuid4().hex
 
 
+def tool_use_blocks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``tool_use`` content blocks of OpenAI ``tool_calls`` (ids ``toolu_`` + 24 hex digits)."""
+    return [
+        {
+            "type": "tool_use",
+            "id": "toolu_" + c["id"].removeprefix("call_"),
+            "name": c["function"]["name"],
+            "input": json.loads(c["function"]["arguments"]),
+        }
+        for c in calls
+    ]
+
+
 def message_object(
-    mid: str, model: str, text: str, reason: str | None, stop: str | None, usage: dict[str, int]
+    mid: str,
+    model: str,
+    text: str,
+    reason: str | None,
+    stop: str | None,
+    usage: dict[str, int],
+    calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    if calls:
+        content = tool_use_blocks(calls)
+    else:
+        content = [{"type": "text", "text": text}] if text or reason is not None else []
     return {
         "id": mid,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}] if text or reason is not None else [],
+        "content": content,
         "stop_reason": reason,
         "stop_sequence": stop,
         "usage": usage,
@@ -203,11 +312,13 @@ class AnthropicApi:
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count)]
 
-    async def _prompt(self, req: CountRequest) -> tuple[int, list[int]]:
+    async def _prompt(self, req: CountRequest, plan: tool_calls.ToolPlan | None) -> tuple[int, list[int]]:
         messages, prefill = conversation(req)
+        if prefill and plan is not None:
+            raise bad_request("a final assistant message (prefill) cannot be combined with tools", "messages")
         try:
             wid, template = self.host.template_for(req.model)
-            text = template.render(messages, add_generation_prompt=True) + prefill
+            text = tool_calls.render(template, messages, plan) + prefill
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         tokens = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
@@ -215,7 +326,7 @@ class AnthropicApi:
 
     async def count(self, request: web.Request) -> web.Response:
         req = oa.decode(await request.read(), CountRequest)
-        _, tokens = await self._prompt(req)
+        _, tokens = await self._prompt(req, tools_of(req))
         return web.json_response({"input_tokens": len(tokens)})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
@@ -232,7 +343,8 @@ class AnthropicApi:
         qos = oa.qos_of(req, request.headers.get(oa.QOS_HEADER))  # type: ignore[arg-type]
         if req.max_tokens < 1:
             raise bad_request(f"max_tokens: must be >= 1, got {req.max_tokens}", "max_tokens")
-        wid, prompt = await self._prompt(req)
+        plan = tools_of(req)
+        wid, prompt = await self._prompt(req, plan)
         mid = new_id()
         gen = api.Generate(
             request_id=mid,
@@ -245,12 +357,15 @@ class AnthropicApi:
             qos=qos,  # type: ignore[arg-type]
             stream=bool(req.stream),
             model=req.model,
+            **(tool_calls.generate_fields(plan.spec) if plan is not None else {}),
         )
         model = self.frontend.fleet[wid].model_name
         stream = await self.frontend.stream(gen, api_name=API_NAME)
         if req.stream:
             resume_id = stream.accepted.resume_id if stream.accepted is not None else ""
-            shape = StreamShape(self, mid, model, gen.stop, req.model)
+            shape = StreamShape(self, mid, model, gen.stop, req.model, plan)
+            if plan is not None:  # a held tool call cannot be resumed mid-way
+                resume_id = ""
             self.host.resumes.remember(mid, API_NAME, shape.state(), resume_id)
             try:
                 return await shape.write(request, stream, len(prompt), 0)
@@ -269,9 +384,11 @@ class AnthropicApi:
             if done is None:
                 raise HttpError(500, "the generation ended without a result", code="internal")
             out = "".join(text)
-            stop = await self.stop_string(req.model, done, out, ids, gen.stop)
+            calls = tool_calls.parse(plan, out) if plan is not None else None
+            stop = None if calls else await self.stop_string(req.model, done, out, ids, gen.stop)
             usage = usage_of(done, len(prompt), len(ids))
-            return web.json_response(message_object(mid, model, out, stop_reason(done, stop), stop, usage))
+            reason = stop_reason(done, stop, calls)
+            return web.json_response(message_object(mid, model, out, reason, stop, usage, calls))
 
     async def stop_string(
         self, model: str, done: api.Done, text: str, ids: list[int], stops: list[str]
@@ -285,7 +402,16 @@ class StreamShape:
     """Writes one Messages stream from front-end replies (module docstring); ``write`` serves a
     fresh stream (``after`` 0) and a resumed one alike."""
 
-    def __init__(self, owner: AnthropicApi, mid: str, model: str, stops: list[str], model_req: str) -> None:
+    def __init__(
+        self,
+        owner: AnthropicApi,
+        mid: str,
+        model: str,
+        stops: list[str],
+        model_req: str,
+        plan: tool_calls.ToolPlan | None = None,
+    ) -> None:
+        self.plan = plan
         self.owner = owner
         self.mid = mid
         self.model = model
@@ -302,38 +428,61 @@ class StreamShape:
         await resp.prepare(request)
         count = after
         eid = f"{self.mid}:{count}"
+        held = tool_calls.ToolStream(self.plan) if self.plan is not None else None
+        text_open = after > 0  # a resumed stream's text block is already open
+        start_text = event(
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": TEXT_BLOCK},
+            eid,
+        )
         if after == 0:
             head = message_object(self.mid, self.model, "", None, None, usage_of(None, prompt_tokens, 0))
-            await resp.write(
-                event("message_start", {"type": "message_start", "message": head}, eid)
-                + event(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": 0, "content_block": TEXT_BLOCK},
-                    eid,
-                )
-                + event("ping", {"type": "ping"}, eid)
-            )
+            first = event("message_start", {"type": "message_start", "message": head}, eid)
+            if held is None:
+                first += start_text
+                text_open = True
+            await resp.write(first + event("ping", {"type": "ping"}, eid))
         text, ids = [], []
         async for msg in stream:
             if isinstance(msg, api.Tokens):
                 count += len(msg.ids)
                 ids.extend(msg.ids)
                 text.append(msg.text)
-                if msg.text:
-                    delta = {"type": "text_delta", "text": msg.text}
+                piece = held.feed(msg.text) if held is not None else msg.text
+                if piece:
+                    delta = {"type": "text_delta", "text": piece}
                     data = {"type": "content_block_delta", "index": 0, "delta": delta}
-                    await resp.write(event("content_block_delta", data, f"{self.mid}:{count}"))
+                    out = b"" if text_open else start_text
+                    text_open = True
+                    await resp.write(out + event("content_block_delta", data, f"{self.mid}:{count}"))
             elif isinstance(msg, api.Done):
                 eid = f"{self.mid}:{count}"
+                calls, rest = held.finish() if held is not None else (None, "")
                 stop = None
-                if after == 0:
+                if calls:
+                    pass
+                elif after == 0:
                     stop = await self.owner.stop_string(self.model_req, msg, "".join(text), ids, self.stops)
                 elif msg.finish_reason == "stop" and len(self.stops) == 1:
                     stop = self.stops[0]
                 usage = usage_of(msg, prompt_tokens, count)
-                delta = {"stop_reason": stop_reason(msg, stop), "stop_sequence": stop}
+                delta = {"stop_reason": stop_reason(msg, stop, calls), "stop_sequence": stop}
+                out = b""
+                if calls:
+                    out += self.tool_use_events(calls, eid)
+                else:
+                    if not text_open:
+                        out += start_text
+                    if rest:
+                        data = {
+                            "type": "content_block_delta",
+                            "index": 0,
+                            "delta": {"type": "text_delta", "text": rest},
+                        }
+                        out += event("content_block_delta", data, eid)
+                    out += event("content_block_stop", {"type": "content_block_stop", "index": 0}, eid)
                 await resp.write(
-                    event("content_block_stop", {"type": "content_block_stop", "index": 0}, eid)
+                    out
                     + event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}, eid)
                     + event("message_stop", {"type": "message_stop"}, eid)
                 )
@@ -344,3 +493,23 @@ class StreamShape:
             elif isinstance(msg, api.Queued):
                 await resp.write(event("ping", {"type": "ping"}))
         return resp
+
+    @staticmethod
+    def tool_use_events(calls: list[dict[str, Any]], eid: str) -> bytes:
+        """The events of complete calls: per call a ``tool_use`` block start with an empty
+        input, one ``input_json_delta`` with the whole input, the block stop."""
+        out = b""
+        for k, block in enumerate(tool_use_blocks(calls)):
+            partial = json.dumps(block["input"], ensure_ascii=False)
+            start = {"type": "content_block_start", "index": k, "content_block": {**block, "input": {}}}
+            delta = {
+                "type": "content_block_delta",
+                "index": k,
+                "delta": {"type": "input_json_delta", "partial_json": partial},
+            }
+            out += (
+                event("content_block_start", start, eid)
+                + event("content_block_delta", delta, eid)
+                + event("content_block_stop", {"type": "content_block_stop", "index": k}, eid)
+            )
+        return out

@@ -38,7 +38,7 @@ from basertd.schema import client as api
 from basertd.server.chat_template import ChatTemplate, ChatTemplateError, template_source
 from basertd.server.config import HttpConfig, parse_listen
 from basertd.server.frontend import Frontend, GenerationStream
-from basertd.server.http import anthropic, ollama, resume, sse
+from basertd.server.http import anthropic, ollama, resume, sse, tool_calls
 from basertd.server.http import openai as oa
 from basertd.server.http.auth import Authorizer, load_api_keys
 from basertd.server.http.errors import HttpError, bad_request, from_admission, from_code
@@ -309,9 +309,10 @@ class HttpServer:
         req = oa.decode(await self._body(request), oa.ChatRequest)
         oa.check_fields(req)
         messages = oa.message_dicts(req.messages)
+        plan = tool_calls.plan_of(req.tools, req.tool_choice, req.parallel_tool_calls)
         try:
             wid, template = self.template_for(req.model)
-            text = template.render(messages, add_generation_prompt=True)
+            text = tool_calls.render(template, messages, plan)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", code="chat_template") from None
         prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
@@ -319,7 +320,7 @@ class HttpServer:
         if max_tokens is None:
             ctx = self.frontend.fleet[wid].scheduler.limits.context_length
             max_tokens = max(1, ctx - len(prompt))
-        return await self._generate(request, req, [(prompt, max_tokens)], chat=True)
+        return await self._generate(request, req, [(prompt, max_tokens)], chat=True, tools=plan)
 
     async def _generate(
         self,
@@ -328,6 +329,7 @@ class HttpServer:
         prompts: list[tuple[str | list[int], int]],
         *,
         chat: bool,
+        tools: tool_calls.ToolPlan | None = None,
     ) -> web.StreamResponse:
         qos = oa.qos_of(req, request.headers.get(oa.QOS_HEADER))
         stream = bool(req.stream)
@@ -337,13 +339,19 @@ class HttpServer:
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         gens = [
             oa.generate_of(
-                req, f"{rid}-{i * n + j}", prompt=prompt, max_tokens=max_tokens, qos=qos, stream=stream
+                req,
+                f"{rid}-{i * n + j}",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                qos=qos,
+                stream=stream,
+                tool_spec=tools.spec if tools else None,
             )
             for i, (prompt, max_tokens) in enumerate(prompts)
             for j in range(n)
         ]
         model_name = self.frontend.fleet[self.frontend.fleet.route(req.model)].model_name
-        shape = oa.Shape(chat, rid, model_name)
+        shape = oa.Shape(chat, rid, model_name, tools)
         streams: list[GenerationStream] = []
         resumable = False
         try:
@@ -351,7 +359,9 @@ class HttpServer:
                 streams.append(await self.frontend.stream(gen, api_name=API_NAME))
             if stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                if len(streams) == 1 and streams[0].accepted is not None:  # one choice: one id to resume
+                if (
+                    len(streams) == 1 and streams[0].accepted is not None and tools is None
+                ):  # one id to resume
                     state = {"response_id": rid, "model": model_name, "include_usage": include_usage}
                     resume_id = streams[0].accepted.resume_id
                     self.resumes.remember(gens[0].request_id, _kind(chat), state, resume_id)
@@ -433,19 +443,31 @@ class HttpServer:
             await resp.write(first)
         dones: list[api.Done | None] = [None] * len(streams)
         lps = [self._logprobs(shape, s) for s in streams]
+        held = [shape.tool_stream() for _ in streams]  # tool calls wait until complete
         async for i, msg in _merge(streams):
             if isinstance(msg, api.Tokens):
                 counts[i] += len(msg.ids)
                 lps[i].add(msg.logprobs)
-                if msg.text:
-                    chunk = shape.chunk(i, msg.text, include_usage=include_usage, logprobs=lps[i].take())
+                text = held[i].feed(msg.text) if held[i] is not None else msg.text  # type: ignore[union-attr]
+                if text:
+                    chunk = shape.chunk(i, text, include_usage=include_usage, logprobs=lps[i].take())
                     await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Done):
                 dones[i] = msg
+                finish, calls, rest = oa.finish_reason(msg), None, None
+                if held[i] is not None:
+                    calls, rest = held[i].finish()  # type: ignore[union-attr]
+                    if calls:
+                        finish = "tool_calls"
+                if calls or rest:
+                    chunk = shape.chunk(
+                        i, rest, include_usage=include_usage, logprobs=lps[i].take(), calls=calls
+                    )
+                    await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
                 chunk = shape.chunk(
                     i,
                     None if shape.chat else "",
-                    oa.finish_reason(msg),
+                    finish,
                     include_usage=include_usage,
                     logprobs=lps[i].take(),
                 )

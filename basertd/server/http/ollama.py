@@ -8,8 +8,10 @@ renders ``system`` + ``prompt`` as one user turn the same way, or sends ``prompt
 ``num_predict`` (max tokens; -1 or absent: the rest of the context), ``stop``, ``repeat_penalty``,
 ``presence_penalty``, ``frequency_penalty``; model-loading options (``num_ctx``, ``num_gpu``,
 ``num_thread``, ...) are ignored (the daemon's configuration decides them), as is ``keep_alive``;
-any other option, ``format``, ``images``, ``tools``, ``suffix``, ``template``, ``context`` and
-``think`` are a 400 naming the field. ``qos`` (or the header ``X-Basertd-QoS``) is our extension.
+``format`` ``"json"`` (any JSON object) or a JSON schema constrains the output
+(``basertd.server.grammar``; an invalid schema is a 400 with llguidance's message); any other
+option, ``images``, ``tools``, ``suffix``, ``template``, ``context`` and ``think`` are a 400
+naming the field. ``qos`` (or the header ``X-Basertd-QoS``) is our extension.
 A request without a prompt (or messages) answers ``done_reason: "load"`` at once, as Ollama does.
 
 Replies: NDJSON lines (``application/x-ndjson``) by default, one object with ``stream: false``;
@@ -33,6 +35,7 @@ from aiohttp import web
 
 from basertd.schema import client as api
 from basertd.server.chat_template import ChatTemplateError
+from basertd.server.grammar import GrammarRequestError, spec_from_request
 from basertd.server.http import openai as oa
 from basertd.server.http.errors import HttpError, bad_request, from_code
 
@@ -122,8 +125,24 @@ class ShowRequest(msgspec.Struct, forbid_unknown_fields=True):
 def _refuse(req: _Common, fields: tuple[str, ...]) -> None:
     for name in fields:
         if getattr(req, name):
-            what = "structured outputs (format)" if name == "format" else name
-            raise bad_request(f"{what} is not supported by this server yet", name)
+            raise bad_request(f"{name} is not supported by this server yet", name)
+
+
+def response_format_of(fmt: Any) -> dict[str, Any] | None:
+    """``Generate.response_format`` of Ollama's ``format``: ``"json"`` any JSON object, an
+    object a JSON schema, ``""`` / null nothing. Raises 400 for anything else."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if not isinstance(fmt, (dict, bool)):
+        raise bad_request('format must be "json" or a JSON schema object', "format")
+    rf = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    try:
+        spec_from_request(rf)
+    except GrammarRequestError as exc:
+        raise bad_request(f"format: {exc}", "format") from None
+    return rf
 
 
 def created_at() -> str:
@@ -248,7 +267,7 @@ class OllamaApi:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = oa.decode(await _body(request), GenerateRequest)
-        _refuse(req, ("format", "images", "suffix", "template", "context", "think"))
+        _refuse(req, ("images", "suffix", "template", "context", "think"))
         model = self.resolve(req.model)
         if not req.prompt:
             loaded = {"response": "", "done": True, "done_reason": "load"}
@@ -264,7 +283,7 @@ class OllamaApi:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = oa.decode(await _body(request), ChatRequest)
-        _refuse(req, ("format", "tools", "think"))
+        _refuse(req, ("tools", "think"))
         model = self.resolve(req.model)
         if not req.messages:
             head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
@@ -294,6 +313,7 @@ class OllamaApi:
     ) -> web.StreamResponse:
         qos = oa.qos_of(req, request.headers.get(oa.QOS_HEADER))  # type: ignore[arg-type]
         o = req.options or Options()
+        response_format = response_format_of(req.format)
         prompt = await self.frontend.tokenize(model, text, add_special=add_special)
         wid = self.frontend.fleet.route(model)
         if o.num_predict is None or o.num_predict < 0:
@@ -320,6 +340,7 @@ class OllamaApi:
             qos=qos,  # type: ignore[arg-type]
             stream=stream,
             model=model,
+            response_format=response_format,
         )
         head = self._head(model)
 

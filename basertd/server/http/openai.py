@@ -1,11 +1,19 @@
 """OpenAI request bodies to the front end's ``Generate``, and its replies back to OpenAI's shapes.
 
 Requests decode with msgspec into the structs below; a field we do not serve (``echo``,
-``suffix``, ``best_of``, ``tools``, ...) or a wrong type is a 400 naming the field, never silently
+``suffix``, ``best_of``, ...) or a wrong type is a 400 naming the field, never silently
 ignored. ``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs`` true with
 ``top_logprobs`` 0..20) and ``logit_bias`` (token-id strings to a bias in [-100, 100], at most 300)
 map to the ``Generate`` fields of the same names. Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos`` and ``qos`` (also the header ``X-Basertd-QoS``).
+
+Structured outputs (``basertd.server.grammar``): ``response_format`` ``{"type": "json_object"}``
+or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``, and the extensions
+``grammar`` (Lark) and ``regex``, on both endpoints; an invalid one is a 400 with llguidance's
+message. Chat tool calls (``basertd.server.http.tool_calls``): ``tools``, ``tool_choice``,
+``parallel_tool_calls``; a call comes back as ``message.tool_calls`` (streamed: one
+``delta.tool_calls`` chunk per call once the call is complete) with ``finish_reason``
+"tool_calls"; assistant ``tool_calls`` and ``role: tool`` messages go back into the template.
 
 Responses: ``text_completion`` / ``chat.completion`` objects and their ``*.chunk`` stream events,
 ``finish_reason`` "stop" (a stop string or the end-of-generation token) or "length", ``usage``
@@ -29,6 +37,8 @@ import msgspec
 
 from basertd.schema import client as api
 from basertd.schema.abi import MAX_TOP_LOGPROBS
+from basertd.server.grammar import GrammarSpec
+from basertd.server.http import tool_calls
 from basertd.server.http.errors import bad_request
 
 QOS_HEADER = "X-Basertd-QoS"
@@ -64,6 +74,9 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     qos: str | None = None
+    response_format: Any = None
+    grammar: str | None = None
+    regex: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -78,11 +91,23 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatRequest(_Common):
@@ -92,6 +117,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`(?: - at `\$([^`]*)`)?")
@@ -212,8 +240,27 @@ def generate_of(
     max_tokens: int,
     qos: str,
     stream: bool,
+    tool_spec: GrammarSpec | None = None,
 ) -> api.Generate:
-    """The ``Generate`` of one choice (the limits table checks the values at admission)."""
+    """The ``Generate`` of one choice (the limits table checks the values at admission).
+    Structured output: the request's ``response_format`` / ``grammar`` / ``regex`` (validated at
+    admission, an invalid one is a 400), or ``tool_spec``, the grammar of its tool calls (a 400
+    when the request also asks for one of those)."""
+    structured: dict[str, Any] = {
+        "response_format": req.response_format,
+        "grammar": req.grammar,
+        "regex": req.regex,
+    }
+    if tool_spec is not None:
+        rf = req.response_format
+        if req.grammar is not None or req.regex is not None or (rf is not None and rf != {"type": "text"}):
+            raise bad_request(
+                "a tool call constrains the output: response_format, grammar and regex cannot be "
+                "combined with tools unless tool_choice is 'none'",
+                "tool_choice",
+            )
+        structured = {"response_format": None, "grammar": None, "regex": None}
+        structured.update(tool_calls.generate_fields(tool_spec))
     seed = req.seed
     if seed is not None and seed < 0:
         if seed < -(1 << 63):
@@ -239,6 +286,7 @@ def generate_of(
         model=req.model,
         logprobs=logprobs_of(req),
         logit_bias=logit_bias_of(req),
+        **structured,
     )
 
 
@@ -265,6 +313,16 @@ def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
             d["name"] = m.name
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(
+                    f"messages[{i}]: only assistant messages carry tool_calls", f"messages[{i}].tool_calls"
+                )
+            d["tool_calls"] = [msgspec.to_builtins(c) for c in m.tool_calls]
+        elif m.role == "tool" and m.tool_call_id is None:
+            raise bad_request(
+                f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id"
+            )
         out.append(d)
     return out
 
@@ -358,11 +416,25 @@ Choice = tuple[str, str, "dict[str, Any] | None"]
 class Shape:
     """Builds one endpoint's response objects (``chat`` selects chat.completion)."""
 
-    def __init__(self, chat: bool, response_id: str, model: str) -> None:
+    def __init__(
+        self, chat: bool, response_id: str, model: str, tools: tool_calls.ToolPlan | None = None
+    ) -> None:
         self.chat = chat
         self.id = response_id
         self.model = model
+        self.tools = tools
         self.created = int(time.time())
+
+    def tool_stream(self) -> tool_calls.ToolStream | None:
+        """The stream filter of one choice of a request with tools (None without)."""
+        return tool_calls.ToolStream(self.tools) if self.tools is not None else None
+
+    def message(self, text: str, finish: str) -> tuple[dict[str, Any], str]:
+        """A chat choice's ``message`` and finish reason: the text's tool calls when it is one."""
+        calls = tool_calls.parse(self.tools, text) if self.tools is not None else None
+        if calls:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, finish
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -371,15 +443,10 @@ class Shape:
         """The non-streamed response of ``(text, finish_reason, logprobs)`` choices in index order."""
         out = self._head("chat.completion" if self.chat else "text_completion")
         if self.chat:
-            out["choices"] = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lp,
-                    "finish_reason": fr,
-                }
-                for i, (text, fr, lp) in enumerate(choices)
-            ]
+            out["choices"] = []
+            for i, (text, fr, lp) in enumerate(choices):
+                message, fr = self.message(text, fr)
+                out["choices"].append({"index": i, "message": message, "logprobs": lp, "finish_reason": fr})
         else:
             out["choices"] = [
                 {"index": i, "text": text, "logprobs": lp, "finish_reason": fr}
@@ -397,8 +464,10 @@ class Shape:
         role: bool = False,
         include_usage: bool = False,
         logprobs: dict[str, Any] | None = None,
+        calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk of choice ``index`` (``logprobs``: the object of its tokens)."""
+        """One stream chunk of choice ``index`` (``logprobs``: the object of its tokens;
+        ``calls``: complete tool calls, sent as ``delta.tool_calls`` with their indexes)."""
         if self.chat:
             obj = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {}
@@ -406,6 +475,8 @@ class Shape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             obj = self._head("text_completion")
