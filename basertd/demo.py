@@ -82,7 +82,8 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="basertd-demo-", dir="/tmp"))
     sock = base / "rt" / "basertd.sock"
     config = base / "basertd.toml"
-    config.write_text(f'runtime_dir = "{base / "rt"}"\n')
+    # a private runtime and state directory: the demo never meets another daemon's files
+    config.write_text(f'runtime_dir = "{base / "rt"}"\nstate_dir = "{base / "state"}"\n[http]\nlisten = []\n')
     log = base / "daemon.log"
     print(f"basertd demo: starting `basertd serve` (default model, llamacpp on CPU) in {base / 'rt'}")
     t_start = time.monotonic()

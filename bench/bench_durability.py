@@ -48,7 +48,7 @@ class Served:
         cfg = self.base / "basertd.toml"
         cfg.write_text(
             f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
-            f'{workers_toml}[durability]\nmode = "{mode}"\n'
+            f'{workers_toml}[durability]\nmode = "{mode}"\n[http]\nlisten = []\n'
         )
         env = {k: v for k, v in os.environ.items() if k != "BASERTD_SOCKET"}
         self.proc = subprocess.Popen(

@@ -111,7 +111,8 @@ class DaemonUnderTest:
         self.base = Path(tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp"))
         cfg = self.base / "basertd.toml"
         worker = f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nthreads = {threads}\n'
-        cfg.write_text(f'runtime_dir = "{self.base / "rt"}"\n' + worker)
+        private = f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
+        cfg.write_text(private + worker + "[http]\nlisten = []\n")
         self.sock = self.base / "rt" / "basertd.sock"
         with open(self.base / "daemon.log", "wb") as log:
             self.proc = subprocess.Popen(

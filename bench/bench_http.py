@@ -84,7 +84,8 @@ class DaemonUnderTest:
         cfg = self.base / "basertd.toml"
         worker = f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nthreads = {threads}\n'
         http = '[http]\nlisten = ["127.0.0.1:0"]\n'
-        cfg.write_text(f'runtime_dir = "{self.base / "rt"}"\n' + worker + http)
+        private = f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
+        cfg.write_text(private + worker + http)
         self.sock = self.base / "rt" / "basertd.sock"
         self.log = self.base / "daemon.log"
         with open(self.log, "wb") as log:

@@ -105,7 +105,7 @@ class Served:
         self.base = Path(tempfile.mkdtemp(prefix="brt-serving-", dir="/tmp"))
         cfg = self.base / "basertd.toml"
         cfg.write_text(
-            f'runtime_dir = "{self.base / "rt"}"\n'
+            f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
             f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nlanes = 8\ncontext_length = 2048\n'
             f"threads = {threads}\n[http]\nlisten = []\n"
         )
