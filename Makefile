@@ -36,7 +36,7 @@ lint: $(VENV)/.stamp-native
 	cd build/lint && ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 
 test: lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=15
 
 demo: $(VENV)/.stamp-native
 	$(PY) -m basertd.demo

@@ -224,11 +224,13 @@ async def _storm(sock, n: int, seed: int):
             rec["outcome"] = exc.code
 
     async def dropper():
-        # drop connections 3 and 7 once each has a stream under way (a condition, not a sleep)
-        while not all(
-            any(r["conn"] == k and r["ids"] and r["outcome"] is None for r in records) for k in (3, 7)
-        ):
-            await asyncio.sleep(0.005)
+        # drop connections 3 and 7 once each has a stream under way (a condition, not a sleep;
+        # bounded, so a run where they finished first still ends)
+        deadline = time.monotonic() + 10.0
+        while not all(any(r["conn"] == k and r["ids"] for r in records) for k in (3, 7)):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.002)
         for k in (3, 7):
             clients[k]._writer.transport.abort()  # the client vanishes mid-stream
 
