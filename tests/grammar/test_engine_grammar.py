@@ -231,4 +231,3 @@ def test_hundred_schemas_on_the_tiny_model_parse_and_validate(make_engine):
             jsonschema.validate(json.loads(text), schema)
         for h in handles:
             eng.grammar_free(h)
-
