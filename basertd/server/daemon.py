@@ -43,6 +43,7 @@ from pathlib import Path
 
 import structlog
 
+from basertd import __version__
 from basertd.schema.client import ErrorCode
 from basertd.server.api import ApiServer
 from basertd.server.cache_policy import PolicyCacheControl
@@ -84,7 +85,7 @@ from basertd.server.wal_recover import RecoverMode
 
 log = structlog.get_logger("basertd.daemon")
 
-VERSION = "0.1.0"
+VERSION = __version__
 STATUS_INTERVAL_S = 2.0
 """Seconds between systemd STATUS= updates (sent only when the line changed)."""
 

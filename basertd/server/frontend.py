@@ -140,8 +140,6 @@ class Frontend:
         state = self._state()
         if state in ("stopping", "stopped"):
             raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
-        if state == "starting":
-            pass  # accepted and queued: served once a worker is ready
         refusal = self.drainer.refusal()
         if refusal is not None:
             raise AdmissionError(*refusal)

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from basertd import __version__
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.api import ClientConnection
@@ -22,8 +23,6 @@ from basertd.server.frontend import Frontend
 from basertd.server.requests import AdmissionError
 
 log = structlog.get_logger("basertd.native_api")
-
-VERSION = "0.1.0"
 
 
 class ConnectionSink:
@@ -49,7 +48,7 @@ class ConnectionSink:
 class NativeService:
     """Answers native client frames (module docstring). Never raises."""
 
-    def __init__(self, frontend: Frontend, control: ControlService, version: str = VERSION) -> None:
+    def __init__(self, frontend: Frontend, control: ControlService, version: str = __version__) -> None:
         self.frontend = frontend
         self.control = control
         self.version = version
