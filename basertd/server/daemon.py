@@ -46,7 +46,7 @@ import structlog
 from basertd import __version__
 from basertd.schema.client import ErrorCode
 from basertd.server.api import ApiServer
-from basertd.server.cache_policy import PolicyCacheControl
+from basertd.server.cache_verbs import PolicyCacheControl
 from basertd.server.config import (
     Config,
     ConfigError,

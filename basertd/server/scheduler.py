@@ -101,7 +101,8 @@ from basertd.schema.tick import (
     TickPlan,
     TokenRef,
 )
-from basertd.server.cache_policy import Coalescing, PrefillingLane, QueuedPrompt, Seed, WorkerCache, coalesce
+from basertd.server.cache_policy import Seed, WorkerCache
+from basertd.server.coalescing import Coalescing, PrefillingLane, QueuedPrompt, coalesce
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.grammar_handles import GrammarHandles
 from basertd.server.lanes import Lane, Probe, RequestQueues, candidate, on_probation, reservation
@@ -664,7 +665,7 @@ class Scheduler:
         return req.page_hashes
 
     def _coalesce(self, now: float) -> Coalescing:
-        """Prefix coalescing (``cache_policy.coalesce``): which queued requests wait for a
+        """Prefix coalescing (``basertd.server.coalescing.coalesce``): which queued requests wait for a
         leader's prefix; leader lanes get their checkpoint (a lane already past it retires now)."""
         wc = self.cache_policy
         if not wc.enabled or not self.cache.coalesce_min_tokens or not len(self.queues):

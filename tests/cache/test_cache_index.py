@@ -10,17 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from basertd.schema.tick import MatchCandidate, MatchResult, SpaceMatch
-from basertd.server.cache_policy import (
-    PrefillingLane,
-    PrefixIndex,
-    QueuedPrompt,
-    best_candidate,
-    coalesce,
-    eviction_target,
-    lcp_pages,
-    page_hashes,
-    route,
-)
+from basertd.server.cache_policy import best_candidate, eviction_target, route
+from basertd.server.coalescing import PrefillingLane, QueuedPrompt, coalesce
+from basertd.server.prefix_index import PrefixIndex, lcp_pages, page_hashes
 
 PAGE = 4
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from vllm_subscriber import Subscriber
 
-from basertd.server.cache_policy import PrefixIndex, page_hashes
 from basertd.server.config import ConfigError, KvEventsConfig, parse_config
 from basertd.server.kv_events import binds, offset_endpoint, start_kv_events
+from basertd.server.prefix_index import PrefixIndex, page_hashes
 
 
 def test_endpoint_rules():
