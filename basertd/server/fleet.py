@@ -25,7 +25,7 @@ from basertd.server.cache_policy import WorkerCache
 from basertd.server.cache_policy import route as route_by_prefix
 from basertd.server.config import Config, WorkerConfig
 from basertd.server.drain import Drainer
-from basertd.server.link import LinkError
+from basertd.server.link_errors import LinkError
 from basertd.server.metrics import LiveState, Metrics, WorkerState
 from basertd.server.requests import QOS_CLASSES, AdmissionError
 from basertd.server.scheduler import Scheduler, WorkerLimits

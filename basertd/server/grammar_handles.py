@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import structlog
 
-from basertd.server.link import LinkError, WorkerError
+from basertd.server.link_errors import LinkError, WorkerError
 from basertd.server.metrics import Metrics
 from basertd.server.requests import GenerationRequest
 from basertd.server.worker_proc import WorkerProcess

@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from basertd.schema import link
-from basertd.server.link import WorkerError
+from basertd.server.link_errors import WorkerError
 from basertd.server.requests import GenerationRequest
 
 log = structlog.get_logger("basertd.logit_bias")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import structlog
 
-from basertd.server.link import LinkError
+from basertd.server.link_errors import LinkError
 from basertd.server.worker_proc import WorkerProcess, WorkerSpec, WorkerStartError
 
 log = structlog.get_logger("basertd.supervisor")

@@ -54,13 +54,8 @@ import zmq
 from basertd.schema import link
 from basertd.schema.abi import RingKind, RingRole
 from basertd.schema.tick import TickEvents, TickPlan
-from basertd.server.link import (
-    EmitCallback,
-    LinkError,
-    WorkerDied,
-    WorkerLink,
-    configure_link_socket,
-)
+from basertd.server.link import EmitCallback, WorkerLink, configure_link_socket
+from basertd.server.link_errors import LinkError, WorkerDied
 from basertd.shm import ControlBlock, RingReader, RingWriter, Segment, YieldReason, ring_bytes, slot_bytes_for
 
 __all__ = [

@@ -27,7 +27,7 @@ from proc_testutil import log_lines, pid_alive
 from basertd.schema import link
 from basertd.schema.abi import Status, TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, TickPlan
-from basertd.server.link import WorkerDied, WorkerError
+from basertd.server.link_errors import WorkerDied, WorkerError
 from basertd.server.worker_proc import SyncWorker, WorkerProcess, WorkerSpec
 from basertd.worker.logging import CONTENT_KEYS, drop_content
 

@@ -33,7 +33,7 @@ from basertd.schema.tick import (
     TickPlan,
     TokenRange,
 )
-from basertd.server.link import (
+from basertd.server.link_errors import (
     EmitCallbackError,
     LinkTimeout,
     MessageNotEncodable,
