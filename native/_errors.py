@@ -1,17 +1,16 @@
 """Errors of the tick-ABI binding (re-exported by ``basertd.native.abi``).
 
 Two families: ``AbiError`` carries a ``baseRT_status`` the library returned (the call changed
-nothing, RULES.md preamble); ``BindingError`` is raised by the binding itself, before or after a
-call: a library that cannot be opened, arguments that do not fit the ABI, or engine output that
-breaks the array rules of RULES.md section C.
+nothing, RULES.md preamble), except that a plan ``baseRT_tick`` refuses raises the schema's
+``PlanRejected``, the one exception for it in every layer; ``BindingError`` is raised by the
+binding itself, before or after a call: a library that cannot be opened, arguments that do not
+fit the ABI, or engine output that breaks the array rules of RULES.md section C.
 """
 
 from __future__ import annotations
 
 from basertd.schema.abi import Status
-
-PLAN_REJECTION_RANGE = range(-114, -99)
-"""baseRT_tick return codes that refuse the whole plan (-100..-114; -109 is unassigned, rule 13)."""
+from basertd.schema.rejection import PLAN_REJECTION_RANGE, PlanRejected
 
 
 class AbiError(Exception):
@@ -32,20 +31,17 @@ class AbiError(Exception):
         super().__init__(f"{text} ({message})" if message else text)
 
 
-class PlanRejected(AbiError):
-    """``baseRT_tick`` refused the whole plan with a code in -100..-114 (ABI rules 13, 17-52)."""
-
-
 class EngineFatal(AbiError):
     """The library returned BASERT_ERR_FATAL (-1): the engine is presumed dead (ABI rule 16)."""
 
 
-def error_for(status: int, call: str, message: str = "") -> AbiError:
-    """The ``AbiError`` subclass for a nonzero status returned by ``call``."""
+def error_for(status: int, call: str, message: str = "") -> AbiError | PlanRejected:
+    """The exception for a nonzero status returned by ``call``: ``PlanRejected`` (the schema's,
+    shared by every layer) for -100..-114 from ``baseRT_tick``, else an ``AbiError`` subclass."""
     if status == Status.ERR_FATAL:
         return EngineFatal(status, call, message)
     if call == "baseRT_tick" and status in PLAN_REJECTION_RANGE:
-        return PlanRejected(status, call, message)
+        return PlanRejected(status, f"{call}: {message}" if message else call)
     return AbiError(status, call, message)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from basertd.native.abi import AbiError, ArgumentError, EngineFatal, PlanRejected, RingSpec
+from basertd.native.abi import AbiError, ArgumentError, EngineFatal, RingSpec
 from basertd.schema.abi import RingKind, RingRole, Status
 from basertd.schema.tick import TickEvents, TickPlan
 from basertd.worker.engines import base
@@ -85,8 +85,6 @@ class _SequenceLib:
 
 
 def _abi(call: str, exc: base.EngineError) -> AbiError:
-    if isinstance(exc, base.PlanRejected):
-        return PlanRejected(exc.status, call, str(exc))
     if isinstance(exc, base.EngineFatal):
         return EngineFatal(exc.status, call, str(exc))
     return AbiError(exc.status, call, str(exc))

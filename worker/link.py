@@ -441,7 +441,7 @@ class LinkServer:
         try:
             events = self.engine.tick(plan, self._on_partial_emit if streaming else None)
         except PlanRejected as exc:
-            return link.TickRejected(plan_seq=plan.plan_seq, status=int(exc.status), message=str(exc))
+            return link.TickRejected(plan_seq=plan.plan_seq, status=int(exc.status), message=exc.message)
         finally:
             self._in_tick = False
             self._emit_buf.clear()  # not yet streamed: the result carries them

@@ -519,7 +519,7 @@ class WorkerLink:
                 raise EmitCallbackError(body) from tick.callback_error
             return body
         if mt == MsgType.TICK_REJECTED:
-            raise PlanRejected(body.plan_seq, body.status, body.message)
+            raise PlanRejected(body.status, body.message, plan_seq=body.plan_seq)
         if mt == MsgType.ERROR:
             raise WorkerError(body.status, body.message)
         self._protocol_violation(MsgType.TICK_SUBMIT, env)

@@ -2,7 +2,8 @@
 
 ``basertd.server.link.WorkerLink`` raises them; callers that only handle errors import them from
 here. ``LinkError`` is the base of every one; ``WorkerError`` is a refusal by the worker (an ABI
-``Status``, nothing changed) and ``PlanRejected`` a refused tick plan; the others end or guard the
+``Status``, nothing changed); ``PlanRejected`` (a TICK_REJECTED answer) is the schema's one
+exception for a refused plan, re-exported here and not a ``LinkError``; the others end or guard the
 link itself (closed, timed out, peer died, protocol broken, message not encodable, a second tick).
 """
 
@@ -12,6 +13,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from basertd.schema.abi import Status
+from basertd.schema.rejection import PlanRejected
 
 if TYPE_CHECKING:
     from basertd.schema.tick import TickEvents
@@ -87,15 +89,6 @@ class WorkerError(LinkError):
         self.message = message
         name = status.name if isinstance(status, Status) else str(status)
         super().__init__(f"{name}: {message}" if message else name)
-
-
-class PlanRejected(WorkerError):
-    """TICK_REJECTED: the engine refused the whole plan ``plan_seq`` with ``status`` (-100..-114)
-    and changed nothing (ABI rules 13, 17-52)."""
-
-    def __init__(self, plan_seq: int, status: Status | int, message: str = "") -> None:
-        self.plan_seq = plan_seq
-        super().__init__(status, message)
 
 
 class EmitCallbackError(LinkError):

@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from basertd.schema.abi import RingKind, RingRole, Status
+from basertd.schema.rejection import PlanRejected as PlanRejected  # the one refused-plan error
 from basertd.schema.tick import (
     CacheKey,
     MatchResult,
@@ -43,10 +44,6 @@ class EngineError(Exception):
         self.status = status
         name = status.name if isinstance(status, Status) else str(status)
         super().__init__(f"{name}: {message}" if message else name)
-
-
-class PlanRejected(EngineError):
-    """``tick`` refused the whole plan (a ``Status`` in -100..-114); engine state is unchanged."""
 
 
 class EngineFatal(EngineError):

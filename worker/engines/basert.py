@@ -101,10 +101,8 @@ def _package_version() -> str:
         return "0"
 
 
-def _map(exc: Exception, *, plan: bool = False) -> EngineError:
+def _map(exc: Exception, *, plan: bool = False) -> EngineError | PlanRejected:
     """The protocol error for a binding error (module docstring)."""
-    if isinstance(exc, nabi.PlanRejected):
-        return PlanRejected(exc.status, str(exc))
     if isinstance(exc, nabi.EngineFatal):
         return EngineFatal(Status.ERR_FATAL, str(exc))
     if isinstance(exc, nabi.EventsMalformed):
