@@ -202,7 +202,9 @@ class Daemon:
             self.metrics.registry.register(self.kv_events.collector())
             for sched, pub in zip(fleet.schedulers, self.kv_events.publishers, strict=True):
                 sched.cache_policy.observe(pub)
-        self.cache_control = PolicyCacheControl(fleet.schedulers, fleet.worker_stats, self._counter)
+        self.cache_control = PolicyCacheControl(
+            fleet.schedulers, fleet.worker_stats, self.metrics.cache_counters.counter
+        )
         fleet.start()
         self.api = ApiServer(
             self.socket,
@@ -442,10 +444,6 @@ class Daemon:
             )
             for m in (self.fleet or [])
         ]
-
-    def _counter(self, name: str, worker_id: int) -> int:
-        value = self.metrics.registry.get_sample_value(name, {"worker": str(worker_id)})
-        return int(value or 0)
 
 
 async def run(

@@ -5,7 +5,9 @@
 - **Event metrics** are prometheus-client objects updated where things happen, through the helper
   methods below: the request observer (``basertd.server.access``) calls ``first_token``,
   ``tokens`` and ``request_finished``; the front end ``admission_error``; the scheduler ``tick``
-  and ``preempted``; the control guard ``control_denied``.
+  and ``preempted``; the control guard ``control_denied``. The prefix-cache counts live on
+  ``cache_counters`` (``basertd.server.cache_counters``), which exports them itself and answers
+  the operator's cache stats, so nothing reads a value back from the registry.
 - **Live gauges and engine counters** are read from the daemon's state at scrape time by a
   collector (``LiveState``, built by ``basertd.server.fleet.Fleet.live_state`` on the daemon's
   event loop), so queue depth, lanes active, KV usage and in-flight requests are exactly 0 once
@@ -40,6 +42,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from basertd.server.cache_counters import CacheCounters
 from basertd.server.requests import QOS_CLASSES
 
 if TYPE_CHECKING:
@@ -266,28 +269,10 @@ class Metrics:
         self.completion_tokens = Counter(
             "completion_tokens", "Tokens delivered to clients.", ["qos"], namespace=ns, registry=r
         )
-        self.cached_tokens = Counter(
-            "cached_tokens",
-            "Prompt tokens served from the prefix cache (first admission only; tokens recomputed "
-            "after a preemption are not counted).",
-            ["worker"],
-            namespace=ns,
-            registry=r,
-        )
-        self.cache_hits = Counter(
-            "prefix_cache_hits",
-            "Requests whose first admission reused cached prefix tokens.",
-            ["worker"],
-            namespace=ns,
-            registry=r,
-        )
-        self.cache_misses = Counter(
-            "prefix_cache_misses",
-            "Requests whose first admission reused no cached tokens.",
-            ["worker"],
-            namespace=ns,
-            registry=r,
-        )
+        self.cache_counters = CacheCounters()
+        """Per-worker prefix-cache counts (hits, misses, cached and looked-up prompt tokens),
+        exported by the object itself."""
+        r.register(self.cache_counters)
         self.preemptions = Counter(
             "preemptions",
             "Decoding lanes preempted for a higher QoS class (DESIGN.md 'Scheduling').",
@@ -313,14 +298,6 @@ class Metrics:
             "control_denied",
             "Control verbs refused by the peer-credential check.",
             ["verb"],
-            namespace=ns,
-            registry=r,
-        )
-        self.prompt_query_tokens = Counter(
-            "prefix_cache_query_tokens",
-            "Prompt tokens of requests at their first admission (the tokens a prefix-cache lookup "
-            "was asked for; re-admissions after a preemption are not counted).",
-            ["worker"],
             namespace=ns,
             registry=r,
         )
@@ -429,12 +406,7 @@ class Metrics:
         if req.t_admitted is not None:
             self.queue_time.labels(req.qos).observe(max(0.0, req.t_admitted - req.t_received))
         worker = str(req.worker_id if req.worker_id is not None else "")
-        self.prompt_query_tokens.labels(worker).inc(len(req.prompt))
-        if req.cached_tokens > 0:
-            self.cache_hits.labels(worker).inc()
-            self.cached_tokens.labels(worker).inc(req.cached_tokens)
-        else:
-            self.cache_misses.labels(worker).inc()
+        self.cache_counters.first_admission(worker, len(req.prompt), req.cached_tokens)
 
     def tokens(self, qos: str, count: int, gap_s: float) -> None:
         """``count`` tokens reached the client ``gap_s`` seconds after the previous delivery: one

@@ -24,7 +24,6 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -56,22 +55,11 @@ class VllmWorker:
 
 class VllmCollector(_LiveCollector):
     """Yields the ``vllm:*`` series (module docstring) from ``source()`` (a list of
-    ``VllmWorker``), taken on the daemon's loop; the two counters come from ``metrics``."""
+    ``VllmWorker``), taken on the daemon's loop; the two counters come from ``metrics.cache_counters``."""
 
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
         self.metrics = metrics
-
-    @staticmethod
-    def _per_worker(counter: Any) -> dict[str, float]:
-        """{worker label: value} of a per-worker prometheus-client ``Counter`` (read from the
-        counter itself: asking the registry from inside a collector would collect this one again)."""
-        return {
-            s.labels["worker"]: s.value
-            for fam in counter.collect()
-            for s in fam.samples
-            if s.name.endswith("_total")
-        }
 
     def collect(self) -> Iterator[Metric]:
         workers = self._state()
@@ -102,8 +90,7 @@ class VllmCollector(_LiveCollector):
         hits = CounterMetricFamily(
             "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=labels
         )
-        asked_by = self._per_worker(self.metrics.prompt_query_tokens)
-        cached_by = self._per_worker(self.metrics.cached_tokens)
+        counts = self.metrics.cache_counters
         for model in dict.fromkeys(w.model_name for w in workers):
             mine = [w for w in workers if w.model_name == model]
             waiting.add_metric([model], float(sum(w.waiting for w in mine)))
@@ -116,8 +103,8 @@ class VllmCollector(_LiveCollector):
                 same = [w for w in ready if w.block_size == block]
                 caching = str(all(w.prefix_caching for w in same))
                 info.add_metric([model, str(block), str(sum(w.num_blocks for w in same)), caching], 1.0)
-            queries.add_metric([model], sum(asked_by.get(str(w.worker_id), 0.0) for w in mine))
-            hits.add_metric([model], sum(cached_by.get(str(w.worker_id), 0.0) for w in mine))
+            queries.add_metric([model], float(sum(counts.of(w.worker_id).query_tokens for w in mine)))
+            hits.add_metric([model], float(sum(counts.of(w.worker_id).cached_tokens for w in mine)))
         yield waiting
         yield running
         yield usage

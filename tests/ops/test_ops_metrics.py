@@ -123,6 +123,12 @@ def test_metrics_move_with_traffic_and_gauges_settle_at_zero(daemon):
     assert value(ctl, "basertd_ttft_seconds_count", qos="interactive") == value(
         after, "basertd_ttft_seconds_count", qos="interactive"
     )
+    # the operator's cache stats read the same counts, from the object that counts them
+    with d.client() as c:
+        row = next(r for r in c.request(control.CacheStats()).workers if r.worker_id == 0)
+    assert row.misses == value(after, "basertd_prefix_cache_misses_total", worker="0") >= 6
+    assert row.hits == value(after, "basertd_prefix_cache_hits_total", worker="0")
+    assert row.cached_tokens == value(after, "basertd_cached_tokens_total", worker="0")
 
 
 def test_access_log_is_one_content_free_line_per_request(daemon):
