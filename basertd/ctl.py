@@ -28,7 +28,7 @@ import msgspec
 
 from basertd.client import Client, ClientError, ConnectionLost
 from basertd.schema import control
-from basertd.schema.client import ErrorCode
+from basertd.schema.client import ErrorCode, QosClass
 from basertd.server.config import SOCKET_ENV, default_socket_path
 
 EXIT_OK = 0
@@ -180,8 +180,8 @@ def cli(ctx: click.Context, socket_path: str | None, as_json: bool) -> None:
 @click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="sampling seed")
 @click.option(
     "--qos",
-    type=click.Choice(["interactive", "batch", "background"]),
-    default="interactive",
+    type=click.Choice([q.value for q in QosClass]),
+    default=QosClass.INTERACTIVE.value,
     show_default=True,
     help="QoS class",
 )

@@ -17,12 +17,23 @@ appended with defaults; unknown fields are ignored so older and newer peers inte
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-Qos = Literal["interactive", "batch", "background"]
-"""QoS classes, highest first (DESIGN.md "Scheduling")."""
+
+class QosClass(StrEnum):
+    """The QoS class of a request, highest first (DESIGN.md "Scheduling"); the definition order is
+    the rank order (``basertd.server.qos``). A ``StrEnum``: on the wire and in labels it is the
+    plain name."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+    BACKGROUND = "background"
+
+
+Qos = QosClass
+"""The type of a ``qos`` field (an alias of ``QosClass``)."""
 
 
 class ErrorCode(StrEnum):
@@ -89,7 +100,7 @@ class Generate(_Msg, tag="generate"):
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
-    qos: Qos = "interactive"
+    qos: Qos = QosClass.INTERACTIVE
     logprobs: int | None = None
     ignore_eos: bool = False
     stream: bool = True

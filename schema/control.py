@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-from basertd.schema.client import Qos
+from basertd.schema.client import Qos, QosClass
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -202,7 +202,7 @@ class LaneRow(_Rec):
     worker_id: int
     lane_tag: int
     request_id: str = ""
-    qos: Qos = "interactive"
+    qos: Qos = QosClass.INTERACTIVE
     state: str = ""
     prompt_tokens: int = 0
     generated_tokens: int = 0

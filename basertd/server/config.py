@@ -100,6 +100,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from basertd.schema.client import QosClass
+
 SOCKET_NAME = "basertd.sock"
 """File name of the client socket inside the runtime directory."""
 SYSTEM_RUNTIME_DIR = "/run/basertd"
@@ -194,9 +196,7 @@ class SchedulerConfig(_Section):
     partial_emits: bool = True
     preempt: bool = True
     aging_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 10.0
-    lane_caps: dict[Literal["interactive", "batch", "background"], _NonNeg] = msgspec.field(
-        default_factory=dict
-    )
+    lane_caps: dict[QosClass, _NonNeg] = msgspec.field(default_factory=dict)
     stall_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 60.0
     max_crash_resumes: _Pos = 2
 

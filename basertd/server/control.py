@@ -38,6 +38,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
 from basertd.server.errors import ControlError
 from basertd.server.reload import config_changes
+from basertd.server.states import DaemonState, SlotState
 
 if TYPE_CHECKING:
     from basertd.server.api import ClientConnection
@@ -242,7 +243,7 @@ class ControlService:
             log.info("control", verb=verb, uid=peer.uid, pid=peer.pid)
 
     def _check_running(self) -> None:
-        if self.d.state in ("stopping", "stopped"):
+        if self.d.state in (DaemonState.STOPPING, DaemonState.STOPPED):
             raise ControlError(ErrorCode.SHUTTING_DOWN, "basertd is shutting down")
 
     # --- views -----------------------------------------------------------------------------------
@@ -274,7 +275,11 @@ class ControlService:
                     worker_id=i,
                     engine=m.config.engine,
                     model=m.model_name,
-                    state="draining" if slot.state == "ready" and d.drainer.draining else slot.state,
+                    state=(
+                        DaemonState.DRAINING  # a serving worker of a draining daemon
+                        if slot.state is SlotState.READY and d.drainer.draining
+                        else slot.state
+                    ),
                     pid=slot.proc.pid if slot.proc is not None else 0,
                     lanes_busy=sched.busy_lanes,
                     lanes_max=sched.limits.max_lanes,
@@ -286,7 +291,7 @@ class ControlService:
                     engine_lanes=int(stats.get("live_lanes", 0)),
                     seed_leases=int(stats.get("live_seed_leases", 0)),
                     engine_stats={k: int(v) for k, v in stats.items()},
-                    last_error="" if slot.state == "ready" else slot.last_error,
+                    last_error="" if slot.state is SlotState.READY else slot.last_error,
                 )
             )
         return control.WorkersResult(workers=rows)

@@ -79,6 +79,7 @@ from basertd.server.reload import apply_reload
 from basertd.server.requests import GenerationRequest
 from basertd.server.runtime_files import remove_stale_worker_dirs
 from basertd.server.scheduler import Scheduler
+from basertd.server.states import DaemonState, HealthStatus, SlotState
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.wal import Journal
 from basertd.server.wal_recover import RecoverMode
@@ -143,7 +144,7 @@ class Daemon:
         self.api: ApiServer | None = None
         self.http: HttpServer | None = None
         self.started_at = time.monotonic()
-        self.state = "starting"
+        self.state = DaemonState.STARTING
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self._created_runtime_dir = False
@@ -227,7 +228,7 @@ class Daemon:
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)
-        self.state = "ready"
+        self.state = DaemonState.READY
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._notify_ready(), name="sd-notify"))
         if self._watchdog_interval is not None:
@@ -272,7 +273,7 @@ class Daemon:
 
     async def _notify_ready(self) -> None:
         """READY=1 once every worker has handshaken, then a STATUS= line whenever it changes."""
-        while not all(slot.state == "ready" for slot in self.slots):
+        while not all(slot.state is SlotState.READY for slot in self.slots):
             self.publish_status()
             waits = [asyncio.ensure_future(slot.ready()) for slot in self.slots]
             try:
@@ -296,7 +297,8 @@ class Daemon:
         queued = fleet.queued_by_class()
         per_class = ", ".join(f"{q} {n}" for q, n in queued.items())
         status, reason = self.frontend.health()
-        head = self.public_state() if status in ("ok", "starting") or not reason else f"{status}: {reason}"
+        quiet = status in (HealthStatus.OK, HealthStatus.STARTING) or not reason
+        head = self.public_state() if quiet else f"{status}: {reason}"
         return (
             f"{head}: workers {fleet.ready_count}/{len(fleet)}, lanes {fleet.lanes_busy}/{fleet.lanes_max} "
             f"busy, queued {sum(queued.values())} ({per_class}), in flight {self.drainer.in_flight}"
@@ -309,10 +311,10 @@ class Daemon:
             self._status_line = line
             self.notifier.status(line)
 
-    def public_state(self) -> str:
+    def public_state(self) -> DaemonState:
         """``starting``, ``ready``, ``draining``, ``stopping`` or ``stopped`` (Status and Health)."""
-        if self.state == "ready" and self.drainer.draining:
-            return "draining"
+        if self.state is DaemonState.READY and self.drainer.draining:
+            return DaemonState.DRAINING
         return self.state
 
     def request_stop(self) -> None:
@@ -322,7 +324,7 @@ class Daemon:
     def request_shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop, draining first for ``timeout_s`` seconds (default ``[operators] drain_timeout_s``)
         when ``drain``. A second request while a drain runs stops at once."""
-        if not drain or self._shutdown is not None or self.state != "ready":
+        if not drain or self._shutdown is not None or self.state is not DaemonState.READY:
             if self._shutdown is not None:
                 log.warning("shutdown_forced", note="second stop request while draining")
             self.request_stop()
@@ -381,9 +383,9 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop everything (module docstring). Idempotent; never raises."""
-        if self.state in ("stopping", "stopped"):
+        if self.state in (DaemonState.STOPPING, DaemonState.STOPPED):
             return
-        self.state = "stopping"
+        self.state = DaemonState.STOPPING
         self._stop.set()
         self.notifier.stopping("stopping")
         if self._shutdown is not None and self._shutdown is not asyncio.current_task():
@@ -425,7 +427,7 @@ class Daemon:
         if self._created_runtime_dir and self.runtime_dir is not None:
             with contextlib.suppress(OSError):
                 self.runtime_dir.rmdir()  # only when empty: never remove what others put there
-        self.state = "stopped"
+        self.state = DaemonState.STOPPED
         log.info("daemon_stopped")
 
     def _vllm_workers(self) -> list[VllmWorker]:
@@ -434,7 +436,7 @@ class Daemon:
             VllmWorker(
                 worker_id=m.worker_id,
                 model_name=m.model_name,
-                ready=m.slot.state == "ready",
+                ready=m.slot.state is SlotState.READY,
                 waiting=len(m.scheduler.queues),
                 running=len(m.scheduler.lanes),
                 kv_used_tokens=sum(lane.reserved for lane in m.scheduler.lanes.values()),

@@ -29,6 +29,7 @@ from basertd.server.link_errors import LinkError
 from basertd.server.metrics import LiveState, Metrics, WorkerState
 from basertd.server.requests import QOS_CLASSES, AdmissionError
 from basertd.server.scheduler import Scheduler, WorkerLimits
+from basertd.server.states import SlotState
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from basertd.server.worker_specs import prefix_cache_usable, worker_spec
@@ -215,7 +216,7 @@ class Fleet:
     @property
     def ready_count(self) -> int:
         """Workers whose current incarnation is serving."""
-        return sum(1 for m in self.members if m.slot.state == "ready")
+        return sum(1 for m in self.members if m.slot.state is SlotState.READY)
 
     @property
     def lanes_busy(self) -> int:
@@ -235,7 +236,7 @@ class Fleet:
         (a worker still starting or respawning is not a problem yet)."""
         out = []
         for m in self.members:
-            if m.slot.state == "given_up":
+            if m.slot.state is SlotState.GIVEN_UP:
                 out.append(f"worker {m.worker_id}: {m.slot.last_error or 'gave up starting'}")
                 continue
             stall = getattr(m.scheduler, "stall_reason", None)
@@ -323,7 +324,7 @@ class Fleet:
             state.workers.append(
                 WorkerState(
                     worker=str(m.worker_id),
-                    ready=slot.state == "ready",
+                    ready=slot.state is SlotState.READY,
                     lanes_active=len(sched.lanes),
                     lanes_max=sched.limits.max_lanes,
                     kv_reserved_tokens=sum(lane.reserved for lane in sched.lanes.values()),

@@ -43,6 +43,7 @@ from basertd.server.grammar import GrammarRequestError, spec_from_request
 from basertd.server.limits import check_generate, check_logit_bias, check_prompt_bytes, check_prompt_tokens
 from basertd.server.metrics import Metrics
 from basertd.server.requests import AdmissionError, GenerationRequest, RequestSink, sampler_for
+from basertd.server.states import DaemonState, HealthStatus
 from basertd.server.tokenizer import TokenizerError
 
 log = structlog.get_logger("basertd.frontend")
@@ -138,7 +139,7 @@ class Frontend:
 
     def _admissible(self) -> None:
         state = self._state()
-        if state in ("stopping", "stopped"):
+        if state in (DaemonState.STOPPING, DaemonState.STOPPED):
             raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
         refusal = self.drainer.refusal()
         if refusal is not None:
@@ -234,7 +235,7 @@ class Frontend:
 
     # --- health ----------------------------------------------------------------------------------
 
-    def health(self) -> tuple[str, str]:
+    def health(self) -> tuple[HealthStatus, str]:
         """``(status, reason)``: status ``ok`` while every worker serves and nothing stalls,
         ``degraded`` when some serve and a worker gave up or stalled (the reason names it and
         why), ``starting`` while no worker serves yet, ``draining`` / ``stopping`` / ``stopped``
@@ -242,15 +243,15 @@ class Frontend:
         state = self._state()
         problems = self.fleet.problems()
         ready = self.fleet.ready_count
-        if state != "ready":
-            return state, state
+        if state != DaemonState.READY:
+            return HealthStatus(state), state
         if problems:
-            return "degraded", "; ".join(problems)
+            return HealthStatus.DEGRADED, "; ".join(problems)
         if ready == len(self.fleet):
-            return "ok", ""
+            return HealthStatus.OK, ""
         if ready == 0:
-            return "starting", "no worker has finished starting yet"
-        return "degraded", f"workers {ready}/{len(self.fleet)} ready"
+            return HealthStatus.STARTING, "no worker has finished starting yet"
+        return HealthStatus.DEGRADED, f"workers {ready}/{len(self.fleet)} ready"
 
 
 class QueueSink:

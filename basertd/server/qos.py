@@ -42,9 +42,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-QOS_RANKS: dict[str, int] = {"interactive": 0, "batch": 1, "background": 2}
-"""Rank of each QoS class (0 is the highest); the order of ``requests.QOS_CLASSES``."""
-INTERACTIVE = 0
+from basertd.schema.client import QosClass
+
+QOS_RANKS: dict[str, int] = {q: rank for rank, q in enumerate(QosClass)}
+"""Rank of each QoS class (0 is the highest): ``QosClass``'s definition order."""
+INTERACTIVE = QOS_RANKS[QosClass.INTERACTIVE]
 """Rank of the interactive class: the only class whose waiting requests preempt lanes."""
 
 

@@ -25,13 +25,13 @@ from typing import Protocol
 
 from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
-from basertd.schema.client import ErrorCode
+from basertd.schema.client import ErrorCode, QosClass
 from basertd.schema.tick import LaneLogprob, SamplingParams
 from basertd.server.grammar import GrammarSpec
 from basertd.server.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
-QOS_CLASSES: tuple[str, ...] = ("interactive", "batch", "background")
-"""QoS classes, highest first (DESIGN.md "Scheduling")."""
+QOS_CLASSES: tuple[QosClass, ...] = tuple(QosClass)
+"""QoS classes, highest first (DESIGN.md "Scheduling"): ``QosClass`` in rank order."""
 MAX_SEED = (1 << 32) - 1
 """Largest RNG stream key: ``rng_counter_base = key << 32`` must fit a u64 (ABI rule 73)."""
 
@@ -180,7 +180,7 @@ class GenerationRequest:
     sink: RequestSink
     tokenizer: Tokenizer
     stop: Sequence[str] = ()
-    qos: str = "interactive"
+    qos: QosClass = QosClass.INTERACTIVE
     stream: bool = True
     key: int = field(default_factory=lambda: next(_keys))
     t_received: float = field(default_factory=time.monotonic)

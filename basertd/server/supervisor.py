@@ -29,6 +29,7 @@ from collections.abc import Callable
 import structlog
 
 from basertd.server.link_errors import LinkError
+from basertd.server.states import SlotState
 from basertd.server.worker_proc import WorkerProcess, WorkerSpec, WorkerStartError
 
 log = structlog.get_logger("basertd.supervisor")
@@ -37,7 +38,7 @@ log = structlog.get_logger("basertd.supervisor")
 class WorkerSlot:
     """One configured worker and its current incarnation.
 
-    ``state``: "starting", "ready", "restarting", "given_up" or "stopped". ``proc``: the ready
+    ``state``: a ``SlotState``. ``proc``: the ready
     ``WorkerProcess`` or None. ``respawns``: incarnations started after the first.
     ``consecutive_failures``: failures since the last incarnation that finished a tick.
     ``start_failures``: starts that failed, in all. ``last_error``: why the last start failed or
@@ -61,7 +62,7 @@ class WorkerSlot:
         self.max_failures = max_failures
         self.close_grace_s = close_grace_s
         self.on_give_up = on_give_up
-        self.state = "starting"
+        self.state = SlotState.STARTING
         self.proc: WorkerProcess | None = None
         self.respawns = 0
         self.incarnations = 0
@@ -77,7 +78,7 @@ class WorkerSlot:
 
     # --- state the scheduler waits on -----------------------------------------------------------
 
-    def _set_state(self, state: str, proc: WorkerProcess | None = None) -> None:
+    def _set_state(self, state: SlotState, proc: WorkerProcess | None = None) -> None:
         self.state = state
         self.proc = proc
         self._changed.set()
@@ -95,7 +96,7 @@ class WorkerSlot:
     @property
     def given_up(self) -> bool:
         """True while the slot has stopped retrying (until ``poke``)."""
-        return self.state == "given_up"
+        return self.state is SlotState.GIVEN_UP
 
     def poke(self) -> None:
         """A request arrived: if the slot gave up, try again (failure count reset). After a
@@ -103,7 +104,7 @@ class WorkerSlot:
         have passed since; before that the queued requests fail at once through ``on_give_up``
         (the operator may have fixed the model or library meanwhile, but a stream of requests must
         not become a stream of doomed spawns)."""
-        if self.state != "given_up":
+        if self.state is not SlotState.GIVEN_UP:
             return
         held = self.permanent_at is not None and time.monotonic() - self.permanent_at < self.backoff_max_s
         if held:
@@ -148,7 +149,7 @@ class WorkerSlot:
                     if self.permanent_at is None
                     else f"configuration or model error: a request retries after {self.backoff_max_s:g} s",
                 )
-                self._set_state("given_up")
+                self._set_state(SlotState.GIVEN_UP)
                 if self.on_give_up is not None:
                     self.on_give_up(self.last_error)
                 self._poked.clear()
@@ -156,7 +157,7 @@ class WorkerSlot:
                 self.consecutive_failures = 0
                 backoff = self.backoff_initial_s
                 log.info("worker_retry_on_request", worker_id=self.worker_id)
-            self._set_state("starting" if self.incarnations == 0 else "restarting")
+            self._set_state(SlotState.STARTING if self.incarnations == 0 else SlotState.RESTARTING)
             started = time.monotonic()
             try:
                 proc = await WorkerProcess.start(self.spec)
@@ -194,7 +195,7 @@ class WorkerSlot:
                 lanes=proc.capabilities.max_lanes,
                 start_s=round(time.monotonic() - started, 3),
             )
-            self._set_state("ready", proc)
+            self._set_state(SlotState.READY, proc)
             try:
                 why = await proc.link.wait_dead()
             finally:
@@ -202,7 +203,7 @@ class WorkerSlot:
                     await proc.close(self.close_grace_s, reason="daemon stopping")
             if self._stopping:
                 break
-            self._set_state("restarting")
+            self._set_state(SlotState.RESTARTING)
             code = await proc.close(min(self.close_grace_s, 1.0), reason="link lost")
             if self._progress:
                 backoff = self.backoff_initial_s
@@ -235,4 +236,4 @@ class WorkerSlot:
                 await task
         if proc is not None:
             await proc.close(self.close_grace_s, reason="daemon stopping")
-        self._set_state("stopped")
+        self._set_state(SlotState.STOPPED)

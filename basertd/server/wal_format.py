@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from basertd.schema.client import Timings, Usage
+from basertd.schema.client import QosClass, Timings, Usage
 
 FORMAT_VERSION = 1
 """Version of the record layout, written in every segment's Start record."""
@@ -103,7 +103,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: list[str] = msgspec.field(default_factory=list)
-    qos: str = "interactive"
+    qos: QosClass = QosClass.INTERACTIVE
     logprobs: int | None = None
     ignore_eos: bool = False
     stream: bool = True

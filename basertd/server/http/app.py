@@ -43,6 +43,7 @@ from basertd.server.http import openai as oa
 from basertd.server.http.auth import Authorizer, load_api_keys
 from basertd.server.http.errors import HttpError, bad_request, from_admission, from_code
 from basertd.server.requests import AdmissionError
+from basertd.server.states import HealthStatus
 
 log = structlog.get_logger("basertd.http")
 
@@ -216,7 +217,7 @@ class HttpServer:
     async def health(self, request: web.Request) -> web.Response:
         status, reason = self.frontend.health()
         body = {"status": status, "reason": reason, "workers_ready": self.frontend.fleet.ready_count}
-        return json_response(body, 200 if status == "ok" else 503)
+        return json_response(body, 200 if status == HealthStatus.OK else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = self.frontend.metrics.exposition()

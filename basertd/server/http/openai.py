@@ -37,12 +37,13 @@ import msgspec
 
 from basertd.schema import client as api
 from basertd.schema.abi import MAX_TOP_LOGPROBS
+from basertd.schema.client import QosClass
 from basertd.server.grammar import GrammarSpec
 from basertd.server.http import tool_calls
 from basertd.server.http.errors import bad_request
 
 QOS_HEADER = "X-Basertd-QoS"
-QOS_CLASSES = ("interactive", "batch", "background")
+QOS_NAMES = tuple(q.value for q in QosClass)
 MAX_N = 16
 """Most choices one request may ask for (``n``)."""
 MAX_PROMPTS = 64
@@ -146,14 +147,14 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
 
 
-def qos_of(req: _Common, header: str | None) -> str:
+def qos_of(req: _Common, header: str | None) -> QosClass:
     """The QoS class: the header, else the body's ``qos``, else interactive. 400 for others."""
     for value, where in ((header, QOS_HEADER), (req.qos, "qos")):
         if value is not None:
-            if value not in QOS_CLASSES:
-                raise bad_request(f"{where} must be one of {', '.join(QOS_CLASSES)}, got {value!r}", "qos")
-            return value
-    return "interactive"
+            if value not in QOS_NAMES:
+                raise bad_request(f"{where} must be one of {', '.join(QOS_NAMES)}, got {value!r}", "qos")
+            return QosClass(value)
+    return QosClass.INTERACTIVE
 
 
 def stops_of(stop: str | list[str] | None) -> list[str]:
