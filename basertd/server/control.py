@@ -77,8 +77,9 @@ VERB_NAMES: dict[type, str] = {
 
 
 class CacheControl(Protocol):
-    """What the prefix-cache verbs need (implemented by ``EngineCache`` and by the prefix-cache
-    policy, issue 8). Worker ids are validated by the caller; methods raise ``ControlError``."""
+    """What the prefix-cache verbs need (implemented by ``cache_verbs.PolicyCacheControl`` over
+    each worker's prefix-cache policy). Worker ids are validated by the caller; methods raise
+    ``ControlError``."""
 
     async def stats(self) -> list[control.CacheStatsRow]:
         """One row per worker: entries, bytes (pinned among them), hits / misses, cached tokens,

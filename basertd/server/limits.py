@@ -147,11 +147,6 @@ def check_logit_bias(gen: api.Generate, vocab_size: int) -> None:
         )
 
 
-def normalise_top_k(top_k: int, vocab_size: int) -> int:
-    """``top_k`` as the engine should see it: 0 (off) when it keeps the whole vocabulary."""
-    return 0 if top_k >= vocab_size else top_k
-
-
 def max_token_bytes(tokenizer: object) -> int:
     """Upper bound of the bytes one token of ``tokenizer`` covers in a prompt."""
     return 1 if getattr(tokenizer, "kind", "") == "bytes" else MAX_TOKEN_BYTES_GGUF

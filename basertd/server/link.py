@@ -184,11 +184,6 @@ class WorkerLink:
         """True while a plan sent by ``tick`` has no result yet (even after its caller timed out)."""
         return self._tick is not None
 
-    @property
-    def pending_requests(self) -> int:
-        """Requests (ticks included) sent and not yet answered."""
-        return len(self._pending)
-
     async def wait_dead(self) -> LinkError:
         """Wait until the link fails or is closed and return why (never raises it)."""
         self._arm()

@@ -157,9 +157,3 @@ class CellLedger:
         s = self._seqs.pop(seq, None)
         if s is not None:
             self._release(s.cells[: s.length].copy())
-
-    def rename(self, seq: int, new_seq: int) -> None:
-        """Move ``seq``'s cells to sequence id ``new_seq`` (which must be unknown)."""
-        if new_seq in self._seqs:
-            raise ValueError(f"sequence {new_seq} exists")
-        self._seqs[new_seq] = self._seqs.pop(seq)
