@@ -6,8 +6,11 @@ daemon harness (``daemon_harness.py``) are built on these."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +79,43 @@ def log_lines(path: Path, *, plain_ok: bool = False, live: bool = False) -> list
         except json.JSONDecodeError:
             raise AssertionError(f"non-JSON line in {path.name}: {line!r}") from None
     return out
+
+
+def wait_until(
+    cond: Callable[[], Any], timeout: float = 10.0, *, interval: float = 0.01, what: str = ""
+) -> Any:
+    """Poll ``cond()`` every ``interval`` seconds until it returns something truthy and return that;
+    raise ``TimeoutError`` naming ``what`` after ``timeout`` seconds. Tests wait on the condition
+    they need instead of sleeping a fixed time, which fails on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not within {timeout} s: {what or cond}")
+        time.sleep(interval)
+
+
+async def wait_until_async(
+    cond: Callable[[], Any], timeout: float = 10.0, *, interval: float = 0.01, what: str = ""
+) -> Any:
+    """``wait_until`` for a coroutine: polls with ``asyncio.sleep`` so the event loop keeps running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not within {timeout} s: {what or cond}")
+        await asyncio.sleep(interval)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc/<pid>/stat (``R``, ``S``, ``T`` stopped, ``Z`` ...); ""
+    once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2 :].split(" ", 1)[0]

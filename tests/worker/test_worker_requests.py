@@ -12,6 +12,7 @@ import signal
 import msgspec
 import numpy as np
 import pytest
+from proc_testutil import process_state, wait_until_async
 from worker_plans import (
     EMIT_RING,
     LOGITS_RING,
@@ -219,30 +220,38 @@ def test_one_tick_in_flight_and_timeouts(make_spec):
 def test_pong_reports_queue_depth_and_answers_mid_tick(make_spec):
     with SyncWorker(make_spec(emit_window_ms=0)) as w:
 
-        async def frozen(plan: TickPlan):
+        async def frozen(plan: TickPlan, *, ping_last: bool):
             # Freeze the worker so that the tick, a PING and three TOKENIZEs are all queued before
-            # it runs again.
+            # it runs again. Mid-tick the worker answers a PING as soon as it reads it, so there the
+            # PING goes last: Link W is one ordered stream, and the three TOKENIZEs are queued
+            # before the PING is read. After a tick the worker reads everything waiting on the
+            # socket and answers PINGs first, so there the PING goes first.
             os.kill(w.proc.pid, signal.SIGSTOP)
             try:
+                await wait_until_async(lambda: process_state(w.proc.pid) == "T", what="worker stopped")
                 tick = asyncio.ensure_future(w.link.tick(plan))
                 await asyncio.sleep(0)
-                ping = asyncio.ensure_future(w.link.ping())
+                ping = None if ping_last else asyncio.ensure_future(w.link.ping())
                 tokenizes = [
                     asyncio.ensure_future(w.link.request(link.Tokenize(text=b"x"))) for _ in range(3)
                 ]
+                if ping is None:
+                    ping = asyncio.ensure_future(w.link.ping())
+                # Give zmq's I/O thread a moment to move the frames into the stopped worker's
+                # socket (no API shows when it has); the mid-tick queue depth does not depend on it.
                 await asyncio.sleep(0.1)
             finally:
                 os.kill(w.proc.pid, signal.SIGCONT)
             return await tick, await ping, await asyncio.gather(*tokenizes)
 
         streaming = with_flags(admit(w, 3, range(10, 30), decode=4), TickFlag.PARTIAL_EMITS)
-        _, mid, toks = w.call(frozen(streaming))
+        _, mid, toks = w.call(frozen(streaming, ping_last=True))
         assert mid.tick_in_flight and mid.ticks_run == 0  # answered from inside the tick
         assert mid.queue_depth == 3  # the TOKENIZEs wait for the tick
         assert [t.tokens.tolist() for t in toks] == [[1, 3 + ord("x")]] * 3
 
         plain = TickPlan(plan_seq=2, max_decode_lanes=1, decodes=[LaneDecode(lane_tag=3)])
-        events, after, _ = w.call(frozen(plain))
+        events, after, _ = w.call(frozen(plain, ping_last=False))
         assert not after.tick_in_flight and after.ticks_run == 2 and after.last_plan_seq == 2
         assert after.queue_depth == 3
         assert after.lanes_active == 1 and after.stats["live_lanes"] == 1
