@@ -1,4 +1,4 @@
-"""``basertd``: the coordinator daemon's command line (issue 7).
+"""``basertd``: the coordinator daemon's command line.
 
 ``basertd serve [--config FILE] [--http HOST:PORT] [--wal-recover=truncate]`` runs the daemon in
 the foreground until SIGTERM (drain, then stop) or SIGINT (stop now); SIGHUP reloads FILE

@@ -1,9 +1,9 @@
-"""``basertctl``: the operator's client of the daemon socket (issues 7 and 9, DESIGN.md "Operators").
+"""``basertctl``: the operator's client of the daemon socket (DESIGN.md "Operators").
 
 Verbs: ``status``, ``workers``, ``lanes``, ``queue``, ``cache stats|ls|pin|unpin|evict``,
 ``drain [--timeout S]``, ``resume``, ``restart-worker ID``, ``generate``, ``metrics``,
 ``shutdown`` and ``config check FILE``. Every verb prints a human table by default and one JSON
-document with ``--json`` (before or after the verb). The contract of issue 7 is kept:
+document with ``--json`` (before or after the verb). These two forms are stable:
 ``basertctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--seed S] [--qos CLASS]
 PROMPT`` streams the text to stdout, ``basertctl [--socket PATH] status [--json]`` prints the
 summary. ``--socket`` defaults to ``$BASERTD_SOCKET``, then the default socket path

@@ -1,4 +1,4 @@
-"""``make demo``: the main job end to end on the default model (issue 7).
+"""``make demo``: the main job end to end on the default model.
 
 Starts ``basertd serve`` (a real daemon process, default configuration: the default model on the
 llamacpp engine on CPU) in a temporary runtime directory, sends 8 concurrent prompts and then one

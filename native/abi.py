@@ -1,4 +1,4 @@
-"""cffi ABI-mode binding of any shared library that exports the baseRT tick ABI (issue 4).
+"""cffi ABI-mode binding of any shared library that exports the baseRT tick ABI.
 
 ``BasertLib(path)`` opens the library with ``ffi.dlopen`` (no compiler needed) using the
 declarations of ``native/basert_tick.h``; ``Bundle`` wraps one ``baseRT_model_t`` of it with one

@@ -1,4 +1,4 @@
-"""The worker dies with its parent and stops on request (DESIGN.md "Processes", issue 5 item 4).
+"""The worker dies with its parent and stops on request (DESIGN.md "Processes").
 
 - ``die_with_parent(expected_ppid)``: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes, then a
   check that the parent is still ``expected_ppid``: if the coordinator died between our fork and
@@ -101,7 +101,7 @@ class StopSignals:
 
 
 class ExitCode(IntEnum):
-    """Exit statuses of ``basertd-worker`` (the supervisor reads them; issue 5 item 1)."""
+    """Exit statuses of ``basertd-worker`` (the supervisor reads them)."""
 
     OK = 0
     """Orderly shutdown: SHUTDOWN, SIGTERM/SIGINT after the tick in flight, or the parent is gone."""

@@ -1,4 +1,4 @@
-"""The worker's end of Link W: one loop, one thread, one engine (DESIGN.md "Link W", issue 5 item 3).
+"""The worker's end of Link W: one loop, one thread, one engine (DESIGN.md "Link W").
 
 ``LinkServer.run()`` connects a zmq PAIR socket to the coordinator's endpoint and serves until it
 is told to stop; it returns the process exit code (``lifecycle.ExitCode``).

@@ -1,4 +1,4 @@
-"""``basertd-worker``: one engine process per device (DESIGN.md "Processes", issue 5).
+"""``basertd-worker``: one engine process per device (DESIGN.md "Processes").
 
 Started by the coordinator (``basertd.server.worker_proc``), never by hand in production::
 

@@ -1,4 +1,4 @@
-"""The daemon's configuration: one TOML file, validated with msgspec (issue 7).
+"""The daemon's configuration: one TOML file, validated with msgspec.
 
 Every key has a working default, so ``basertd serve`` with no file serves the default model on the
 llamacpp engine on CPU. An unknown key, a wrong type or a value out of range is a ``ConfigError``
@@ -49,7 +49,7 @@ Example (every key shown with its default)::
     route_slack = 1.0           # route to the worker holding the longest prefix unless its load
                                 # (queued + running per lane) exceeds the least loaded one's by more
 
-    [operators]                 # DESIGN.md "Operators" (issue 9)
+    [operators]                 # DESIGN.md "Operators"
     operator_group = ""         # members may use control verbs (as root and the daemon's user always may)
     drain_timeout_s = 30.0      # SIGTERM: seconds in-flight requests get to finish before they are cancelled
     metrics_listen = ""         # "127.0.0.1:9464": also serve /metrics over HTTP (loopback addresses only)
@@ -84,7 +84,7 @@ Example (every key shown with its default)::
     listen_backlog = 1024       # pending connects the kernel queues (capped by net.core.somaxconn)
 
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
-rule lives (the contract of issue 7); ``basertctl`` and the client library use them too.
+rule lives; ``basertctl`` and the client library use them too.
 ``resolve_state_dir`` is the one place the state directory rule lives (the write-ahead log,
 ``basertd.server.wal``).
 """
@@ -240,7 +240,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 class OperatorsConfig(_Section):
-    """Operator-facing knobs (DESIGN.md "Operators", issue 9).
+    """Operator-facing knobs (DESIGN.md "Operators").
 
     ``operator_group``: name of the group whose members may use control verbs besides root and
     the daemon's own user ("" = nobody else); ``drain_timeout_s``: seconds a SIGTERM drain lets

@@ -455,7 +455,7 @@ async def run(
     config_path: str | os.PathLike[str] | None = None,
     wal_recover: RecoverMode = "refuse",
 ) -> int:
-    """Run the daemon until it is told to stop; returns the exit status (0). Signals (issue 9):
+    """Run the daemon until it is told to stop; returns the exit status (0). Signals (DESIGN.md "Operators"):
     SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
     once); SIGINT stops at once; SIGHUP reloads ``config_path``. ``wal_recover``: what to do with a
     corrupt write-ahead log (``basertd.server.wal.Journal.open``'s ``recover``)."""

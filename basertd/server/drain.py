@@ -1,4 +1,4 @@
-"""Drain: stop taking requests, let the accepted ones finish, cancel what is left (issue 9).
+"""Drain: stop taking requests, let the accepted ones finish, cancel what is left (DESIGN.md "Operators").
 
 ``Drainer`` holds the daemon's drain state and the set of accepted requests that have not ended
 (queued or running; the request observer adds and discards them). ``drain(timeout_s, code)``:

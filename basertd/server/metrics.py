@@ -438,7 +438,7 @@ class Metrics:
         self.tick_seconds.labels(str(worker_id)).observe(seconds)
 
     def preempted(self, worker_id: int, qos: str) -> None:
-        """A ``qos`` lane of worker ``worker_id`` was preempted (the preemption policy, issue 8)."""
+        """A ``qos`` lane of worker ``worker_id`` was preempted (``basertd.server.qos``: preemption)."""
         self.preemptions.labels(str(worker_id), qos).inc()
 
     def crash_resumed(self, worker_id: int) -> None:

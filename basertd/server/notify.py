@@ -1,4 +1,4 @@
-"""systemd integration: sd_notify, the watchdog and socket activation (DESIGN.md "Operators", issue 9).
+"""systemd integration: sd_notify, the watchdog and socket activation (DESIGN.md "Operators").
 
 The protocol is a handful of lines, so it is spoken here rather than through a C binding:
 
@@ -161,7 +161,7 @@ class Heartbeat:
 
 class Watchdog:
     """Sends ``WATCHDOG=1`` every ``interval`` seconds while every heartbeat of ``heartbeats()``
-    beat since the previous ping (issue 9: a hung scheduler loop stops the pings). A withheld ping
+    beat since the previous ping (so a hung scheduler loop stops the pings). A withheld ping
     is logged once per stall, naming the loops that stalled."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Peer credentials of a Unix-socket client, and who may use control verbs (issue 9).
+"""Peer credentials of a Unix-socket client, and who may use control verbs (DESIGN.md "Operators").
 
 ``peer_credentials(sock)`` reads ``SO_PEERCRED`` (pid, uid, gid of the peer when it connected) and
 ``SO_PEERGROUPS`` (its supplementary groups, Linux >= 4.13) from the kernel, so nothing the client

@@ -1,4 +1,4 @@
-"""What a reload (SIGHUP) can change at run time, and applying it (issue 9, DESIGN.md "Operators").
+"""What a reload (SIGHUP) can change at run time, and applying it (DESIGN.md "Operators").
 
 Reloadable: ``log_level`` (the coordinator's; workers keep theirs until they respawn), every
 ``[scheduler]`` and ``[cache]`` knob (applied to each scheduler before its next plan), and

@@ -1,4 +1,4 @@
-"""Worker supervision: spawn, watch, respawn with backoff, give up, never leak (issue 7).
+"""Worker supervision: spawn, watch, respawn with backoff, give up, never leak (DESIGN.md "Processes").
 
 One ``WorkerSlot`` per configured worker runs one supervisor task on the daemon's loop:
 

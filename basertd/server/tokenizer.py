@@ -1,6 +1,6 @@
 """Coordinator-side tokenizers, the incremental detokenizer and the stop-string matcher.
 
-Tokenizing and detokenizing happen in the coordinator (issue 7), with the very vocabulary the
+Tokenizing and detokenizing happen in the coordinator (DESIGN.md "Processes"), with the very vocabulary the
 worker's engine uses, named by the capability record's ``TokenizerDesc``:
 
 - ``BytesTokenizer`` ("bytes", the C reference engine): ids 0 unk, 1 BOS, 2 EOS; ids 3..258 are
