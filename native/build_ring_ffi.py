@@ -1,7 +1,9 @@
 """cffi API-mode build of ``basertd.native._ringc``: the BRTRING1 ring code of ``native/brt_ring.c``
 compiled into an extension module, so that Python stores and loads slot generations with real C11
 release/acquire atomics and reads one span with one foreign call (DESIGN.md "Rings", ABI rules
-123-130). setup.py picks this file up as ``cffi_modules``; ``make native`` rebuilds it in place."""
+123-130); with it ``native/brt_control.c``, the control segment's yield word as an abort callback
+for engines whose steps run inside a C library (``basertd.shm.control``). setup.py picks this
+file up as ``cffi_modules``; ``make native`` rebuilds it in place."""
 
 from __future__ import annotations
 
@@ -51,14 +53,20 @@ int brt_ring_read(const brt_ring *r, uint32_t index, uint64_t generation, uint32
 int brt_ring_read_slot(const brt_ring *r, uint32_t index, uint64_t generation, uint32_t elem_size,
                        void *dst, uint32_t dst_elems, uint32_t *out_count);
 uint64_t brt_ring_slot_generation(const brt_ring *r, uint32_t index);
+
+typedef struct brt_abort_watch {
+    const uint64_t *word;
+    uint64_t reasons;
+} brt_abort_watch;
+_Bool brt_abort_check(void *watch);
 """
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "basertd.native._ringc",
-    '#include "brt_ring.h"',
-    sources=[os.path.relpath(os.path.join(_HERE, "brt_ring.c"))],
+    '#include "brt_ring.h"\n#include "brt_control.h"',
+    sources=[os.path.relpath(os.path.join(_HERE, name)) for name in ("brt_ring.c", "brt_control.c")],
     include_dirs=[os.path.relpath(_HERE)],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
 )

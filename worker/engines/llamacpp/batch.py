@@ -17,6 +17,10 @@ from collections.abc import Callable
 import llama_cpp as L
 import numpy as np
 
+ABORTED = 2
+"""``llama_decode``'s return code when the abort callback ended it (the ubatches before the
+aborted one stay in the context's memory)."""
+
 
 class BatchDecodeError(Exception):
     """``llama_decode`` returned ``rc`` != 0 for the part of the batch starting at row ``start``
@@ -52,6 +56,7 @@ class TokenBatch:
         self._head = self._struct(0, 0)  # the struct for parts starting at row 0, built once
         self.n = 0
         self.parts: list[tuple[int, int]] = []  # (rows, ns) of each llama_decode of the last decode
+        self.aborted = False  # the last decode ended at a part the abort callback cut
 
     def clear(self) -> None:
         """Empty the batch."""
@@ -93,17 +98,24 @@ class TokenBatch:
         ctx: L.llama_context_p,
         on_part: Callable[[int, int], None],
         stop: Callable[[int], bool] | None = None,
+        arm: Callable[[int], None] | None = None,
     ) -> int:
         """Decode the rows, ``n_batch`` rows per ``llama_decode``, calling ``on_part(start, end)``
         after each successful part. Before every part but the first, ``stop(rows_done)`` may end
-        the call early (a yield inside a tick). Returns the rows decoded (``n`` unless stopped);
-        ``parts`` then holds ``(rows, ns)`` of every successful llama_decode. Raises
-        BatchDecodeError on the first nonzero return code."""
+        the call early (a yield inside a tick); before every part, ``arm(start)`` may arm or disarm
+        the context's abort callback for it. A part the abort callback ended (``llama_decode``
+        returns 2; llama.cpp drops that ubatch's cells, and a part is one ubatch when ``n_batch``
+        <= n_ubatch) ends the call with ``aborted`` set. Returns the rows decoded (``n`` unless
+        stopped or aborted); ``parts`` then holds ``(rows, ns)`` of every successful llama_decode.
+        Raises BatchDecodeError on any other nonzero return code."""
         self.parts = []
+        self.aborted = False
         start = 0
         while start < self.n:
             if start and stop is not None and stop(start):
                 return start
+            if arm is not None:
+                arm(start)
             end = min(self.n, start + self.n_batch)
             if start == 0:
                 part = self._head
@@ -112,6 +124,9 @@ class TokenBatch:
                 part = self._struct(start, end)
             t = time.perf_counter_ns()
             rc = L.llama_decode(ctx, part)
+            if rc == ABORTED:
+                self.aborted = True
+                return start
             if rc != 0:
                 raise BatchDecodeError(int(rc), start, end)
             self.parts.append((end - start, time.perf_counter_ns() - t))

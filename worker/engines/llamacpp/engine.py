@@ -3,9 +3,11 @@
 One ``llama_context`` with a unified KV cache of ``pool_tokens`` cells and ``n_seq_max`` = lanes +
 cache sequences + spare sequences. Each lane owns one sequence id; a tick runs retires, commits,
 admits, prefills, decodes (ABI rule 53) and puts every decoding lane of a round in one
-``llama_decode``, with the tick's prefill chunks packed behind them in the same batch (round 0).
-A grant of k tokens runs k rounds. Tokens are chosen on the host from each lane's logits row
-(``sampling``); HOST lanes get the row in the logits ring instead.
+``llama_decode``, with the tick's prefill chunks packed behind them in the same batch. A grant of
+k tokens runs k rounds; the tick's prefill is spread evenly over them (``_feed_room``), so a lane
+decoding beside a long prefill gets a token every round instead of waiting for all of it. Tokens
+are chosen on the host from each lane's logits row (``sampling``); HOST lanes get the row in the
+logits ring instead.
 
 Semantics this engine fixes where the ABI leaves a choice:
 
@@ -43,6 +45,10 @@ prefill that did not run is reported exactly as a budget-shed chunk (one PREFILL
 lane, tokens = planned - done; ABI rules 56, 57) and the lane resumes at the offset reached; lanes
 whose prefill was cut do not decode; decode lanes keep the tokens they have (finish NONE). KV the
 coordinator already counts as prefilled (cold fallback, a cached prompt's last token) is never cut.
+An urgent yield (an arrival that outranks the tick, a cancel, a drain) does not wait for the step
+boundary: llama.cpp's abort callback (``abort.AbortWatch``) ends the step in flight, whose KV
+llama.cpp drops, and the tick ends as above (``_arm_abort`` says which steps may be cut so that
+every two ticks make progress); the inter-token bound's yield waits for the boundary.
 
 Test hooks (not part of the Engine protocol): ``inject_fault(lane_tag, code)``,
 ``force_finish(lane_tag, finish)``, as the reference engine's ``baseRT_ref_*`` ones.
@@ -103,6 +109,7 @@ from basertd.worker.engines.base import (
     TokenizerSpec,
 )
 from basertd.worker.engines.llamacpp import sampling
+from basertd.worker.engines.llamacpp.abort import AbortWatch
 from basertd.worker.engines.llamacpp.batch import BatchDecodeError, TokenBatch
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
@@ -159,6 +166,8 @@ class _TickScratch:
         self.min_rows = 0  # rows of the batch in flight that a yield may not cut
         self.steps = 0  # llama_decode calls so far
         self.yielded = False
+        self.replaying = False  # a decoding lane of the round in flight is in its replay tail
+        self.clear_at_start = True  # the yield word was clear when the tick began
         self._noted: set[int] = set()
 
     def note(self, tag: int) -> None:
@@ -254,6 +263,9 @@ class LlamaCppEngine:
             raise ValueError("yield_step_tokens must be >= 1")
         self.step_rows = max(lanes, min(self.n_batch, step))  # a round's decode rows: one step
         self._control = None
+        self._abort: AbortWatch | None = None
+        self._first_step_aborted = False  # the last tick's first step was aborted
+        self.n_ubatch = int(L.llama_n_ubatch(self.ctx))
         self.rates = RateCurve()
         self.max_lanes = lanes
         self.context_length = context_length
@@ -301,6 +313,8 @@ class LlamaCppEngine:
             "rejected_plans": 0,
             "cold_fallbacks_total": 0,
             "yields_total": 0,
+            "yield_aborts_total": 0,
+            "yield_abort_rows_total": 0,
         }
         self._closed = False
 
@@ -402,6 +416,7 @@ class LlamaCppEngine:
         calls: once it is set, the tick in flight ends after its current step (module docstring).
         Returns True (this engine can yield; its capability record then says ``yield = step``)."""
         self._control = control
+        self._abort = AbortWatch.attach(self.ctx, control)
         return True
 
     # ------------------------------------------------------------------ sequence ids
@@ -468,6 +483,8 @@ class LlamaCppEngine:
         self.last_plan_seq = plan.plan_seq
         ev = TickEvents(plan_seq=plan.plan_seq)
         sc = _TickScratch(ev, on_partial_emit)
+        if self._abort is not None:  # only the abort callback's first-step rule needs this read
+            sc.clear_at_start = not self._yield_requested()
         self.ops.run_pending()
         self._retire(work, sc)
         self._armed_hooks(sc)
@@ -476,6 +493,8 @@ class LlamaCppEngine:
         self._commit(work, sc)
         self._admit(work, sc)
         self._run_rounds(work, sc)
+        if self._abort is not None:
+            self._abort.disarm()
         self._finish_events(work, sc)
         self.tick_index += 1
         self._stats["ticks"] += 1
@@ -719,8 +738,9 @@ class LlamaCppEngine:
                 sc.yielded = True  # decode lanes keep the tokens they have (finish NONE)
                 break
             self._grammar_fill(active)
+            sc.replaying = self._replaying(active)
             self._round(active, feed, sc)
-            feed = []
+            feed = [ln for ln in feed if ln.tag in self.lanes and ln.kv_len < ln.prefilled]
             if sc.on_partial is not None:
                 for tag, toks in sc.fresh.items():
                     if toks:
@@ -735,6 +755,29 @@ class LlamaCppEngine:
         """Whether any of these lanes is still in its replay tail: replay units emit nothing (ABI
         rule 72), so the coordinator counts them from the grant, and the rounds must not be cut."""
         return any((ln := self.lanes.get(t)) is not None and ln.produced < ln.n_tokens for t in tags)
+
+    def _arm_abort(self, start: int, sc: _TickScratch) -> None:
+        """Before the batch part starting at row ``start``: let an urgent yield (an arrival that
+        outranks the tick, a cancel, a drain; not the inter-token bound, which waits for the step
+        boundary) abort that part mid-way, or not. A part is abortable when it is one ubatch, holds
+        no rows a yield may not cut, no decoding lane of the round is in its replay tail, and the
+        tick has made progress: a step already done, or, for the tick's first step, the yield word
+        was clear when the tick began (the arrival is newer than the plan) and the previous tick
+        did not lose its own first step the same way (so two ticks in a row always progress)."""
+        w = self._abort
+        if w is None:
+            return
+        end = min(self.batch.n, start + self.batch.n_batch)
+        ok = (
+            end - start <= self.n_ubatch
+            and start >= sc.min_rows
+            and not sc.replaying
+            and (sc.steps > 0 or (sc.clear_at_start and not self._first_step_aborted))
+        )
+        if ok:
+            w.arm()
+        else:
+            w.disarm()
 
     def _yield_requested(self) -> bool:
         """The control segment's yield word is set (``basertd.shm.control``)."""
@@ -790,6 +833,7 @@ class LlamaCppEngine:
         while feed and len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed) > self.ledger.free:
             self._fault(feed.pop(), FaultCode.OOM_TENTATIVE, 0, sc)
         need_rows = len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed)
+        room = self._feed_room(forward, ready, feed, sc)
         b = self.batch
         if need_rows > b.capacity:
             self.batch = b = TokenBatch(need_rows, self.step_rows)
@@ -805,9 +849,13 @@ class LlamaCppEngine:
         for mandatory in (True, False):
             for lane in feed:
                 floor = min(max(sc.floor.get(lane.tag, lane.prefilled), lane.kv_len), lane.prefilled)
-                k, end = (lane.kv_len, floor) if mandatory else (floor, lane.prefilled)
+                k, end = (lane.kv_len, floor) if mandatory else (max(floor, lane.kv_len), lane.prefilled)
+                if not mandatory:
+                    end = min(end, k + room)
                 if end <= k:
                     continue
+                if not mandatory:
+                    room -= end - k
                 want = end == lane.prefilled and end == lane.prefill_end and lane.produced == end
                 row = b.add(lane.tokens[k:end], k, lane.seq, want)
                 runs.append((lane, row - (end - k) + 1, end - k, want))
@@ -824,6 +872,18 @@ class LlamaCppEngine:
             for lane in held:
                 lane.held_row = None
             self._units(held, rows, sc)
+
+    def _feed_room(self, forward: list[Lane], ready: list[Lane], feed: list[Lane], sc: _TickScratch) -> int:
+        """Planned prefill rows this round may carry (rows a yield may not cut are always fed).
+        With lanes decoding beside the prefill, the tick's prefill is spread evenly over the rounds
+        their grants leave, so each decoding lane gets a token every round rather than once the
+        whole prefill has run (a round is then about prefill / grant rows, and the tick as long as
+        before); with none decoding, all of it (split into steps by ``TokenBatch``)."""
+        left = sum(ln.prefilled - max(sc.floor.get(ln.tag, ln.prefilled), ln.kv_len) for ln in feed)
+        rounds = max((sc.grant.get(ln.tag, 0) for ln in (*forward, *ready)), default=0)
+        if left <= 0 or rounds <= 1:
+            return max(left, 0)
+        return max(1, -(-left // rounds))
 
     def _decode_batch(
         self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, sc: _TickScratch
@@ -872,9 +932,12 @@ class LlamaCppEngine:
             sc.steps += 1
             on_part(start, end)
 
+        def arm(start: int) -> None:
+            self._arm_abort(start, sc)
+
         t = time.perf_counter_ns()
         try:
-            self.batch.decode(ctx, on_step, stop)
+            done = self.batch.decode(ctx, on_step, stop, arm if self._abort is not None else None)
         except BatchDecodeError as exc:
             if exc.rc < -1:
                 raise EngineFatal(Status.ERR_FATAL, str(exc)) from exc
@@ -882,6 +945,13 @@ class LlamaCppEngine:
                 if first + n > exc.start and lane.tag in self.lanes:
                     self._fault(lane, FaultCode.INTERNAL, exc.rc & _U32, sc)
         dt = time.perf_counter_ns() - t
+        if self.batch.aborted:
+            sc.yielded = True
+            self._first_step_aborted = sc.steps == 0
+            self._stats["yield_aborts_total"] += 1
+            self._stats["yield_abort_rows_total"] += min(self.batch.n, done + self.batch.n_batch) - done
+        elif sc.steps:
+            self._first_step_aborted = False
         for rows, ns in self.batch.parts:
             self.rates.note(rows, ns)
         if self.batch.n > n_decode_rows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -34,12 +35,22 @@ _SAMPLE_BYTES = 64 << 10
 _SAMPLES = 16
 
 
+_ABORTED = re.compile(r"(failed with error 1|compute status: 1|failed to decode, ret = 2)$")
+"""The lines llama.cpp logs as errors when the abort callback ended a ``llama_decode`` (ggml status
+1 is GGML_STATUS_ABORTED, llama_decode's 2 is "aborted"): an asked-for yield, not a failure."""
+
+
 @L.llama_log_callback
 def _log_sink(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    """llama.cpp / ggml log sink: warnings and errors go to the ``basertd.llamacpp`` logger, the
-    rest (model-load chatter, debug) is dropped instead of going straight to the worker's stderr."""
+    """llama.cpp / ggml log sink: warnings and errors go to the ``basertd.llamacpp`` logger (an
+    abort's lines at debug level), the rest (model-load chatter, debug) is dropped instead of going
+    straight to the worker's stderr."""
     if level == _GGML_ERROR:
-        _log.error("%s", text.decode("utf-8", "replace").rstrip())
+        line = text.decode("utf-8", "replace").rstrip()
+        if _ABORTED.search(line):
+            _log.debug("%s", line)
+        else:
+            _log.error("%s", line)
     elif level == _GGML_WARN:
         _log.warning("%s", text.decode("utf-8", "replace").rstrip())
 
