@@ -156,8 +156,10 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
     )
 
 
-def _build(st: SchedulerState, now: float, seed_of, limits: PlanLimits) -> Plan:
-    """One ``build_plan`` over the state with ``seed_of(req)`` tokens cached for each candidate."""
+def _build(st: SchedulerState, now: float, seed_of, limits: PlanLimits, held=None) -> Plan:
+    """One ``build_plan`` over the state with ``seed_of(req)`` tokens cached for each candidate;
+    ``held(req)``: the request must not be admitted by this plan (nor any after it in admission
+    order; an urgent one is skipped alone)."""
     coal = coalescing_for(st, now)
     probe = Probe(any(st.probation(lane.request) for lane in st.lanes.values()))
     seen: list[GenerationRequest] = []
@@ -176,6 +178,8 @@ def _build(st: SchedulerState, now: float, seed_of, limits: PlanLimits) -> Plan:
     def candidates() -> Iterator[Candidate]:
         blocked = coal.blocked
         for req in st.queues.ordered(now, st.config.aging_s, skip=lambda r: r.key in blocked):
+            if held is not None and held(req):
+                return
             if st.probation(req) and not probe.take():
                 continue
             yield offer(req, req.qos == interactive and st.config.preempt)
@@ -186,6 +190,8 @@ def _build(st: SchedulerState, now: float, seed_of, limits: PlanLimits) -> Plan:
         read = {r.key for r in seen}
         for req in list(st.queues.classes[interactive]):
             if req.finished or req.key in read or req.key in coal.blocked:
+                continue
+            if held is not None and held(req):
                 continue
             if st.probation(req) and not probe.take():
                 continue
@@ -199,37 +205,44 @@ def _build(st: SchedulerState, now: float, seed_of, limits: PlanLimits) -> Plan:
     return plan
 
 
+def _hint(st: SchedulerState, req: GenerationRequest) -> int:
+    """Tokens of ``req``'s admitted prompt the prefix index says are cached (a page multiple)."""
+    return st.cache_policy.hint(st.resume_hashes(req), len(req.prompt) + len(req.generated))
+
+
 def hint_requests(st: SchedulerState, now: float) -> list[GenerationRequest]:
     """The requests the next plan is likely to admit with a cached-prefix hint from the index
     (a trial draft), in admission order: the loop resolves each (match, then acquire) before the
     plan is drafted. Empty when seeds are off (cache disabled, or one seedless plan after a
     stale-seed rejection, which this call consumes)."""
     st.draft_limits = plan_limits(st)  # one plan in the making: its limits hold for both drafts
-    use_seeds = st.cache_policy.enabled and st.seedless_plans == 0
+    st.draft_seeding = st.cache_policy.enabled and st.seedless_plans == 0
     if st.seedless_plans:
         st.seedless_plans -= 1
-    if not use_seeds:
+    if not st.draft_seeding:
         return []
-    wc = st.cache_policy
-
-    def hint(req: GenerationRequest) -> int:
-        return wc.hint(st.resume_hashes(req), len(req.prompt) + len(req.generated))
-
-    trial = _build(st, now, hint, st.draft_limits)
+    trial = _build(st, now, lambda req: _hint(st, req), st.draft_limits)
     return [trial.requests[c.key] for _, c in trial.draft.admits if c.prefilled > 0]
 
 
 def draft(st: SchedulerState, now: float, resolved: dict[int, Resolved]) -> Plan:
     """The plan, built once from the state and the resolved hints (request key -> ``Resolved``;
-    a request without a resolved seed is a cold prefill). The plan's ``seeds`` and ``refs`` are
-    those of its admits; every other resolved seed goes to ``st.to_release``."""
+    a hint that did not resolve is a cold prefill). A request with a hint the loop did not
+    resolve (it arrived while the hints were resolved, or the seeds left room for more than the
+    trial draft admitted) is not admitted cold: it and those after it wait for the next plan,
+    which resolves it. The plan's ``seeds`` and ``refs`` are those of its admits; every other
+    resolved seed goes to ``st.to_release``."""
+    seeding, st.draft_seeding = st.draft_seeding, False
+
+    def held(req: GenerationRequest) -> bool:
+        return seeding and req.key not in resolved and _hint(st, req) > 0
 
     def seed_of(req: GenerationRequest) -> int:
         got = resolved.get(req.key)
         return got.seed.length if got is not None and got.seed is not None else 0
 
     limits, st.draft_limits = st.draft_limits or plan_limits(st), None
-    plan = _build(st, now, seed_of, limits)
+    plan = _build(st, now, seed_of, limits, held)
     admitted = {cand.key for _, cand in plan.draft.admits}
     for key, got in resolved.items():
         if got.seed is None:

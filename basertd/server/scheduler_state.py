@@ -75,6 +75,7 @@ class SchedulerState:
         self.prefill_cap: int | None = None
         self.seedless_plans = 0
         self.draft_limits: PlanLimits | None = None  # of the plan in the making (scheduler_draft)
+        self.draft_seeding = False  # its hints were resolved (scheduler_draft.hint_requests)
         self.admit_retries: dict[int, int] = {}
         self.t_token: dict[int, float] = {}  # lane tag -> monotonic seconds of its last token
 

@@ -470,3 +470,22 @@ def test_a_finished_constrained_lane_frees_its_grammar_handle_when_it_retires():
     assert core.grammars.pending_free == []  # the lane still holds it until it retires
     tick(core)
     assert core.grammars.pending_free == [31] and tag not in core.lanes
+
+
+def test_a_hinted_request_that_arrives_while_hints_resolve_waits_for_the_next_plan():
+    core = make_core(cache=True)
+    prefix = "r" * 48
+    core.cache_policy.published(TOK.encode(prefix, add_bos=False), 48)
+    a, _ = make_req(prefix + " first")
+    core.submit(a)
+    now = time.monotonic()
+    assert core.hint_requests(now) == [a]
+    late, _ = make_req(prefix + " late")
+    cold, _ = make_req("no cached prefix")
+    core.submit(late)  # arrives while the loop awaits the match and acquire of ``a``
+    core.submit(cold)
+    ref = TokenRef(ring_id=1, index=1, count=1, generation=1)
+    plan = core.draft(now, {a.key: Resolved(ref, Seed(handle=13, length=48, expires_after=9))})
+    assert [c.key for _, c in plan.draft.admits] == [a.key]  # never admitted cold, order kept
+    core.launch(plan, {a.key: ref}, {}, now)
+    assert core.hint_requests(now) == [late]  # the next plan resolves it
