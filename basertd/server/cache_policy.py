@@ -117,11 +117,11 @@ def eviction_target(
 
 
 class WorkerLike(Protocol):
-    """What the policy needs of a running worker (``basertd.server.worker_proc.WorkerProcess``)."""
+    """What the policy needs of a running worker (``basertd.server.prompt_feed.WorkerPort``): its
+    link, and the feed that alone writes its prompt ring (ring 1)."""
 
     link: Any
-    prompt_ring: Any
-    capabilities: Any
+    feed: Any
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ class WorkerCache:
     async def hold(self, proc: WorkerLike, pin: PinHold) -> bool:
         """Acquire a lease on ``pin``'s prefix (True), releasing the lease it replaces; False when
         the engine no longer serves the whole prefix (the pin then needs warming again)."""
-        ref = proc.prompt_ring.write(pin.tokens)
+        ref = proc.feed.write(pin.tokens)
         n = int(pin.tokens.shape[0])
         try:
             match = await proc.link.match(ref)
@@ -398,7 +398,7 @@ class WorkerCache:
         serves in full are forgotten. Most recently used first."""
         out = []
         for e in self.index.by_recency():
-            ref = proc.prompt_ring.write(e.tokens)
+            ref = proc.feed.write(e.tokens)
             try:
                 match = await proc.link.match(ref)
             except WorkerError:

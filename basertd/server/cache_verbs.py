@@ -19,6 +19,7 @@ from basertd.server.cache_policy import PinHold, WorkerCache
 from basertd.server.errors import ControlError
 from basertd.server.link import LinkError
 from basertd.server.prefix_index import page_hashes
+from basertd.server.scheduler_commands import Command, DropPin, Evict, HoldPin, ListEntries
 
 log = structlog.get_logger("basertd.cache")
 
@@ -29,7 +30,7 @@ class SchedulerLike(Protocol):
     worker_id: int
     cache_policy: WorkerCache
 
-    async def between_ticks(self, job: Callable[[Any], Awaitable[Any]], timeout: float = ...) -> Any: ...
+    async def command(self, cmd: Command, timeout: float = ...) -> Any: ...
 
     async def warm_prefix(self, tokens: list[int], timeout: float) -> None: ...
 
@@ -45,7 +46,8 @@ class PinRecord:
 class PolicyCacheControl:
     """The ``basertd.server.control.CacheControl`` of the prefix-cache policy: ``cache stats`` /
     ``ls`` / ``pin`` / ``unpin`` / ``evict`` served from the schedulers' ``WorkerCache`` objects,
-    through jobs each scheduler runs between two ticks (so nothing races a tick's prompt-ring
+    through typed commands each scheduler runs between two ticks (``basertd.server.
+    scheduler_commands``) (so nothing races a tick's prompt-ring
     writes or leases). ``engine_stats(worker_id)`` answers a worker's engine counters (PONG) and
     ``counter(name, worker_id)`` a metrics counter. Methods raise ``ControlError``."""
 
@@ -95,7 +97,7 @@ class PolicyCacheControl:
             if worker_id is not None and sched.worker_id != worker_id:
                 continue
             wc = sched.cache_policy
-            found = await self._job(sched, wc.verified_entries)
+            found = await self._send(sched, ListEntries())
             for e in found:
                 row = control.CacheEntryRow(
                     worker_id=sched.worker_id,
@@ -132,13 +134,9 @@ class PolicyCacheControl:
                 )
             arr = np.array(tokens[:n], dtype=np.uint32)
             hold = PinHold(pin_id, arr, page_hashes(arr, wc.page))
-
-            async def try_hold(proc: Any, hold: PinHold = hold, wc: WorkerCache = wc) -> bool:
-                return await wc.hold(proc, hold)
-
-            if not await self._job(sched, try_hold):
+            if not await self._send(sched, HoldPin(hold)):
                 await sched.warm_prefix([int(t) for t in arr], self.pin_timeout_s)
-                if not await self._job(sched, try_hold):
+                if not await self._send(sched, HoldPin(hold)):
                     raise ControlError(
                         ErrorCode.INTERNAL,
                         f"worker {wid}: the prefix was prefilled but is not served by the cache",
@@ -158,15 +156,10 @@ class PolicyCacheControl:
         for sched in self.schedulers:
             if sched.worker_id not in record.lengths:
                 continue
-            wc = sched.cache_policy
-
-            async def drop(proc: Any, wc: WorkerCache = wc) -> bool:
-                return await wc.drop_pin(proc, pin_id)
-
             try:
-                await self._job(sched, drop)
+                await self._send(sched, DropPin(pin_id))
             except ControlError:
-                await wc.drop_pin(None, pin_id)  # the worker is down: its lease died with it
+                await sched.cache_policy.drop_pin(None, pin_id)  # the worker is down: its lease died with it
         log.info("cache_unpinned", pin_id=pin_id)
 
     async def evict(self, worker_id: int | None, bytes_target: int) -> control.CacheEvictResult:
@@ -176,13 +169,8 @@ class PolicyCacheControl:
             if worker_id is not None and sched.worker_id != worker_id:
                 continue
             before = await self.engine_stats(sched.worker_id) or {}
-            wc = sched.cache_policy
-
-            async def run(proc: Any, wc: WorkerCache = wc) -> int:
-                return await wc.evict(proc, bytes_target)
-
             try:
-                freed += await self._job(sched, run)
+                freed += await self._send(sched, Evict(bytes_target))
             except ControlError as exc:
                 if exc.code != ErrorCode.WORKER_FAILED or worker_id is not None:
                     raise
@@ -192,9 +180,11 @@ class PolicyCacheControl:
         log.info("cache_evicted", worker_id=worker_id, bytes_target=bytes_target, bytes_freed=freed)
         return control.CacheEvictResult(bytes_freed=freed, entries=entries)
 
-    async def _job(self, sched: SchedulerLike, job: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def _send(self, sched: SchedulerLike, cmd: Command) -> Any:
+        """Run ``cmd`` on ``sched``'s loop between two ticks; ``ControlError`` WORKER_FAILED when
+        the worker is not running, TIMEOUT when no gap between ticks came."""
         try:
-            return await sched.between_ticks(job)
+            return await sched.command(cmd)
         except LinkError as exc:
             raise ControlError(ErrorCode.WORKER_FAILED, f"worker {sched.worker_id}: {exc}") from None
         except TimeoutError:

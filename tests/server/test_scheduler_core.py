@@ -1,0 +1,491 @@
+"""The synchronous scheduler core in-process (DESIGN.md "Scheduling"): no processes, no rings, no
+link. Requests with a list sink are submitted, plans drafted and launched, and synthetic
+``TickEvents`` applied; the tests assert what reaches the sinks and what the core hands back to
+its loop (seed leases to release, grammar handles to free, requests to resume, restarts).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from basertd.schema import client as api
+from basertd.schema.abi import AdmitStatus, FaultCode, Finish, ShedKind, Status
+from basertd.schema.client import ErrorCode
+from basertd.schema.tick import (
+    AdmitResult,
+    LaneEmit,
+    LaneFault,
+    ShedEntry,
+    ShedReport,
+    TickEvents,
+    TokenRef,
+)
+from basertd.server.cache_policy import Seed
+from basertd.server.config import CacheConfig, SchedulerConfig
+from basertd.server.requests import AdmissionError, GenerationRequest, RequestState, sampler_for
+from basertd.server.scheduler_core import SchedulerCore
+from basertd.server.scheduler_draft import Plan, Resolved
+from basertd.server.tokenizer import BytesTokenizer
+from basertd.server.worker_limits import WorkerLimits
+from basertd.shm import YieldReason
+
+TOK = BytesTokenizer()
+PAGE = 16
+
+
+class Sink:
+    """A request sink that keeps every message."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.closed = False
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def ids(self) -> list[int]:
+        return [i for m in self.sent if isinstance(m, api.Tokens) for i in m.ids]
+
+    def end(self):
+        return self.sent[-1] if self.sent and isinstance(self.sent[-1], (api.Done, api.Error)) else None
+
+
+def make_core(*, lanes: int = 4, cache: bool = False, **sched) -> SchedulerCore:
+    limits = WorkerLimits(
+        context_length=1024,
+        max_lanes=lanes,
+        max_batch_size=lanes,
+        page_tokens=PAGE,
+        kv_tokens=lanes * 1024,
+        max_admit_tokens=1024,
+    )
+    return SchedulerCore(
+        0, limits, SchedulerConfig(**sched), CacheConfig(enabled=cache, coalesce_min_tokens=0)
+    )
+
+
+def make_req(prompt: str = "hello", max_tokens: int = 8, qos: str = "interactive", **kw):
+    sink = Sink()
+    gen = api.Generate(request_id=prompt[:8], prompt=prompt, max_tokens=max_tokens, temperature=0.0, seed=7)
+    req = GenerationRequest(
+        request_id=prompt[:8],
+        prompt=TOK.encode(prompt, add_bos=False),
+        max_tokens=max_tokens,
+        sampler=sampler_for(gen),
+        sink=sink,
+        tokenizer=TOK,
+        qos=qos,
+        **kw,
+    )
+    return req, sink
+
+
+def launch(core: SchedulerCore, resolved: dict[int, Resolved] | None = None) -> tuple[Plan, object]:
+    """Draft and launch the next plan as the loop does (refs stand for ring-1 spans)."""
+    now = time.monotonic()
+    core.hint_requests(now)
+    plan = core.draft(now, resolved)
+    refs = {cand.key: TokenRef(ring_id=1, index=i) for i, (_, cand) in enumerate(plan.draft.admits)}
+    refs.update(plan.refs)
+    return plan, core.launch(plan, refs, {}, now)
+
+
+def events(
+    plan: Plan,
+    *,
+    emits: dict[int, tuple[list[int], Finish]] | None = None,
+    refused: dict[int, Status] | None = None,
+    shed: dict[int, int] | None = None,
+    faults: tuple[int, ...] = (),
+) -> tuple[TickEvents, dict[int, list[int] | None]]:
+    """Synthetic events of ``plan``'s tick and the emitted tokens the loop would have read."""
+    refused = refused or {}
+    results = []
+    for tag, _ in plan.draft.admits:
+        if tag in refused:
+            code = int(refused[tag]) & 0xFFFFFFFF
+            results.append(AdmitResult(lane_tag=tag, status=int(AdmitStatus.REJECTED), reject_code=code))
+        else:
+            results.append(AdmitResult(lane_tag=tag, status=int(AdmitStatus.ADMITTED)))
+    lane_emits, read = [], {}
+    for tag, (toks, finish) in (emits or {}).items():
+        lane_emits.append(LaneEmit(lane_tag=tag, n_tokens=len(toks), finish=int(finish)))
+        if toks:
+            read[tag] = list(toks)
+    entries = [
+        ShedEntry(lane_tag=t, kind=int(ShedKind.PREFILL_CHUNK), tokens=n) for t, n in (shed or {}).items()
+    ]
+    ev = TickEvents(
+        plan_seq=1,
+        admit_results=results,
+        emits=lane_emits,
+        faults=[LaneFault(lane_tag=t, code=int(FaultCode.OOM_TENTATIVE)) for t in faults],
+        shed=ShedReport(entries=entries),
+    )
+    return ev, read
+
+
+def tick(core: SchedulerCore, resolved=None, **kw) -> Plan:
+    plan, _ = launch(core, resolved)
+    ev, read = events(plan, **kw)
+    core.landed()
+    core.apply(plan, ev, read)
+    return plan
+
+
+def only_tag(plan: Plan) -> int:
+    (tag, _), *_ = plan.draft.admits
+    return tag
+
+
+# --- admission -------------------------------------------------------------------------------------
+
+
+def test_check_admission_refuses_what_can_never_run_or_cannot_be_queued():
+    core = make_core(queue_limit=1)
+    with pytest.raises(AdmissionError) as e:
+        core.check_admission(1000, 100, "batch")
+    assert e.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    core.submit(make_req(qos="batch")[0])
+    with pytest.raises(AdmissionError) as e:
+        core.check_admission(5, 5, "batch")
+    assert e.value.code == ErrorCode.QUEUE_FULL
+    core.check_admission(5, 5, "interactive")  # another class still has room
+
+
+def test_a_queued_cancel_drops_the_request_and_a_running_one_yields_the_tick():
+    core = make_core()
+    a, sa = make_req("aaaa")
+    b, _ = make_req("bbbb")
+    core.submit(a)
+    assert core.cancel(a) is None
+    assert len(core.queues) == 0 and isinstance(sa.end(), api.Error)
+    assert sa.end().code == ErrorCode.CANCELLED
+    core.submit(b)
+    plan, _ = launch(core)
+    assert core.cancel(b) is YieldReason.CANCEL  # its lane is in the tick in flight
+    ev, read = events(plan, emits={only_tag(plan): ([65], Finish.NONE)})
+    core.landed()
+    core.apply(plan, ev, read)
+    nxt, _ = launch(core)
+    assert nxt.draft.retires == [(only_tag(plan), False)]
+
+
+# --- tokens, finishes -------------------------------------------------------------------------------
+
+
+def test_tokens_reach_the_sink_in_order_and_eos_finishes_and_retires_with_publish():
+    core = make_core()
+    req, sink = make_req("abcd", max_tokens=10)
+    core.submit(req)
+    plan = tick(core, emits={})
+    tag = only_tag(plan)
+    assert plan.draft.prefills and core.lanes[tag].phase == "decode"
+    tick(core, emits={tag: ([72, 105], Finish.NONE)})
+    tick(core, emits={tag: ([33], Finish.EOS)})
+    assert sink.ids() == [72, 105, 33]
+    assert isinstance(sink.end(), api.Done) and sink.end().finish_reason == "eos"
+    retire, _ = launch(core)
+    assert retire.draft.retires == [(tag, True)]
+    core.landed()
+    core.apply(retire, *events(retire))
+    assert tag not in core.lanes and core.requests_done == 1
+
+
+def test_partial_emits_stream_and_the_terminal_emit_delivers_only_the_rest():
+    core = make_core()
+    req, sink = make_req("abcd", max_tokens=10)
+    core.submit(req)
+    tag = only_tag(tick(core))
+    plan, _ = launch(core)
+    core.on_emit(tag, [70])
+    core.on_emit(tag, [71])
+    assert sink.ids() == [70, 71]  # streamed while the tick runs
+    ev, read = events(plan, emits={tag: ([70, 71, 72], Finish.NONE)})
+    core.landed()
+    core.apply(plan, ev, read)
+    assert sink.ids() == [70, 71, 72]
+    assert core.lanes[tag].emitted == [70, 71, 72] and core.decode_tokens_total == 3
+
+
+def test_max_tokens_is_exact_and_finishes_length():
+    core = make_core()
+    req, sink = make_req("abcd", max_tokens=2)
+    core.submit(req)
+    tag = only_tag(tick(core))
+    tick(core, emits={tag: ([70, 71, 72], Finish.NONE)})
+    assert sink.ids() == [70, 71] and sink.end().finish_reason == "length"
+
+
+def test_unreadable_emitted_tokens_fail_the_request():
+    core = make_core()
+    req, sink = make_req("abcd")
+    core.submit(req)
+    tag = only_tag(tick(core))
+    plan, _ = launch(core)
+    ev, _ = events(plan, emits={tag: ([1, 2], Finish.NONE)})
+    core.landed()
+    core.apply(plan, ev, {tag: None})
+    assert sink.end().code == ErrorCode.INTERNAL and core.lanes[tag].retire
+
+
+# --- admit results, prefill progress, faults ---------------------------------------------------------
+
+
+def test_a_refused_admit_fails_the_request_and_frees_its_grammar_handle_and_seed():
+    core = make_core()
+    req, sink = make_req("abcd")
+    core.submit(req)
+    req.grammar_handle = 42  # created by the loop for this admission
+    plan, tick_plan = launch(core)
+    assert tick_plan.admits[0].grammar_handle == 42
+    ev, read = events(plan, refused={only_tag(plan): Status.REJECT_BOUNDS})
+    core.landed()
+    core.apply(plan, ev, read)
+    assert sink.end().code == ErrorCode.INVALID_REQUEST and "REJECT_BOUNDS" in sink.end().message
+    assert core.lanes == {} and core.grammars.pending_free == [42] and req.grammar_handle == 0
+
+
+def test_a_transiently_refused_admit_is_requeued_at_the_head_of_its_class():
+    core = make_core()
+    a, sa = make_req("aaaa")
+    b, _ = make_req("bbbb")
+    core.submit(a)
+    plan, _ = launch(core)
+    core.submit(b)
+    ev, read = events(plan, refused={only_tag(plan): Status.NEEDS_REPLAN})
+    core.landed()
+    core.apply(plan, ev, read)
+    assert list(core.queues) == [a, b] and a.state is RequestState.QUEUED and sa.end() is None
+    assert a.admissions == 0
+
+
+def test_a_shed_prefill_chunk_resumes_next_tick_and_the_lane_does_not_decode():
+    core = make_core(prefill_budget=64, long_prefill_budget=64)
+    req, _ = make_req("x" * 200, max_tokens=4)
+    core.submit(req)
+    plan = tick(core, shed={1: 40})
+    (tag, offset, count), *_ = plan.draft.prefills
+    assert (tag, offset) == (1, 0)
+    assert core.lanes[tag].prefilled == count - 40 and core.prefill_tokens_total == count - 40
+    nxt, _ = launch(core)
+    assert nxt.draft.prefills[0][:2] == (tag, count - 40)  # the cut part is prefilled again
+
+
+def test_a_lane_fault_fails_its_request_and_retires_it_without_publish():
+    core = make_core()
+    req, sink = make_req("abcd")
+    core.submit(req)
+    tag = only_tag(tick(core))
+    tick(core, emits={tag: ([65], Finish.NONE)}, faults=(tag,))
+    assert sink.end().code == ErrorCode.INTERNAL and "OOM_TENTATIVE" in sink.end().message
+    retire, _ = launch(core)
+    assert retire.draft.retires == [(tag, False)]
+
+
+# --- preemption --------------------------------------------------------------------------------------
+
+
+def test_an_interactive_request_preempts_a_batch_lane_which_resumes_with_decode_replay():
+    core = make_core(lanes=1)
+    batch, bsink = make_req("batch job", max_tokens=20, qos="batch")
+    core.submit(batch)
+    btag = only_tag(tick(core))
+    tick(core, emits={btag: ([66, 67, 68], Finish.NONE)})
+    inter, isink = make_req("urgent!", max_tokens=2)
+    assert core.submit(inter) is None  # no tick in flight: nothing to yield
+    plan, tick_plan = launch(core)
+    assert plan.draft.preempted == [btag] and (btag, True) in plan.draft.retires
+    assert [a.lane_tag for a in tick_plan.admits] == [only_tag(plan)]
+    itag = only_tag(plan)
+    ev, read = events(plan, emits={itag: ([105], Finish.NONE)})
+    core.landed()
+    core.apply(plan, ev, read)
+    assert batch.state is RequestState.QUEUED and list(core.queues) == [batch]
+    assert batch.preemptions == 1 and core.preemptions == 1 and bsink.end() is None
+    tick(core, emits={itag: ([106], Finish.NONE)})
+    assert isink.end().finish_reason == "length"
+    plan, tick_plan = launch(core)  # the interactive lane retires; the batch request resumes
+    (admit,) = tick_plan.admits
+    assert admit.decode_replay == 3 and admit.rng_counter_base == batch.sampler.rng_counter_base(3)
+    assert core.lanes[admit.lane_tag].replay_left == 3
+    assert bsink.ids() == [66, 67, 68]  # nothing repeated
+
+
+def test_an_interactive_arrival_yields_a_batch_tick_in_flight():
+    core = make_core()
+    batch, _ = make_req("batch job", qos="batch")
+    core.submit(batch)
+    launch(core)
+    assert core.submit(make_req("hurry")[0]) is YieldReason.URGENT_ADMIT
+
+
+# --- rejected plans ----------------------------------------------------------------------------------
+
+
+def test_a_rejected_plan_changes_nothing_and_plans_again_smaller():
+    core = make_core()
+    reqs = [make_req(f"req {i}")[0] for i in range(4)]
+    for r in reqs:
+        core.submit(r)
+    reqs[0].grammar_handle = 9
+    seed = Seed(handle=77, length=0, expires_after=5)
+    plan, _ = launch(core)
+    plan.seeds[reqs[1].key] = seed
+    assert len(plan.draft.admits) == 4 and len(core.lanes) == 4
+    core.landed()
+    assert core.rejected(plan, Status.NEEDS_REPLAN, "no room") is None
+    assert core.lanes == {} and list(core.queues) == reqs  # back at the head, in order
+    assert all(r.state is RequestState.QUEUED and r.t_admitted is None for r in reqs)
+    assert core.to_release == [77] and core.grammars.pending_free == [9]
+    assert core.plans_rejected == 1 and core.max_admits == 2
+    nxt, _ = launch(core)
+    assert len(nxt.draft.admits) == 2
+
+
+def test_plans_rejected_again_and_again_restart_the_worker():
+    core = make_core()
+    core.submit(make_req("a")[0])
+    reasons = []
+    for _ in range(8):
+        plan, _ = launch(core)
+        core.landed()
+        reasons.append(core.rejected(plan, Status.REJECT_BAD_STRUCT, "bad"))
+        if reasons[-1]:
+            break
+    assert reasons[-1] is not None and "rejected" in reasons[-1]
+
+
+# --- a lost worker -----------------------------------------------------------------------------------
+
+
+def test_a_lost_worker_requeues_its_lanes_for_resume_with_decode_replay():
+    core = make_core(max_crash_resumes=3)
+    a, sa = make_req("first", max_tokens=10)
+    b, _ = make_req("second", max_tokens=10)
+    core.submit(a)
+    core.submit(b)
+    plan = tick(core)
+    ta, tb = (tag for tag, _ in plan.draft.admits)
+    tick(core, emits={ta: ([65, 66], Finish.NONE), tb: ([67], Finish.NONE)})
+    a.grammar_handle = 5
+    lost = core.worker_lost("worker died")
+    assert core.lanes == {} and lost.failed == [] and core.crash_resumes == 2
+    assert {r.key for r in lost.resume} == {a.key, b.key} and a.grammar_handle == 0
+    for req in lost.resume:
+        core.queues.push_front(req)
+    assert next(iter(core.queues)) is a  # the oldest at the head
+    _, tick_plan = launch(core)
+    replay = {adm.decode_replay for adm in tick_plan.admits}
+    assert replay == {2, 1} and sa.ids() == [65, 66] and sa.end() is None
+
+
+def test_a_poison_request_fails_after_max_crash_resumes_without_a_token():
+    core = make_core(max_crash_resumes=2)
+    req, sink = make_req("poison")
+    core.submit(req)
+    for crash in range(2):
+        launch(core)
+        core.landed()
+        lost = core.worker_lost(f"crash {crash}")
+        for r in lost.resume:
+            core.queues.push_front(r)
+    assert lost.failed == [req.key] and sink.end().code == ErrorCode.WORKER_FAILED
+    assert len(core.queues) == 0
+
+
+def test_requests_one_crash_from_failing_run_one_at_a_time():
+    core = make_core(max_crash_resumes=2)
+    reqs = [make_req(f"suspect {i}")[0] for i in range(3)]
+    for r in reqs:
+        core.submit(r)
+    launch(core)
+    core.landed()
+    for r in core.worker_lost("crash").resume:
+        core.queues.push_front(r)
+    plan, _ = launch(core)
+    assert len(plan.draft.admits) == 1  # on probation: one per plan until a token is delivered
+
+
+def test_a_stalled_worker_fails_its_running_work_instead_of_resuming_it():
+    core = make_core()
+    req, sink = make_req("slow")
+    core.submit(req)
+    launch(core)
+    lost = core.worker_lost("restarted", stalled="no tick for 60 s")
+    assert lost.resume == [] and sink.end().code == ErrorCode.WORKER_FAILED
+
+
+# --- cached-prefix seeds -----------------------------------------------------------------------------
+
+
+def test_hints_are_resolved_once_and_the_plan_uses_the_acquired_seed():
+    core = make_core(cache=True)
+    prefix = "p" * 48
+    core.cache_policy.published(TOK.encode(prefix, add_bos=False), 48)
+    req, _ = make_req(prefix + " and more")
+    core.submit(req)
+    now = time.monotonic()
+    hinted = core.hint_requests(now)
+    assert hinted == [req]
+    ref = TokenRef(ring_id=1, index=3, count=len(req.prompt), generation=1)
+    plan = core.draft(now, {req.key: Resolved(ref, Seed(handle=11, length=32, expires_after=9))})
+    ((_, cand),) = plan.draft.admits
+    assert cand.prefilled == 32 and plan.seeds[req.key].handle == 11 and plan.refs[req.key] == ref
+    tick_plan = core.launch(plan, {req.key: ref}, {}, now)
+    assert tick_plan.admits[0].seed_handle == 11 and tick_plan.admits[0].prompt == ref
+    assert core.to_release == []
+
+
+def test_an_unresolved_hint_is_a_cold_prefill_and_an_unused_seed_is_released():
+    core = make_core(cache=True, lanes=1)
+    prefix = "q" * 48
+    core.cache_policy.published(TOK.encode(prefix, add_bos=False), 48)
+    a, _ = make_req(prefix + " one")
+    b, _ = make_req(prefix + " two")
+    core.submit(a)
+    core.submit(b)
+    now = time.monotonic()
+    assert core.hint_requests(now) == [a]  # one lane: only a is likely admitted
+    ref = TokenRef(ring_id=1, index=1, count=1, generation=1)
+    resolved = {a.key: Resolved(ref, None), b.key: Resolved(ref, Seed(handle=12, length=48, expires_after=9))}
+    plan = core.draft(now, resolved)
+    ((_, cand),) = plan.draft.admits
+    assert cand.key == a.key and cand.prefilled == 0 and plan.seeds == {}
+    assert core.to_release == [12]
+
+
+# --- grammar handles ---------------------------------------------------------------------------------
+
+
+def test_a_finished_constrained_lane_frees_its_grammar_handle_when_it_retires():
+    core = make_core()
+    req, _ = make_req("json please", max_tokens=10)
+    core.submit(req)
+    req.grammar_handle = 31
+    tag = only_tag(tick(core))
+    tick(core, emits={tag: ([123, 125], Finish.GRAMMAR)})
+    assert core.grammars.pending_free == []  # the lane still holds it until it retires
+    tick(core)
+    assert core.grammars.pending_free == [31] and tag not in core.lanes
+
+
+def test_a_hinted_request_that_arrives_while_hints_resolve_waits_for_the_next_plan():
+    core = make_core(cache=True)
+    prefix = "r" * 48
+    core.cache_policy.published(TOK.encode(prefix, add_bos=False), 48)
+    a, _ = make_req(prefix + " first")
+    core.submit(a)
+    now = time.monotonic()
+    assert core.hint_requests(now) == [a]
+    late, _ = make_req(prefix + " late")
+    cold, _ = make_req("no cached prefix")
+    core.submit(late)  # arrives while the loop awaits the match and acquire of ``a``
+    core.submit(cold)
+    ref = TokenRef(ring_id=1, index=1, count=1, generation=1)
+    plan = core.draft(now, {a.key: Resolved(ref, Seed(handle=13, length=48, expires_after=9))})
+    assert [c.key for _, c in plan.draft.admits] == [a.key]  # never admitted cold, order kept
+    core.launch(plan, {a.key: ref}, {}, now)
+    assert core.hint_requests(now) == [late]  # the next plan resolves it
