@@ -1,4 +1,4 @@
-"""The scheduler's state records: live lanes and the per-class request queues (issues 7, 8).
+"""The scheduler's state records: live lanes and the per-class request queues (DESIGN.md "Scheduling").
 
 Both are plain, inspectable data. A preempted or checkpointed lane's request goes back to the head
 of its class and is admitted again with its generated tokens appended to its prompt as
@@ -31,7 +31,8 @@ class Lane:
     emits (TICK_EMIT) during the tick in flight; the terminal emit delivers only what follows them.
     ``admitted_at``: monotonic seconds.
 
-    Issue 8: ``admitted``: the admitted prompt (the request's prompt plus the tokens it generated
+    For preemption and the prefix cache: ``admitted``: the admitted prompt (the request's prompt
+    plus the tokens it generated
     before a preemption) and ``hashes`` its page hash path; ``seed``: tokens its seed covered;
     ``replay_left``: replayed tokens its decode units must still feed (ABI rule 72); ``emitted``:
     tokens the engine emitted on this lane (all of them, delivered or not); ``checkpoint``: 0, or
