@@ -32,8 +32,8 @@ class Lane:
     ``admitted_at``: monotonic seconds.
 
     For preemption and the prefix cache: ``admitted``: the admitted prompt (the request's prompt
-    plus the tokens it generated
-    before a preemption) and ``hashes`` its page hash path; ``seed``: tokens its seed covered;
+    plus the tokens it generated before a preemption) and ``hashes`` its page hash path; ``seed``:
+    tokens its seed covered;
     ``replay_left``: replayed tokens its decode units must still feed (ABI rule 72); ``emitted``:
     tokens the engine emitted on this lane (all of them, delivered or not); ``checkpoint``: 0, or
     where its prefill stops for it to publish its prefix and be requeued (prefix coalescing);
