@@ -75,6 +75,17 @@ def test_json_schema_output_validates_and_the_handle_is_freed(daemon):
     wait_grammars(daemon, 0)
 
 
+def test_a_constrained_output_cut_by_max_tokens_ends_length(daemon):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    with daemon.client() as c:
+        out = c.generate("a person:", response_format=fmt, max_tokens=3, temperature=0)
+    assert out.finish_reason == "length", out  # a prefix of the object, never claimed complete
+    assert out.text.startswith("{") and len(out.ids) == 3
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+    wait_grammars(daemon, 0)
+
+
 @pytest.mark.parametrize(
     ("fields", "needle"),
     [

@@ -3,8 +3,10 @@
 A grammar handle (``grammar_create``) holds one compiled llguidance matcher built from a spec of a
 ``kind``: ``json_schema`` (JSON-Schema text), ``lark`` (a Lark grammar in llguidance's dialect) or
 ``regex``. JSON schemas compile with compact separators and no free whitespace, so every output is
-the shortest JSON text of its value. A lane admitted with ``grammar_handle`` gets its own copy of
-the handle's matcher (freeing the handle later leaves live lanes constrained, as logit biases do).
+the shortest JSON text of its value, and with their typed numbers bounded (``json_bounds``: at
+most 16 integer and 9 fraction digits), so a sampled number cannot run on. A lane admitted with
+``grammar_handle`` gets its own copy of the handle's matcher (freeing the handle later leaves live
+lanes constrained, as logit biases do).
 
 Per decode round, ``fill`` computes the next-token bitmask (one bit per token id, int32 words) of
 every constrained lane that samples in the round, all in one llguidance call; ``mask_row`` applies
@@ -36,6 +38,7 @@ import numpy as np
 
 from basertd.schema.abi import Finish, Status
 from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.llamacpp.json_bounds import bound_numbers
 
 GRAMMAR_KINDS = ("json_schema", "lark", "regex")
 """Spec kinds ``grammar_create`` compiles (the ``kind`` of Link W GRAMMAR_CREATE)."""
@@ -66,10 +69,12 @@ def compile_spec(kind: str, text: str) -> str:
             raise GrammarSpecError(f"JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarSpecError("a JSON schema is an object or a boolean")
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        except ValueError as exc:
-            raise GrammarSpecError(str(exc)) from None
+        grammar = _bounded_json_grammar(schema)
+        if grammar is None:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as exc:
+                raise GrammarSpecError(str(exc)) from None
     elif kind == "lark":
         grammar = llguidance.LLMatcher.grammar_from_lark(text)
     elif kind == "regex":
@@ -80,6 +85,18 @@ def compile_spec(kind: str, text: str) -> str:
     if is_error:
         raise GrammarSpecError(msgs[0] if msgs else "invalid grammar")
     return grammar
+
+
+def _bounded_json_grammar(schema: dict | bool) -> str | None:
+    """The grammar of ``bound_numbers(schema)``, or None when the bounded schema does not compile
+    (the caller then compiles the schema as given, so the error, if any, is about the user's
+    schema)."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_OPTIONS)
+    except ValueError:
+        return None
+    is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return None if is_error else grammar
 
 
 _BYTE_ADD = np.where(
