@@ -28,6 +28,7 @@ from typing import Any
 
 import llguidance
 
+from basertd.json_bounds import bound_numbers
 from basertd.schema import link
 from basertd.schema.client import ErrorCode
 
@@ -254,13 +255,20 @@ def tool_grammar(
     schema = call_schema(parsed, parallel=bool(parallel_tool_calls), max_calls=max_calls)
     if mode == "required":
         return schema_spec(schema)
+    try:  # numbers bounded as in every JSON-schema grammar (``basertd.json_bounds``) ...
+        return validate_spec("lark", _auto_lark(bound_numbers(schema)))
+    except GrammarRequestError:  # ... unless that does not compile: then as given
+        return validate_spec("lark", _auto_lark(schema))
+
+
+def _auto_lark(schema: dict[str, Any]) -> str:
+    """The Lark text of ``tool_choice="auto"``: a tool call (compact JSON) or free text."""
     schema = {**schema, "x-guidance": dict(_JSON_OPTIONS)}  # compact JSON inside Lark too
-    lark = (
+    return (
         "start: call | TEXT\n"
         "TEXT: /[^{\\[ \\t\\r\\n][\\s\\S]*/\n"
         f"call: %json {json.dumps(schema, separators=(',', ':'))}\n"
     )
-    return validate_spec("lark", lark)
 
 
 def tools_preamble(tools: list[Tool], mode: str, name: str | None = None) -> str:

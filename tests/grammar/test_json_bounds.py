@@ -1,4 +1,4 @@
-"""Bounded numbers in JSON-schema grammars (worker/engines/llamacpp/json_bounds.py): which nodes are
+"""Bounded numbers in JSON-schema grammars (basertd/json_bounds.py): which nodes are
 narrowed, that the schema's own bounds win, and that the compiled grammar (llguidance, the tiny
 GGUF's tokenizer) refuses runaway digits and exponents while every schema still compiles."""
 
@@ -12,9 +12,9 @@ import llguidance
 import pytest
 from schemas import schemas
 
+from basertd.json_bounds import FRACTION_STEP, NUMBER_LIMIT, bound_numbers
 from basertd.worker.engines.llamacpp import grammar as grammar_mod
 from basertd.worker.engines.llamacpp.grammar import GrammarSpecError, compile_spec, tokenizer_for
-from basertd.worker.engines.llamacpp.json_bounds import FRACTION_STEP, NUMBER_LIMIT, bound_numbers
 
 DEFAULTS = {"minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
 

@@ -36,9 +36,9 @@ import llguidance.llamacpp
 import llguidance.numpy
 import numpy as np
 
+from basertd.json_bounds import bound_numbers
 from basertd.schema.abi import Finish, Status
 from basertd.worker.engines.base import EngineError
-from basertd.worker.engines.llamacpp.json_bounds import bound_numbers
 
 GRAMMAR_KINDS = ("json_schema", "lark", "regex")
 """Spec kinds ``grammar_create`` compiles (the ``kind`` of Link W GRAMMAR_CREATE)."""
