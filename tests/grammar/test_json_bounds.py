@@ -118,3 +118,20 @@ def test_a_schema_that_does_not_compile_bounded_compiles_as_given(monkeypatch):
     g = json.loads(compile_spec("json_schema", '{"type": "number"}'))
     assert g["grammars"][0]["json_schema"]["type"] == "number"
     assert "multipleOf" not in g["grammars"][0]["json_schema"]
+
+
+def test_tool_choice_auto_bounds_the_numbers_of_the_tool_schema_it_inlines():
+    from basertd.server.grammar import tool_grammar
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]},
+            },
+        }
+    ]
+    spec = tool_grammar(tools, "auto")
+    assert spec is not None and spec.kind == "lark"
+    assert f'"maximum":{NUMBER_LIMIT}' in spec.text and '"multipleOf":1e-09' in spec.text
