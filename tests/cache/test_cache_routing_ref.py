@@ -1,5 +1,5 @@
 """Prefix routing across workers and pins across a worker restart, on two reference-engine
-workers (issue 8, DESIGN.md "Prefix cache policy": "a request goes to the worker holding its
+workers (DESIGN.md "Prefix cache policy": "a request goes to the worker holding its
 longest prefix unless that worker is much busier"; pins are held again by a new incarnation)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Drain (issue 9 part 4): SIGTERM lets accepted requests finish within the drain timeout and exits 0
+"""Drain: SIGTERM lets accepted requests finish within the drain timeout and exits 0
 with nothing left behind; what outlives the timeout is cancelled with a typed error; basertctl
 drain / resume do the same without stopping."""
 

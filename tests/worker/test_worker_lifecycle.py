@@ -1,4 +1,4 @@
-"""The worker process's life and death (issue 5 items 1 and 4), with real processes.
+"""The worker process's life and death, with real processes.
 
 - SIGKILL mid-tick: the link client notices within 100 ms (pidfd), the tick fails with
   WorkerDied, and nothing is left in /dev/shm, the runtime directory or the process table.

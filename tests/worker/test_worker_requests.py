@@ -1,4 +1,4 @@
-"""Link W requests through a real worker on the reference engine (issue 5 item 3): plan rejection
+"""Link W requests through a real worker on the reference engine: plan rejection
 changes nothing, one tick in flight, TICK_EMIT before the result, PING/PONG with queue depth,
 DRAIN, ring re-attach, and the cache / seed / state-op / grammar / logit-bias / vocabulary
 requests with ERROR mapped to typed exceptions."""
