@@ -83,7 +83,7 @@ def test_sigterm_finishes_the_tick_in_flight_then_exits_0(make_spec, worker_log)
 
         async def scenario():
             task = asyncio.ensure_future(w.link.tick(_admit_plan(w, decode=3)))
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(0.15)  # lets the tick reach the engine (each step takes 400 ms)
             os.kill(w.proc.pid, signal.SIGTERM)
             events = await task
             code = await w.proc.wait()
