@@ -1,5 +1,5 @@
 """References for what a daemon serves, and helpers of the serving tests (e2e, and the
-serving-under-contention and prefix-cache tests of issue 8; importable from every test folder):
+serving-under-contention and prefix-cache tests; importable from every test folder):
 ``DirectRun``, an engine worker driven alone, one uninterrupted lane at a time, for token-exact
 comparisons; ``bare_reference``, a plain llama.cpp loop, with its near-tie tolerance;
 reference-engine and tiny-GGUF daemon configurations; the daemon's access-log lines and the

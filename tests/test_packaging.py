@@ -1,4 +1,4 @@
-"""Packaging: every import lives under the one ``basertd`` namespace (issue 2, DESIGN.md "Layout")."""
+"""Packaging: every import lives under the one ``basertd`` namespace (DESIGN.md "Layout")."""
 
 import importlib
 import importlib.util

@@ -21,7 +21,7 @@ Engines (``basertd.worker.engines.ENGINES``):
   (tokens per lane), ``--threads``.
 
 Control: ``--control FD``, an inherited control segment (``basertd.shm.control``: the yield word
-the coordinator sets to end a tick early); handed to engines that have ``attach_control``.
+the coordinator sets to end a tick early); handed to engines that serve ``Capability.TICK_YIELD``.
 
 Rings: ``--ring ID:KIND:FD:SLOTS:SLOT_BYTES`` (repeatable): ring ``ID`` of KIND ``prompt`` (tokens,
 engine reads), ``emit`` (tokens, engine writes) or ``logits`` (f32 rows, engine writes), in the
@@ -49,6 +49,7 @@ from basertd.shm import ControlBlock, RingError, Segment, SegmentError, ring_byt
 from basertd.worker import logging as wlog
 from basertd.worker.engines import (
     ENGINES,
+    Capability,
     EngineLoadError,
     EngineOptionError,
     EngineOptions,
@@ -341,8 +342,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             return ExitCode.MODEL_LOAD
         # Yield inside a tick: engines that can end a tick at a step boundary take the control
         # segment (and then say extra["yield"] = "step"); the others finish every tick.
-        attach = getattr(engine, "attach_control", None)
-        yields = bool(control is not None and attach is not None and attach(control))
+        yields = bool(
+            control is not None and engine.supports(Capability.TICK_YIELD) and engine.attach_control(control)
+        )
         info = engine.info()
         log.info(
             "engine_loaded",

@@ -1,5 +1,5 @@
 """The prefix-cache policy's pure parts: page hash paths, the radix index, coalescing, routing,
-watermarks and the choice among match candidates (DESIGN.md "Prefix cache policy", issue 8;
+watermarks and the choice among match candidates (DESIGN.md "Prefix cache policy";
 ABI rules 87, 88)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The prefix-cache policy on the llama.cpp engine with the tiny GGUF (issue 8): a burst sharing
+"""The prefix-cache policy on the llama.cpp engine with the tiny GGUF: a burst sharing
 a long prefix prefills it once (the engine's prefill counter), cached and uncached runs give the
 same tokens up to the llamacpp issue's near-tie tolerance, and no seed lease is left behind."""
 

@@ -1,4 +1,4 @@
-"""The prefix-cache policy end to end on the reference engine (issue 8, DESIGN.md "Prefix cache
+"""The prefix-cache policy end to end on the reference engine (DESIGN.md "Prefix cache
 policy"; ABI rules 45, 75-91): a burst sharing a long prefix prefills it once (the engine's own
 prefill counter says so), the cache never changes an output (cache on vs off, token for token),
 pins survive eviction under pool pressure, and no seed lease outlives its use."""

@@ -1,5 +1,5 @@
 """Prefix routing across workers and pins across a worker restart, on two reference-engine
-workers (issue 8, DESIGN.md "Prefix cache policy": "a request goes to the worker holding its
+workers (DESIGN.md "Prefix cache policy": "a request goes to the worker holding its
 longest prefix unless that worker is much busier"; pins are held again by a new incarnation)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 
 import pytest
 from daemon_harness import Daemon
+from proc_testutil import wait_until
 from serving_harness import access_lines, engine_stats, ref_toml
 
 SYSTEM = "Routing test. A system prompt long enough to fill several pages of the byte vocabulary. " * 2
@@ -36,7 +37,7 @@ def test_a_request_goes_to_the_worker_holding_its_prefix_unless_much_busier(daem
     t = threading.Thread(target=long_running)
     t.start()
     try:
-        time.sleep(0.3)
+        wait_until(lambda: daemon.status().lanes_busy >= 1, what="route-x decoding on a lane")
         assert access_lines(daemon).get("route-x") is None
         with daemon.client() as c:
             out = c.generate(SYSTEM + "second", request_id="route-b", max_tokens=4, temperature=0.0)

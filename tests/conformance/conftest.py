@@ -1,4 +1,4 @@
-"""Shared fixtures of the tick-ABI conformance suite (RULES.md sections A-J, issue 4).
+"""Shared fixtures of the tick-ABI conformance suite (RULES.md sections A-J).
 
 Every test names its rule (``# ABI rule N``). Tests that need a library run against:
 

@@ -1,7 +1,8 @@
 """Helpers of the tick-ABI conformance tests of sections C-G and J: a bundle with real rings.
 
 ``Rig`` wraps one ``abi.Bundle`` (the reference engine's ``RefBundle`` or a real libbaseRT's) with
-three BRTRING1 rings in memfd segments, attached through ``baseRT_rings_attach``:
+three BRTRING1 rings in memfd segments (``ring_rig.RingRig``), attached through
+``baseRT_rings_attach``:
 
 - ring 1, prompt tokens (ENGINE_READS, TOKENS), written by the test with ``RingWriter``;
 - ring 2, emitted tokens (ENGINE_WRITES, TOKENS), read with ``RingReader``;
@@ -19,10 +20,14 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pytest
+from ring_rig import EMIT_RING as EMIT_RING
+from ring_rig import LOGITS_RING as LOGITS_RING
+from ring_rig import PROMPT_RING as PROMPT_RING
+from ring_rig import RingRig, geometry
 
 from basertd.native.abi import PlanRejected, RingSpec
 from basertd.native.ref import RefBundle
-from basertd.schema.abi import RingKind, RingRole, Sampling, SamplingFlag, Status
+from basertd.schema.abi import Sampling, SamplingFlag, Status
 from basertd.schema.tick import (
     LaneAdmit,
     LaneCommit,
@@ -35,10 +40,7 @@ from basertd.schema.tick import (
     TickPlan,
     TokenRef,
 )
-from basertd.shm.ring import RingReader, RingWriter, ring_bytes, slot_bytes_for
-from basertd.shm.segment import Segment
 
-PROMPT_RING, EMIT_RING, LOGITS_RING = 1, 2, 3
 ALL_EVICTABLE = ShedPolicy(evictable_cache_classes=~0 & 0xFFFFFFFFFFFFFFFF, max_evict_bytes=2**64 - 1)
 """A shed envelope that lets the engine evict any unpinned cache entry."""
 
@@ -86,30 +88,25 @@ class Rig:
         self.bundle = bundle
         self.vocab = vocab
         self.seq = 0
-        self.segments: list[Segment] = []
-        tok_slot = slot_bytes_for(token_slot_elems)
-        row_slot = slot_bytes_for(vocab)
-        self.prompt = RingWriter.create(
-            self._segment(prompt_slots, tok_slot), PROMPT_RING, RingKind.TOKENS, prompt_slots, tok_slot
+        self.rings = RingRig(
+            geometry(
+                prompt_slots=prompt_slots,
+                prompt_slot_tokens=token_slot_elems,
+                emit_slots=emit_slots,
+                emit_slot_tokens=token_slot_elems,
+                logits_slots=logits_slots,
+                vocab=vocab,
+            ),
+            name="conformance",
         )
-        self.emit = self._engine_ring(EMIT_RING, RingKind.TOKENS, emit_slots, tok_slot)
-        self.logits = self._engine_ring(LOGITS_RING, RingKind.LOGITS, logits_slots, row_slot)
-        self.specs = [
-            self.spec(PROMPT_RING, RingKind.TOKENS, RingRole.ENGINE_READS, prompt_slots, tok_slot, 0),
-            self.spec(EMIT_RING, RingKind.TOKENS, RingRole.ENGINE_WRITES, emit_slots, tok_slot, 1),
-            self.spec(LOGITS_RING, RingKind.LOGITS, RingRole.ENGINE_WRITES, logits_slots, row_slot, 2),
-        ]
-        bundle.rings_attach(self.specs)
-
-    def _segment(self, slots: int, slot_bytes: int) -> Segment:
-        seg = Segment.create(ring_bytes(slots, slot_bytes), name="conformance")
-        self.segments.append(seg)
-        return seg
-
-    def _engine_ring(self, ring_id: int, kind: RingKind, slots: int, slot_bytes: int) -> RingReader:
-        seg = self._segment(slots, slot_bytes)
-        RingWriter.create(seg, ring_id, kind, slots, slot_bytes).close()  # format only
-        return RingReader.attach(seg, ring_id, kind, slots, slot_bytes)
+        self.segments = self.rings.segments  # 0 prompt, 1 emit, 2 logits; tests may add more
+        self.prompt, self.emit, self.logits = self.rings.prompt, self.rings.emit, self.rings.logits
+        self.specs = list(self.rings.specs)
+        try:
+            bundle.rings_attach(self.specs)
+        except BaseException:
+            self.rings.close()
+            raise
 
     def spec(
         self, ring_id: int, kind: int, role: int, slots: int, slot_bytes: int, seg_index: int
@@ -124,10 +121,9 @@ class Rig:
         return need_ref(self.bundle)
 
     def close(self) -> None:
-        """Free the bundle first (it holds pointers into the rings), then the segments."""
+        """Free the bundle first (it holds pointers into the rings), then the rings."""
         self.bundle.close()
-        for seg in self.segments:
-            seg.close()
+        self.rings.close()
 
     # -- tokens -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The daemon's process contract: socket mode, a socket in use, SIGINT, runtime files (issue 7)."""
+"""The daemon's process contract: socket mode, a socket in use, SIGINT, runtime files."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """End to end on the llamacpp engine with the tiny random-weight GGUF (tests/tinymodel.py): the
-same basics as on the reference engine, through real llama.cpp contexts (issue 7)."""
+same basics as on the reference engine, through real llama.cpp contexts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """End to end on the C reference engine: a real ``basertd serve``, real workers, real sockets and
-shared memory (issue 7). The reference engine is deterministic (next token = hash of the committed
+shared memory. The reference engine is deterministic (next token = hash of the committed
 tokens and the RNG counter), so every output is checked token for token against a direct engine
 run of the same prompt through ``basertd.server.worker_proc.SyncWorker``."""
 

@@ -1,9 +1,10 @@
 """Test harness for the llama.cpp engine: plays the coordinator's side of the rings and plans.
 
-``Coordinator`` creates the three memfd segments, formats the rings, hands ``RingMapping``s to the
-engine, writes prompts into the prompt ring and reads emitted tokens and logits rows back. It also
-numbers plans. ``bare_greedy`` is a plain llama.cpp batched loop written against the low-level API,
-the reference the engine's greedy output must equal token for token.
+``Coordinator`` holds the three rings (``ring_rig.RingRig``: memfd segments, formatted), hands
+their ``RingMapping``s to the engine, writes prompts into the prompt ring and reads emitted tokens
+and logits rows back. It also numbers plans. ``bare_greedy`` is a plain llama.cpp batched loop
+written against the low-level API, the reference the engine's greedy output must equal token for
+token.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from collections.abc import Sequence
 
 import llama_cpp as L
 import numpy as np
+from ring_rig import RingRig, geometry
 
-from basertd.schema.abi import RingKind, RingRole, SamplingFlag
+from basertd.schema.abi import SamplingFlag
 from basertd.schema.tick import (
     LaneAdmit,
     LaneDecode,
@@ -25,10 +27,6 @@ from basertd.schema.tick import (
     TickPlan,
     TokenRef,
 )
-from basertd.shm import RingReader, RingWriter, Segment, ring_bytes, slot_bytes_for
-from basertd.worker.engines.base import RingMapping
-
-PROMPT_RING, EMIT_RING, LOGITS_RING = 1, 2, 3
 
 
 class Coordinator:
@@ -46,49 +44,24 @@ class Coordinator:
         with_logits: bool = True,
     ) -> None:
         self.engine = engine
-        self.segments: list[Segment] = []
-        self.mappings: list[RingMapping] = []
-        vocab = engine.info().vocab_size
-        self.prompts = self._ring(
-            PROMPT_RING,
-            RingKind.TOKENS,
-            RingRole.ENGINE_READS,
-            prompt_slots,
-            slot_bytes_for(prompt_slot_tokens),
-            keep_writer=True,
-        )
-        self.emits = self._ring(
-            EMIT_RING,
-            RingKind.TOKENS,
-            RingRole.ENGINE_WRITES,
-            emit_slots,
-            slot_bytes_for(emit_slot_tokens),
-            keep_writer=False,
-        )
-        self.rows = None
-        if with_logits:
-            self.rows = self._ring(
-                LOGITS_RING,
-                RingKind.LOGITS,
-                RingRole.ENGINE_WRITES,
-                logits_slots,
-                slot_bytes_for(vocab),
-                keep_writer=False,
+        self.rig = RingRig(
+            geometry(
+                prompt_slots=prompt_slots,
+                prompt_slot_tokens=prompt_slot_tokens,
+                emit_slots=emit_slots,
+                emit_slot_tokens=emit_slot_tokens,
+                logits_slots=logits_slots,
+                vocab=engine.info().vocab_size if with_logits else None,
             )
-        engine.attach_rings(self.mappings)
-        self.plan_seq = 0
-
-    def _ring(self, ring_id, kind, role, slots, slot_bytes, *, keep_writer):
-        seg = Segment.create(ring_bytes(slots, slot_bytes))
-        self.segments.append(seg)
-        writer = RingWriter.create(seg, ring_id, kind, slots, slot_bytes)
-        self.mappings.append(
-            RingMapping(ring_id, kind, role, slots, slot_bytes, seg.buffer, seg.address, seg.length)
         )
-        if keep_writer:
-            return writer
-        writer.close()
-        return RingReader.attach(seg, ring_id, kind, slots, slot_bytes)
+        self.prompts, self.emits, self.rows = self.rig.prompt, self.rig.emit, self.rig.logits
+        self.mappings = self.rig.mappings()
+        try:
+            engine.attach_rings(self.mappings)
+        except BaseException:
+            self.rig.close()
+            raise
+        self.plan_seq = 0
 
     def prompt(self, tokens: Sequence[int] | np.ndarray) -> TokenRef:
         """Write a prompt into the prompt ring."""
@@ -119,11 +92,7 @@ class Coordinator:
 
     def close(self) -> None:
         """Close rings and segments."""
-        for r in (self.prompts, self.emits, self.rows):
-            if r is not None:
-                r.close()
-        for s in self.segments:
-            s.close()
+        self.rig.close()
 
 
 def make_prompt(i: int, n: int, vocab: int = 293) -> list[int]:

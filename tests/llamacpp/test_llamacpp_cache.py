@@ -1,5 +1,5 @@
 """Prefix cache, seeds and leases of the llama.cpp engine (RULES.md section G), and the sliding-window
-rule of prefix sharing on a tiny Gemma 3 (issue 6, item 4)."""
+rule of prefix sharing on a tiny Gemma 3."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_seed_acquire_refusals(lc):
 
 
 def test_seeded_admit_shares_cells_and_prefills_only_the_suffix(lc):
-    # issue 6 item 4; ABI rule 45 for a seeded admit
+    # ABI rule 45 for a seeded admit
     eng, coord = lc
     prompt = make_prompt(3, 50)
     publish(coord, 1, prompt)  # entry: 48 tokens

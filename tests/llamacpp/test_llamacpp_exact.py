@@ -1,7 +1,7 @@
 """Greedy output of the llama.cpp engine against a bare llama.cpp loop written with the low-level
 API (lc_harness.BareLlama), on the tiny model: token-exact for the same batch composition, for one
 lane and for 8 concurrent lanes with different prompts; near-ties only where composition or
-chunking differ (issue 6, item 7)."""
+chunking differ."""
 
 from __future__ import annotations
 

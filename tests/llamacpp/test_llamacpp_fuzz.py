@@ -1,6 +1,6 @@
 """Random plan streams against the llama.cpp engine on the tiny model: whatever the plan, the
 engine either runs it or rejects it with a plan-rejection status and no state change, never
-crashes, and its bookkeeping always matches what llama.cpp holds (issue 6 item 1, RULES.md
+crashes, and its bookkeeping always matches what llama.cpp holds (RULES.md
 preamble)."""
 
 from __future__ import annotations

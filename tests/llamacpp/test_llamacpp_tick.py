@@ -25,6 +25,7 @@ from basertd.schema.tick import (
 )
 from basertd.worker.engines.base import PlanRejected
 from basertd.worker.engines.llamacpp import sampling
+from basertd.worker.engines.llamacpp.hooks import LaneTestHooks
 
 EOS = 2
 
@@ -154,7 +155,7 @@ def test_lane_fault_stops_one_lane_and_frees_its_kv(lc):
     for t in (1, 2):
         start(coord, t, make_prompt(t, 20), decode=1)
     used = eng.ledger.used
-    eng.inject_fault(1, FaultCode.INTERNAL)
+    LaneTestHooks.install(eng).inject_fault(1, FaultCode.INTERNAL)
     ev = coord.tick(decodes=[LaneDecode(lane_tag=t, max_new_tokens=1) for t in (1, 2)])
     assert ev.tick_status == TickStatus.LANE_ERRORS
     assert [(f.lane_tag, f.code) for f in ev.faults] == [(1, FaultCode.INTERNAL)]
@@ -174,10 +175,11 @@ def test_lane_fault_stops_one_lane_and_frees_its_kv(lc):
 def test_force_finish_hook_and_hook_errors(lc):
     eng, coord = lc
     start(coord, 1, make_prompt(1, 5))
-    eng.force_finish(1, Finish.EOS)
+    hooks = LaneTestHooks.install(eng)
+    hooks.force_finish(1, Finish.EOS)
     ev = coord.tick()
     assert [(e.lane_tag, e.finish, e.n_tokens) for e in ev.emits] == [(1, Finish.EOS, 0)]
-    for call in (lambda: eng.force_finish(1, Finish.EOS), lambda: eng.inject_fault(99)):
+    for call in (lambda: hooks.force_finish(1, Finish.EOS), lambda: hooks.inject_fault(99)):
         with pytest.raises(Exception) as ex:
             call()
         assert ex.value.status == Status.REJECT_UNKNOWN_LANE

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ring_rig import RingRig, geometry
 
 from basertd.native.abi import (
     AbiError,
@@ -12,11 +13,10 @@ from basertd.native.abi import (
     CapabilityReq,
     PartialEmitCallbackError,
     PlanRejected,
-    RingSpec,
     StrategyRegistration,
 )
 from basertd.native.ref import create_ref_bundle
-from basertd.schema.abi import ALL_SPACES, AdmitStatus, Finish, RingKind, RingRole, SpaceKind, Status
+from basertd.schema.abi import ALL_SPACES, AdmitStatus, Finish, SpaceKind, Status
 from basertd.schema.tick import (
     CacheKey,
     LaneAdmit,
@@ -28,39 +28,15 @@ from basertd.schema.tick import (
     TokenRange,
     TokenRef,
 )
-from basertd.shm.ring import RingReader, RingWriter, ring_bytes, slot_bytes_for
-from basertd.shm.segment import Segment
 
 PROMPT = list(range(10, 42))  # 32 tokens: two 16-token pages
 
 
-class Rings:
-    """Prompt (1, engine reads), emit (2) and logits (3) rings of one bundle, in memfd segments."""
-
-    def __init__(self, bundle, vocab: int = 512) -> None:
-        self.segments = []
-        tok = slot_bytes_for(64)
-        row = slot_bytes_for(vocab)
-        self.prompt = RingWriter.create(self._seg(64, tok), 1, RingKind.TOKENS, 64, tok)
-        seg = self._seg(256, tok)
-        RingWriter.create(seg, 2, RingKind.TOKENS, 256, tok).close()
-        self.emit = RingReader.attach(seg, 2, RingKind.TOKENS, 256, tok)
-        seg = self._seg(8, row)
-        RingWriter.create(seg, 3, RingKind.LOGITS, 8, row).close()
-        shape = [(1, RingKind.TOKENS, RingRole.ENGINE_READS, 64, tok)]
-        shape += [(2, RingKind.TOKENS, RingRole.ENGINE_WRITES, 256, tok)]
-        shape += [(3, RingKind.LOGITS, RingRole.ENGINE_WRITES, 8, row)]
-        self.specs = [RingSpec(*s, g.address, g.length) for s, g in zip(shape, self.segments, strict=True)]
-        bundle.rings_attach(self.specs)
-
-    def _seg(self, slots: int, slot_bytes: int) -> Segment:
-        seg = Segment.create(ring_bytes(slots, slot_bytes), name="abi-test")
-        self.segments.append(seg)
-        return seg
-
-    def close(self) -> None:
-        for s in self.segments:
-            s.close()
+def attached_rings(bundle, vocab: int = 512) -> RingRig:
+    """Prompt (1, engine reads), emit (2) and logits (3) rings of one bundle, attached."""
+    rig = RingRig(geometry(prompt_slots=64, emit_slots=256, logits_slots=8, vocab=vocab), name="abi-test")
+    bundle.rings_attach(rig.specs)
+    return rig
 
 
 @pytest.fixture
@@ -70,7 +46,7 @@ def engine():
 
     def make(**config):
         b = create_ref_bundle(**config)
-        r = Rings(b)
+        r = attached_rings(b)
         made.append((b, r))
         return b, r
 

@@ -1,4 +1,4 @@
-"""What systemd would give the daemon in the operators tests (issue 9), and the other ops-only helpers.
+"""What systemd would give the daemon in the operators tests, and the other ops-only helpers.
 The daemon itself is ``daemon_harness.Daemon`` (tests/daemon_harness.py): pass it
 ``notify=NotifyListener`` for a fake ``$NOTIFY_SOCKET``, ``listen=listening_socket(dir)`` for a
 ``LISTEN_FDS`` socket the test owns like systemd's socket unit owns it, ``open_to_all=True`` for a

@@ -1,4 +1,4 @@
-"""basertctl against a real daemon (issue 9 part 2): every verb prints a table by default and JSON
+"""basertctl against a real daemon: every verb prints a table by default and JSON
 that parses with --json (global or per verb), refusals exit with the documented status and one
 line, a daemon that is not there gives one line naming the socket, restart-worker replaces the
 process, cache evict frees what finished requests published, shutdown drains and exits 0."""
@@ -105,7 +105,7 @@ def test_generate_refusals_and_an_absent_daemon_give_one_line(daemon, tmp_path):
         (["generate", "--max-tokens", "100000", "hi"], ctl.EXIT_REFUSED, "context_length_exceeded"),
         (["lanes", "--worker", "7"], ctl.EXIT_REFUSED, "not_found"),
         (["restart-worker", "9"], ctl.EXIT_REFUSED, "not_found"),
-        (["cache", "pin", "--tokens", "1,2"], ctl.EXIT_REFUSED, "whole pages"),  # the policy (issue 8)
+        (["cache", "pin", "--tokens", "1,2"], ctl.EXIT_REFUSED, "whole pages"),  # the policy
         (["cache", "unpin", "999"], ctl.EXIT_REFUSED, "not_found"),
         (["cache", "pin"], ctl.EXIT_USAGE, "exactly one of --text and --tokens"),
         (["drain", "--timeout", "-1"], ctl.EXIT_USAGE, "--timeout"),

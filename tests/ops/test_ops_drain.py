@@ -1,4 +1,4 @@
-"""Drain (issue 9 part 4): SIGTERM lets accepted requests finish within the drain timeout and exits 0
+"""Drain: SIGTERM lets accepted requests finish within the drain timeout and exits 0
 with nothing left behind; what outlives the timeout is cancelled with a typed error; basertctl
 drain / resume do the same without stopping."""
 
@@ -13,9 +13,18 @@ import time
 import pytest
 from daemon_harness import Daemon
 from ops_harness import ref_worker
+from proc_testutil import wait_until
 
 from basertd.client import Client, ClientError, ErrorCode
 from basertd.schema import control
+
+
+def _wait_draining(d: Daemon) -> None:
+    """Until the daemon logged that a SIGTERM drain started (``shutdown_draining``)."""
+    wait_until(
+        lambda: any(e.get("event") == "shutdown_draining" for e in d.log_events()),
+        what="a drain after SIGTERM (shutdown_draining in the daemon log)",
+    )
 
 
 def _config(drain_timeout_s: float, grant: int = 2, delay_us: int = 20000, durability: str = "off") -> str:
@@ -47,7 +56,7 @@ def test_sigterm_drains_short_requests_to_the_end_and_exits_zero():
         d.track_children()
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        _wait_draining(d)
         with d.client() as late:  # the socket stays open while draining: a typed refusal
             with pytest.raises(ClientError) as refused:
                 late.generate("too late", max_tokens=2)
@@ -99,7 +108,7 @@ def test_a_second_sigterm_stops_at_once():
         d.track_children()
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _wait_draining(d)  # the second SIGTERM then arrives during the drain
         d.proc.send_signal(signal.SIGTERM)
         with pytest.raises(ClientError) as ended:
             for _ in it:
@@ -133,11 +142,8 @@ def test_basertctl_drain_waits_refuses_new_work_and_resume_reopens():
             stderr=subprocess.PIPE,
             text=True,
         )
-        deadline = time.monotonic() + 10
         with d.client() as probe:
-            while probe.request(control.Status()).state != "draining":
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: probe.request(control.Status()).state == "draining", what="draining")
             with pytest.raises(ClientError) as refused:
                 probe.generate("new work", max_tokens=2)
             assert refused.value.code == ErrorCode.DRAINING

@@ -1,4 +1,4 @@
-"""Metrics and logs (issue 9 parts 5 and 6): the Prometheus values move while traffic runs, the gauges
+"""Metrics and logs: the Prometheus values move while traffic runs, the gauges
 settle at exactly zero afterwards (also scraped over the loopback HTTP port), refusals are counted
 by code, and the log holds one content-free access line per request."""
 

@@ -1,4 +1,4 @@
-"""systemd integration of the daemon (issue 9 part 3): READY=1 / STATUS= / WATCHDOG=1 / STOPPING=1 to
+"""systemd integration of the daemon: READY=1 / STATUS= / WATCHDOG=1 / STOPPING=1 to
 a fake NOTIFY_SOCKET, a hung scheduler loop withholding the watchdog, and the client socket taken
 from LISTEN_FDS (what basertd.socket hands over)."""
 

@@ -1,4 +1,4 @@
-"""Control verbs are guarded by the kernel's peer credentials (issue 9 part 1): a process that dropped
+"""Control verbs are guarded by the kernel's peer credentials: a process that dropped
 to another uid is refused every control verb with a typed PERMISSION_DENIED (logged, counted, and
 nothing changes) but can still generate; the operator group is read from SO_PEERGROUPS and can be
 changed by a SIGHUP reload."""

@@ -1,4 +1,4 @@
-"""SIGHUP (issue 9 part 4): the daemon re-reads its configuration file, applies what can change at
+"""SIGHUP: the daemon re-reads its configuration file, applies what can change at
 run time (log level, scheduler and cache knobs), names what needs a restart, and keeps running
 unchanged when the new file does not validate."""
 

@@ -1,4 +1,4 @@
-"""The shipped systemd files (issue 9 part 3): the units pass ``systemd-analyze verify`` without a
+"""The shipped systemd files: the units pass ``systemd-analyze verify`` without a
 single warning, carry the options the operators issue asks for, agree with the daemon's defaults,
 and the sysusers.d / tmpfiles.d files apply to an empty root; the example configuration passes
 ``basertctl config check`` and a broken one is refused naming the key."""

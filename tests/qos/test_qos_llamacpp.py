@@ -1,4 +1,4 @@
-"""Preemption with resume on the llama.cpp engine with the tiny GGUF (issue 8): the basics of
+"""Preemption with resume on the llama.cpp engine with the tiny GGUF: the basics of
 ``test_qos_preempt_ref.py`` through real llama.cpp contexts. Tokens are compared with a plain
 llama.cpp loop up to the llamacpp issue's tolerance (a different batch composition may flip a
 near-tie, never a clear choice)."""

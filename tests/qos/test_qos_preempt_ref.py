@@ -1,5 +1,5 @@
-"""Preemption with exact resume and aging, end to end on the reference engine (issue 8,
-DESIGN.md "Scheduling"; ABI rules 71-73).
+"""Preemption with exact resume and aging, end to end on the reference engine
+(DESIGN.md "Scheduling"; ABI rules 71-73).
 
 Two lanes are kept busy decoding long batch requests; interactive requests arrive and must get
 their first token within two ticks of arrival (counted by the daemon in ticks, ``ttft_ticks`` of

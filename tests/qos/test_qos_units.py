@@ -1,5 +1,5 @@
 """QoS classes, aging, lane caps and the preemption choice, and how the plan builder uses them
-(pure functions; DESIGN.md "Scheduling", issue 8; ABI rules 45-47, 53, 71-73)."""
+(pure functions; DESIGN.md "Scheduling"; ABI rules 45-47, 53, 71-73)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Fail-closed decoding: at least 20,000 random and mutated frames per decoder (LinkCodec,
-ClientCodec, FrameReader), and nothing but a FrameError ever comes out (issue 2 item 4,
-DESIGN.md "Link W": decoding is fail-closed). Seeded, so a failure reproduces."""
+ClientCodec, FrameReader), and nothing but a FrameError ever comes out (DESIGN.md
+"Link W": decoding is fail-closed). Seeded, so a failure reproduces."""
 
 from __future__ import annotations
 

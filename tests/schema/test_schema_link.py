@@ -1,5 +1,5 @@
 """Link W schema and LinkCodec: round trips of every message type, side buffers, versions,
-caps and typed errors (issue 2, DESIGN.md "Link W")."""
+caps and typed errors (DESIGN.md "Link W")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""basertd.server.config: defaults, unknown keys, ranges, runtime directory rule (issue 7)."""
+"""basertd.server.config: defaults, unknown keys, ranges, runtime directory rule."""
 
 from __future__ import annotations
 

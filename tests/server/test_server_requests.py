@@ -1,4 +1,4 @@
-"""The request record: validation, exact max_tokens, stop strings, usage and timings (issue 7)."""
+"""The request record: validation, exact max_tokens, stop strings, usage and timings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Coordinator tokenizers, the incremental detokenizer and the stop matcher (issue 7)."""
+"""Coordinator tokenizers, the incremental detokenizer and the stop matcher."""
 
 from __future__ import annotations
 

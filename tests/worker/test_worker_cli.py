@@ -1,4 +1,4 @@
-"""``basertd-worker``'s command line and exit codes (issue 5 item 1): 2 for a bad command line with
+"""``basertd-worker``'s command line and exit codes: 2 for a bad command line with
 the flag named, 3 when the engine or model cannot load with the reason, as real processes."""
 
 from __future__ import annotations

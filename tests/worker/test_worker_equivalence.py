@@ -1,4 +1,4 @@
-"""1,000 mixed ticks through a real worker equal the same plans run in-process (issue 5 item 5).
+"""1,000 mixed ticks through a real worker equal the same plans run in-process.
 
 The plan stream (worker_plans.MixedPlanStream) admits greedy, Gumbel and HOST lanes with prompts
 written to the prompt ring, prefills in chunks under a budget (sometimes over it: shed entries),

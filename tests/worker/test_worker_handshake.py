@@ -1,4 +1,4 @@
-"""The Link W handshake through ``WorkerProcess`` (issue 5 item 3): version, the capability record
+"""The Link W handshake through ``WorkerProcess``: version, the capability record
 built from the engine, the rings as inherited, and the model identity."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker process's life and death (issue 5 items 1 and 4), with real processes.
+"""The worker process's life and death, with real processes.
 
 - SIGKILL mid-tick: the link client notices within 100 ms (pidfd), the tick fails with
   WorkerDied, and nothing is left in /dev/shm, the runtime directory or the process table.
@@ -83,7 +83,7 @@ def test_sigterm_finishes_the_tick_in_flight_then_exits_0(make_spec, worker_log)
 
         async def scenario():
             task = asyncio.ensure_future(w.link.tick(_admit_plan(w, decode=3)))
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(0.15)  # lets the tick reach the engine (each step takes 400 ms)
             os.kill(w.proc.pid, signal.SIGTERM)
             events = await task
             code = await w.proc.wait()

@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
+from ring_rig import RingRig
 
 from basertd.schema import link
-from basertd.schema.abi import RingKind, RingRole, TickFlag
+from basertd.schema.abi import TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, TickPlan
 from basertd.server.worker_proc import RingGeometry, SyncWorker
-from basertd.shm import RingReader, RingWriter, Segment
 
 pytest.importorskip("llama_cpp")
 
@@ -67,43 +67,21 @@ def plans(prompt_refs) -> list[TickPlan]:
 
 def in_process_tokens(model_path, prompts_ids: list[np.ndarray], geometry: dict) -> list[list[np.ndarray]]:
     """The same plans on a LlamaCppEngine in this process, with rings of the same geometry."""
-    from basertd.worker.engines.base import RingMapping
     from basertd.worker.engines.llamacpp import LlamaCppEngine
 
     engine = LlamaCppEngine(model_path, lanes=LANES, context_length=CONTEXT, n_threads=1)
-    segs = []
+    rig = RingRig({rid: (g.slots, g.slot_bytes) for rid, g in geometry.items()})
     try:
-        mappings = []
-        readers = {}
-        writer = None
-        for rid, (kind, role) in {
-            1: (RingKind.TOKENS, RingRole.ENGINE_READS),
-            2: (RingKind.TOKENS, RingRole.ENGINE_WRITES),
-            3: (RingKind.LOGITS, RingRole.ENGINE_WRITES),
-        }.items():
-            g = geometry[rid]
-            seg = Segment.create(g.length)
-            segs.append(seg)
-            w = RingWriter.create(seg, rid, kind, g.slots, g.slot_bytes)
-            if rid == 1:
-                writer = w
-            else:
-                w.close()
-                readers[rid] = RingReader.attach(seg, rid, kind, g.slots, g.slot_bytes)
-            mappings.append(
-                RingMapping(rid, kind, role, g.slots, g.slot_bytes, seg.buffer, seg.address, seg.length)
-            )
-        engine.attach_rings(mappings)
-        refs = [writer.write(p) for p in prompts_ids]
+        engine.attach_rings(rig.mappings())
+        refs = [rig.prompt.write(p) for p in prompts_ids]
         out = []
         for plan in plans(refs):
             events = engine.tick(plan)
-            out.append([readers[2].read(e.token_ref) for e in events.emits])
+            out.append([rig.emit.read(e.token_ref) for e in events.emits])
         return out
     finally:
         engine.close()
-        for seg in segs:
-            seg.close()
+        rig.close()
 
 
 def test_llamacpp_worker_matches_in_process(make_spec, tiny_gguf):

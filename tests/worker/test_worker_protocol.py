@@ -1,4 +1,4 @@
-"""Link W as the worker plays it, against a hand-driven coordinator socket (issue 5 item 3):
+"""Link W as the worker plays it, against a hand-driven coordinator socket:
 HELLO content, a refused handshake, and malformed or out-of-place frames, each of which ends the
 link with exit 76 and one JSON log line carrying the frame error code, never a traceback."""
 

@@ -1,4 +1,4 @@
-"""Link W requests through a real worker on the reference engine (issue 5 item 3): plan rejection
+"""Link W requests through a real worker on the reference engine: plan rejection
 changes nothing, one tick in flight, TICK_EMIT before the result, PING/PONG with queue depth,
 DRAIN, ring re-attach, and the cache / seed / state-op / grammar / logit-bias / vocabulary
 requests with ERROR mapped to typed exceptions."""
@@ -209,8 +209,7 @@ def test_one_tick_in_flight_and_timeouts(make_spec):
                     TickPlan(plan_seq=2, max_decode_lanes=1, decodes=[LaneDecode(lane_tag=1)]), timeout=0.05
                 )
             assert w.link.tick_in_flight  # the result of plan 2 is still owed
-            while w.link.tick_in_flight:
-                await asyncio.sleep(0.02)
+            await wait_until_async(lambda: not w.link.tick_in_flight, what="the owed result of plan 2")
             return events
 
         assert w.call(scenario()).plan_seq == 1
@@ -264,7 +263,7 @@ def test_drain_refuses_admits_and_answers_once_no_lane_is_left(worker):
 
     async def scenario():
         drain = asyncio.ensure_future(worker.link.drain())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # time for a wrong early answer to arrive: none may while a lane lives
         assert not drain.done()
         with pytest.raises(PlanRejected) as err:
             await worker.link.tick(admit(worker, 2, [9, 9], seq=2))

@@ -23,10 +23,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+from ring_rig import EMIT_RING as EMIT_RING
+from ring_rig import LOGITS_RING as LOGITS_RING
+from ring_rig import PROMPT_RING as PROMPT_RING
+from ring_rig import RingRig
 
-from basertd.native.abi import RingSpec
 from basertd.native.ref import RefConfig, create_ref_bundle
-from basertd.schema.abi import AdmitStatus, RingKind, RingRole, Sampling, ShedKind, TickFlag
+from basertd.schema.abi import AdmitStatus, Sampling, ShedKind, TickFlag
 from basertd.schema.tick import (
     LaneAdmit,
     LaneCommit,
@@ -41,9 +44,7 @@ from basertd.schema.tick import (
     TickTimings,
     TokenRef,
 )
-from basertd.shm import RingReader, RingWriter, Segment, ring_bytes, slot_bytes_for
-
-PROMPT_RING, EMIT_RING, LOGITS_RING = 1, 2, 3
+from basertd.shm import slot_bytes_for
 
 
 @dataclass
@@ -235,51 +236,33 @@ def ring_geometry(cfg: StreamConfig, ref: RefConfig) -> dict[int, tuple[int, int
 
 
 class InProcess:
-    """A reference bundle in this process with its own three rings (memfd segments), driven like
-    a worker: ``write_prompt``, ``tick``, ``read_tokens``, ``read_row``. ``close()`` frees all."""
+    """A reference bundle in this process with its own three rings (``ring_rig.RingRig``), driven
+    like a worker: ``write_prompt``, ``tick``, ``read_tokens``, ``read_row``. ``close()`` frees all."""
 
     def __init__(self, ref: RefConfig, geometry: dict[int, tuple[int, int]]) -> None:
         self.bundle = create_ref_bundle(ref)
-        self.segments: list[Segment] = []
-        kinds = {
-            PROMPT_RING: (RingKind.TOKENS, RingRole.ENGINE_READS),
-            EMIT_RING: (RingKind.TOKENS, RingRole.ENGINE_WRITES),
-            LOGITS_RING: (RingKind.LOGITS, RingRole.ENGINE_WRITES),
-        }
-        specs = []
-        for rid, (slots, slot_bytes) in geometry.items():
-            kind, role = kinds[rid]
-            seg = Segment.create(ring_bytes(slots, slot_bytes))
-            self.segments.append(seg)
-            writer = RingWriter.create(seg, rid, kind, slots, slot_bytes)
-            if rid == PROMPT_RING:
-                self.prompt = writer
-            else:
-                writer.close()
-                reader = RingReader.attach(seg, rid, kind, slots, slot_bytes)
-                if rid == EMIT_RING:
-                    self.emit = reader
-                else:
-                    self.logits = reader
-            specs.append(RingSpec(rid, int(kind), int(role), slots, slot_bytes, seg.address, seg.length))
-        self.bundle.rings_attach(specs)
+        try:
+            self.rings = RingRig(geometry)
+        except BaseException:
+            self.bundle.close()
+            raise
+        self.bundle.rings_attach(self.rings.specs)
 
     def write_prompt(self, tokens: np.ndarray) -> TokenRef:
-        return self.prompt.write(tokens)
+        return self.rings.prompt.write(tokens)
 
     def tick(self, plan: TickPlan, on_emit: Callable | None = None) -> TickEvents:
         return self.bundle.tick(plan, on_emit)
 
     def read_tokens(self, ref: TokenRef) -> np.ndarray:
-        return self.emit.read(ref)
+        return self.rings.emit.read(ref)
 
     def read_row(self, ref: RingRef) -> np.ndarray:
-        return self.logits.read_row(ref)
+        return self.rings.row(ref)
 
     def close(self) -> None:
         self.bundle.close()
-        for seg in self.segments:
-            seg.close()
+        self.rings.close()
 
 
 @dataclass

@@ -17,7 +17,19 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from basertd.worker.engines.base import Engine
+from basertd.worker.engines.base import Capability, Engine
+
+__all__ = [
+    "ENGINES",
+    "Capability",
+    "Engine",
+    "EngineLoadError",
+    "EngineOptionError",
+    "EngineOptions",
+    "UnknownEngine",
+    "engine_factory",
+    "open_engine",
+]
 
 ENGINES: dict[str, str] = {
     "basert": "basertd.worker.engines.basert:open_engine",

@@ -1,10 +1,13 @@
 """The engine protocol every adapter implements (DESIGN.md "Engines").
 
 It mirrors the tick ABI one call for one call, in schema types: a plan in, events out, plus the
-prefix-cache, seed-lease, state-op, grammar and logit-bias calls. The worker's Link W server is
-written against this protocol only, so libbaseRT, the C reference engine (both through
-``basertd.worker.engines.basert``) and llama.cpp (``basertd.worker.engines.llamacpp``) are
-interchangeable.
+prefix-cache, seed-lease, state-op, grammar and logit-bias calls. ``Engine`` is a core every
+engine implements (facts, rings, tick, state spaces, stats, tokenizer, close) plus optional
+``Capability`` groups whose methods default, here and only here, to
+``EngineError(ERR_OP_UNSUPPORTED)``: an engine states what it lacks by not defining it, and
+``Engine.capabilities()`` lists what it serves. The worker's Link W server is written against this
+class only, so libbaseRT, the C reference engine (both through ``basertd.worker.engines.basert``)
+and llama.cpp (``basertd.worker.engines.llamacpp``) are interchangeable.
 
 Sequence handles (``seq``) and op handles (``op``) are plain integers that the adapter maps to
 its own objects; they are never reused on one engine instance (ABI rule 99).
@@ -12,9 +15,11 @@ its own objects; they are never reused on one engine instance (ABI rule 99).
 
 from __future__ import annotations
 
+import abc
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
@@ -108,149 +113,262 @@ PartialEmit = Callable[[int, np.ndarray], None]
 tokens of one lane before ``tick`` returns (ABI rule 64). It must not call back into the engine."""
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """One loaded model, driven one tick at a time from one thread."""
+class Capability(enum.Enum):
+    """An optional part of the engine surface. An engine serves a capability when its class defines
+    every method of the capability (``CAPABILITY_METHODS``); the ``Engine`` base class answers the
+    rest with ``EngineError(ERR_OP_UNSUPPORTED)`` (ABI rule 16), so an engine states what it lacks
+    by not defining it. ``Engine.capabilities()`` may narrow the set per instance (a library that
+    lacks a function)."""
 
+    PREFIX_CACHE = "prefix_cache"  # matches, seed leases, eviction (ABI rules 75-91)
+    STATE_OPS = "state_ops"  # sequences, forks, snapshots, restores, trims, op polling (rules 92-112)
+    HOST_TIER = "host_tier"  # demote / promote of KV ranges to host memory (rules 105-108)
+    GRAMMAR = "grammar"  # grammar handles for constrained lanes (rule 113)
+    LOGIT_BIAS = "logit_bias"  # logit-bias handles (rule 113)
+    TICK_YIELD = "tick_yield"  # ending a tick early at a step boundary (DESIGN.md "Front ends ... yield")
+
+
+CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
+    Capability.PREFIX_CACHE: (
+        "space_match",
+        "seed_acquire",
+        "seed_release",
+        "seed_lease_ticks",
+        "seed_adopt",
+        "cache_evict",
+        "cache_evict_entries",
+    ),
+    Capability.STATE_OPS: (
+        "lane_sequence",
+        "sequence_create",
+        "sequence_free",
+        "sequence_publish",
+        "seq_fork",
+        "export_size",
+        "snapshot",
+        "restore",
+        "snapshot_boundary",
+        "trim",
+        "op_poll",
+        "op_cancel",
+        "op_output",
+    ),
+    Capability.HOST_TIER: ("demote", "promote"),
+    Capability.GRAMMAR: ("grammar_create", "grammar_free"),
+    Capability.LOGIT_BIAS: ("logit_bias_create", "logit_bias_free"),
+    Capability.TICK_YIELD: ("attach_control",),
+}
+"""The methods of each capability: an engine defines all of them or none."""
+
+
+def unsupported(engine: object, capability: Capability, call: str) -> EngineError:
+    """The error an engine's missing capability answers: ``EngineError(ERR_OP_UNSUPPORTED)``
+    naming the engine class, the call and the capability (ABI rule 16)."""
+    return EngineError(
+        Status.ERR_OP_UNSUPPORTED,
+        f"{type(engine).__name__} does not serve {call} (no {capability.value} capability)",
+    )
+
+
+class Engine(abc.ABC):
+    """One loaded model, driven one tick at a time from one thread.
+
+    The core (abstract here) is what every engine must do: ``info``, ``attach_rings``, ``tick``,
+    ``state_spaces``, ``stats``, ``tokenize``, ``detokenize``, ``close``. Everything else belongs to
+    one ``Capability``; a method an engine does not define raises ``unsupported`` (a demote or
+    promote after ``check_op_target``), and ``capabilities()`` says which
+    are served. Defining part of a capability is a TypeError when the class is created."""
+
+    _served: frozenset[Capability] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        served = set()
+        for cap, names in CAPABILITY_METHODS.items():
+            own = [n for n in names if getattr(cls, n) is not getattr(Engine, n)]
+            if own and len(own) != len(names):
+                missing = sorted(set(names) - set(own))
+                raise TypeError(f"{cls.__name__} serves part of {cap.value}: it lacks {', '.join(missing)}")
+            if own:
+                served.add(cap)
+        cls._served = frozenset(served)
+
+    def capabilities(self) -> frozenset[Capability]:
+        """The capabilities this engine serves: those its class defines, unless narrowed."""
+        return self._served
+
+    def supports(self, capability: Capability) -> bool:
+        """Whether ``capability`` is in ``capabilities()``."""
+        return capability in self.capabilities()
+
+    # -- core --------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
     def info(self) -> EngineInfo:
         """Static facts about the engine and model (sizes, vocabulary, TTL, tokenizer)."""
-        ...
 
+    @abc.abstractmethod
     def attach_rings(self, rings: Sequence[RingMapping]) -> None:
         """Attach (or re-attach) the rings; all or nothing. Raises EngineError(ERR_RING_LAYOUT)
         (ABI rule 125). Re-attaching resets the engine's writer cursors (rule 130)."""
-        ...
 
+    @abc.abstractmethod
     def tick(self, plan: TickPlan, on_partial_emit: PartialEmit | None = None) -> TickEvents:
         """Run one plan. Raises PlanRejected (no state change) or EngineFatal."""
-        ...
 
+    @abc.abstractmethod
     def state_spaces(self) -> list[StateSpaceDesc]:
-        """The bundle's state spaces (ABI §10 item 2)."""
-        ...
+        """The bundle's state spaces (ABI §10 item 2); empty for an engine without state."""
 
-    def space_match(self, space_id: int, span: TokenRef) -> MatchResult:
-        """Cached prefixes of ``span`` per space; pins nothing (ABI rules 87-88)."""
-        ...
-
-    def seed_acquire(self, span: TokenRef, prefix_len: int, determinism_class: int) -> int:
-        """Pin ``span[:prefix_len]`` and return a seed handle for one admit (rules 75-83)."""
-        ...
-
-    def seed_release(self, seed_handle: int) -> None:
-        """Release an unconsumed seed; EngineError(ERR_UNKNOWN_HANDLE) if unknown (rule 81)."""
-        ...
-
-    def seed_lease_ticks(self) -> int:
-        """The declared seed-lease TTL in ticks (rule 84)."""
-        ...
-
-    def seed_adopt(self, seq: int, span: TokenRef) -> int:
-        """Lease a bare restored sequence as the seed of the next admit (rule 86)."""
-        ...
-
-    def cache_evict(self, policy: ShedPolicy, bytes_target: int) -> int:
-        """Evict inside ``policy``; returns bytes freed (rule 89)."""
-        ...
-
-    def cache_evict_entries(self, keys: Sequence[CacheKey]) -> None:
-        """Drop the named physical cache variants."""
-        ...
-
-    def lane_sequence(self, lane_tag: int) -> int | None:
-        """The sequence a live lane owns, or None."""
-        ...
-
-    def sequence_create(self) -> int:
-        """A bare, empty sequence (a restore target)."""
-        ...
-
-    def sequence_free(self, seq: int) -> None:
-        """Free a bare sequence; EngineError(ERR_UNKNOWN_HANDLE) otherwise (rule 112)."""
-        ...
-
-    def sequence_publish(self, seq: int, tokens: np.ndarray) -> None:
-        """Publish a bare sequence's whole-page prefix under ``tokens``; consumes it (rule 91)."""
-        ...
-
-    def seq_fork(self, parent: int, flags: int) -> int:
-        """Fork a sequence (refcounted pages); EngineError(EBUSY) during an op (rule 98)."""
-        ...
-
-    def export_size(self, seq: int, space_id: int, rng: TokenRange, encoding: int) -> tuple[int, int]:
-        """``(required_bytes, sizing_gen)`` for a snapshot or demote of ``rng`` (rules 92-95)."""
-        ...
-
-    def snapshot(self, seq: int, space_id: int, boundary_pos: int, sizing_gen: int, dst_bytes: int) -> int:
-        """Start a snapshot into an engine-held buffer of ``dst_bytes``; returns an op handle."""
-        ...
-
-    def restore(self, seq: int, space_id: int, data: bytes) -> int:
-        """Start restoring a sealed export into ``seq``; returns an op handle (rules 101-104)."""
-        ...
-
-    def snapshot_boundary(self, seq: int, space_id: int, cap: int) -> int:
-        """Newest durable boundary <= ``cap`` (rule 111)."""
-        ...
-
-    def trim(self, seq: int, space_id: int, new_len: int) -> None:
-        """Trim a space to ``new_len`` tokens (rule 109)."""
-        ...
-
-    def demote(
-        self, seq: int, space_id: int, rng: TokenRange, encoding: int, sizing_gen: int, dst_bytes: int
-    ) -> int:
-        """Start moving ``rng`` to the host tier; returns an op handle (rules 105-108)."""
-        ...
-
-    def promote(self, seq: int, space_id: int, rng: TokenRange, data: bytes) -> int:
-        """Start bringing a demoted range back; returns an op handle."""
-        ...
-
-    def op_poll(self, op: int) -> OpStatus:
-        """State of an op; EngineError(ERR_UNKNOWN_HANDLE) if unknown (rule 99)."""
-        ...
-
-    def op_cancel(self, op: int) -> None:
-        """Request cancellation (rule 100)."""
-        ...
-
-    def op_output(self, op: int) -> bytes:
-        """The sealed bytes a DONE snapshot or demote wrote (envelope + payload)."""
-        ...
-
-    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
-        """A grammar handle for ``json_schema`` (spec text of ``kind``: "json_schema", "lark" or
-        "regex"), or 0 on failure (including a kind the engine does not serve)."""
-        ...
-
-    def grammar_free(self, handle: int) -> None:
-        """EngineError(ERR_UNKNOWN_HANDLE) if absent (rule 113)."""
-        ...
-
-    def logit_bias_create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
-        """A logit-bias handle, or 0 when empty (rule 113)."""
-        ...
-
-    def logit_bias_free(self, handle: int) -> None:
-        """EngineError(ERR_UNKNOWN_HANDLE) if absent (rule 113)."""
-        ...
-
-    def tokenize(self, text: bytes, add_special: bool) -> list[int]:
-        """Token ids of ``text`` with the model's vocabulary."""
-        ...
-
-    def detokenize(self, tokens: Sequence[int]) -> bytes:
-        """The bytes of ``tokens`` (may end inside a UTF-8 character)."""
-        ...
-
+    @abc.abstractmethod
     def stats(self) -> dict[str, int]:
         """Monotonic counters and gauges for health and metrics: at least ``ticks``,
         ``prefill_tokens_total`` (tokens actually prefilled, not served by a seed),
         ``decode_tokens_total``, ``live_lanes``, ``live_seed_leases``, ``cache_entries``,
         ``pool_bytes_used``, ``pool_bytes_total``, ``evictions_total`` where the engine knows them."""
-        ...
 
+    @abc.abstractmethod
+    def tokenize(self, text: bytes, add_special: bool) -> list[int]:
+        """Token ids of ``text`` with the model's vocabulary."""
+
+    @abc.abstractmethod
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        """The bytes of ``tokens`` (may end inside a UTF-8 character)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Free the model and everything it holds; idempotent."""
-        ...
+
+    # -- Capability.PREFIX_CACHE -------------------------------------------------------------------
+
+    def space_match(self, space_id: int, span: TokenRef) -> MatchResult:
+        """Cached prefixes of ``span`` per space; pins nothing (ABI rules 87-88)."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "space_match")
+
+    def seed_acquire(self, span: TokenRef, prefix_len: int, determinism_class: int) -> int:
+        """Pin ``span[:prefix_len]`` and return a seed handle for one admit (rules 75-83)."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "seed_acquire")
+
+    def seed_release(self, seed_handle: int) -> None:
+        """Release an unconsumed seed; EngineError(ERR_UNKNOWN_HANDLE) if unknown (rule 81)."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "seed_release")
+
+    def seed_lease_ticks(self) -> int:
+        """The declared seed-lease TTL in ticks (rule 84)."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "seed_lease_ticks")
+
+    def seed_adopt(self, seq: int, span: TokenRef) -> int:
+        """Lease a bare restored sequence as the seed of the next admit (rule 86)."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "seed_adopt")
+
+    def cache_evict(self, policy: ShedPolicy, bytes_target: int) -> int:
+        """Evict inside ``policy``; returns bytes freed (rule 89)."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "cache_evict")
+
+    def cache_evict_entries(self, keys: Sequence[CacheKey]) -> None:
+        """Drop the named physical cache variants."""
+        raise unsupported(self, Capability.PREFIX_CACHE, "cache_evict_entries")
+
+    # -- Capability.STATE_OPS ----------------------------------------------------------------------
+
+    def check_op_target(self, seq: int, space_id: int) -> None:
+        """The checks every state op on ``seq`` makes before anything else: ERR_UNKNOWN_HANDLE
+        (space or sequence), EBUSY during another op (rule 98). A host-tier op the engine does not
+        serve runs them before answering ERR_OP_UNSUPPORTED. The default checks nothing."""
+        return None
+
+    def lane_sequence(self, lane_tag: int) -> int | None:
+        """The sequence a live lane owns, or None."""
+        raise unsupported(self, Capability.STATE_OPS, "lane_sequence")
+
+    def sequence_create(self) -> int:
+        """A bare, empty sequence (a restore target)."""
+        raise unsupported(self, Capability.STATE_OPS, "sequence_create")
+
+    def sequence_free(self, seq: int) -> None:
+        """Free a bare sequence; EngineError(ERR_UNKNOWN_HANDLE) otherwise (rule 112)."""
+        raise unsupported(self, Capability.STATE_OPS, "sequence_free")
+
+    def sequence_publish(self, seq: int, tokens: np.ndarray) -> None:
+        """Publish a bare sequence's whole-page prefix under ``tokens``; consumes it (rule 91)."""
+        raise unsupported(self, Capability.STATE_OPS, "sequence_publish")
+
+    def seq_fork(self, parent: int, flags: int) -> int:
+        """Fork a sequence (refcounted pages); EngineError(EBUSY) during an op (rule 98)."""
+        raise unsupported(self, Capability.STATE_OPS, "seq_fork")
+
+    def export_size(self, seq: int, space_id: int, rng: TokenRange, encoding: int) -> tuple[int, int]:
+        """``(required_bytes, sizing_gen)`` for a snapshot or demote of ``rng`` (rules 92-95)."""
+        raise unsupported(self, Capability.STATE_OPS, "export_size")
+
+    def snapshot(self, seq: int, space_id: int, boundary_pos: int, sizing_gen: int, dst_bytes: int) -> int:
+        """Start a snapshot into an engine-held buffer of ``dst_bytes``; returns an op handle."""
+        raise unsupported(self, Capability.STATE_OPS, "snapshot")
+
+    def restore(self, seq: int, space_id: int, data: bytes) -> int:
+        """Start restoring a sealed export into ``seq``; returns an op handle (rules 101-104)."""
+        raise unsupported(self, Capability.STATE_OPS, "restore")
+
+    def snapshot_boundary(self, seq: int, space_id: int, cap: int) -> int:
+        """Newest durable boundary <= ``cap`` (rule 111)."""
+        raise unsupported(self, Capability.STATE_OPS, "snapshot_boundary")
+
+    def trim(self, seq: int, space_id: int, new_len: int) -> None:
+        """Trim a space to ``new_len`` tokens (rule 109)."""
+        raise unsupported(self, Capability.STATE_OPS, "trim")
+
+    def op_poll(self, op: int) -> OpStatus:
+        """State of an op; EngineError(ERR_UNKNOWN_HANDLE) if unknown (rule 99)."""
+        raise unsupported(self, Capability.STATE_OPS, "op_poll")
+
+    def op_cancel(self, op: int) -> None:
+        """Request cancellation (rule 100)."""
+        raise unsupported(self, Capability.STATE_OPS, "op_cancel")
+
+    def op_output(self, op: int) -> bytes:
+        """The sealed bytes a DONE snapshot or demote wrote (envelope + payload)."""
+        raise unsupported(self, Capability.STATE_OPS, "op_output")
+
+    # -- Capability.HOST_TIER ----------------------------------------------------------------------
+
+    def demote(
+        self, seq: int, space_id: int, rng: TokenRange, encoding: int, sizing_gen: int, dst_bytes: int
+    ) -> int:
+        """Start moving ``rng`` to the host tier; returns an op handle (rules 105-108)."""
+        self.check_op_target(seq, space_id)
+        raise unsupported(self, Capability.HOST_TIER, "demote")
+
+    def promote(self, seq: int, space_id: int, rng: TokenRange, data: bytes) -> int:
+        """Start bringing a demoted range back; returns an op handle."""
+        self.check_op_target(seq, space_id)
+        raise unsupported(self, Capability.HOST_TIER, "promote")
+
+    # -- Capability.GRAMMAR ------------------------------------------------------------------------
+
+    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
+        """A grammar handle for ``json_schema`` (spec text of ``kind``: "json_schema", "lark" or
+        "regex"), or 0 on failure (including a kind the engine does not serve)."""
+        raise unsupported(self, Capability.GRAMMAR, "grammar_create")
+
+    def grammar_free(self, handle: int) -> None:
+        """EngineError(ERR_UNKNOWN_HANDLE) if absent (rule 113)."""
+        raise unsupported(self, Capability.GRAMMAR, "grammar_free")
+
+    # -- Capability.LOGIT_BIAS ---------------------------------------------------------------------
+
+    def logit_bias_create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
+        """A logit-bias handle, or 0 when empty (rule 113)."""
+        raise unsupported(self, Capability.LOGIT_BIAS, "logit_bias_create")
+
+    def logit_bias_free(self, handle: int) -> None:
+        """EngineError(ERR_UNKNOWN_HANDLE) if absent (rule 113)."""
+        raise unsupported(self, Capability.LOGIT_BIAS, "logit_bias_free")
+
+    # -- Capability.TICK_YIELD ---------------------------------------------------------------------
+
+    def attach_control(self, control: Any) -> bool:
+        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) during ticks, ending the
+        tick in flight at its next step boundary once it is set; True when attached (the capability
+        record then says ``extra["yield"] = "step"``). The worker calls it only when
+        ``supports(Capability.TICK_YIELD)``."""
+        raise unsupported(self, Capability.TICK_YIELD, "attach_control")

@@ -38,21 +38,14 @@ ids 0 unk, 1 BOS, 2 EOS, 3..258 the bytes); ``tokenize`` / ``detokenize`` implem
 ``model_id`` is an xxh3-128 of the config fields that decide the tokens (the tick delay is left
 out), so two workers with the same model answer the same id.
 
-Test hooks (``TEST_HOOK_KEYS``, never set in production configs) ride in ``--ref-config`` and wrap
-the engine in ``HookedEngine``, so the production ``tick`` carries no test code:
-``test_reject_top_k`` = K: a plan with an admit whose ``top_k`` is K is rejected (REJECT_BOUNDS,
-naming the lane), as a value outside the ABI's u32 would be; ``test_stall_top_k`` = K: such a plan
-hangs the tick (sleeps ``test_stall_s`` seconds, default 3600) before running;
-``test_crash_top_k`` = K: a plan that decodes a lane admitted with that ``top_k`` kills the worker
-(SIGKILL), in every incarnation (a poison request).
+Test hooks ride in ``--ref-config`` as ``test_*`` keys, never set in production configs: only then
+is ``basertd.worker.engines.ref_hooks`` imported, and its ``HookedEngine`` (a test subclass) is
+returned instead, so this module's ``tick`` carries no test code (``ref_hooks`` lists the keys).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from importlib import metadata
@@ -77,6 +70,8 @@ from basertd.schema.tick import (
 )
 from basertd.worker.engines import EngineLoadError, EngineOptionError, EngineOptions
 from basertd.worker.engines.base import (
+    Capability,
+    Engine,
     EngineError,
     EngineFatal,
     EngineInfo,
@@ -86,7 +81,7 @@ from basertd.worker.engines.base import (
     TokenizerSpec,
 )
 
-__all__ = ["BOS_ID", "BYTE_BASE", "EOS_ID", "TEST_HOOK_KEYS", "BasertEngine", "HookedEngine", "open_engine"]
+__all__ = ["BOS_ID", "BYTE_BASE", "EOS_ID", "BasertEngine", "open_engine"]
 
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 """Special ids of the "bytes" vocabulary."""
@@ -120,7 +115,7 @@ def _map(exc: Exception, *, plan: bool = False) -> EngineError | PlanRejected:
 _BINDING_ERRORS = (nabi.AbiError, nabi.BindingError)
 
 
-class BasertEngine:
+class BasertEngine(Engine):
     """``Engine`` over one tick-ABI bundle (``basertd.native.abi.Bundle``).
 
     ``bundle``: the bundle (closed by ``close``, which frees the model when the bundle was given a
@@ -157,6 +152,15 @@ class BasertEngine:
     def info(self) -> EngineInfo:
         """Static facts (sizes in tokens unless named _bytes)."""
         return self._info
+
+    def capabilities(self) -> frozenset[Capability]:
+        """Every capability; the library answers ERR_OP_UNSUPPORTED itself for an op it lacks.
+        TICK_YIELD only when it can read a yield word (``baseRT_ref_set_yield_word``: the
+        reference engine)."""
+        caps = super().capabilities()
+        if getattr(self.bundle, "set_yield_word", None) is None:
+            caps -= {Capability.TICK_YIELD}
+        return caps
 
     def state_spaces(self) -> list[StateSpaceDesc]:
         """The bundle's state spaces (``baseRT_state_spaces``)."""
@@ -199,10 +203,9 @@ class BasertEngine:
         step boundary when its yield word is set. Only libraries with ``baseRT_ref_set_yield_word``
         (the reference engine) can; others return False and finish every tick. On success the
         capability record says ``extra["yield"] = "step"``."""
-        setter = getattr(self.bundle, "set_yield_word", None)
-        if setter is None:
+        if not self.supports(Capability.TICK_YIELD):
             return False
-        self._call(setter, control.yield_word_address)
+        self._call(self.bundle.set_yield_word, control.yield_word_address)
         self._keepalive.append(control)
         self._info.extra["yield"] = "step"
         return True
@@ -365,43 +368,11 @@ def encode_with_bos(tok: Any, text: str, add_bos: bool) -> list[int]:
     return ids
 
 
-class HookedEngine(BasertEngine):
-    """A ``BasertEngine`` with the test hooks of ``--ref-config`` (module docstring): ``hooks``
-    maps a ``TEST_HOOK_KEYS`` name to its value."""
-
-    def __init__(self, *args: Any, hooks: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.hooks = dict(hooks)
-        self._poison: set[int] = set()  # lanes admitted with test_crash_top_k
-
-    def tick(self, plan: TickPlan, on_partial_emit: PartialEmit | None = None) -> TickEvents:
-        """``BasertEngine.tick`` after the hooks: a marked admit rejects or stalls the plan; a plan
-        that decodes (replay included) a lane admitted with ``params.top_k == test_crash_top_k``
-        kills this worker process with SIGKILL before the engine runs it (a poison request)."""
-        reject = self.hooks.get("test_reject_top_k")
-        stall = self.hooks.get("test_stall_top_k")
-        crash = self.hooks.get("test_crash_top_k")
-        if crash is not None:
-            self._poison.update(a.lane_tag for a in plan.admits if a.params.top_k == crash)
-            if any(d.lane_tag in self._poison for d in plan.decodes):
-                os.kill(os.getpid(), signal.SIGKILL)
-            self._poison.difference_update(r.lane_tag for r in plan.retires)
-        for i, admit in enumerate(plan.admits):
-            if reject is not None and admit.params.top_k == reject:
-                raise PlanRejected(
-                    Status.REJECT_BOUNDS,
-                    f"admits[{i}] (lane {admit.lane_tag}): params.top_k {admit.params.top_k} is out of range",
-                )
-            if stall is not None and admit.params.top_k == stall:
-                time.sleep(float(self.hooks.get("test_stall_s", 3600.0)))
-        return super().tick(plan, on_partial_emit)
-
-
 # --- the factory --------------------------------------------------------------------------------
 
 _MODEL_FIELDS_EXCLUDED = frozenset({"tick_delay_us", "prefill_step_tokens", "prefill_step_us"})
-TEST_HOOK_KEYS = frozenset({"test_reject_top_k", "test_stall_top_k", "test_stall_s", "test_crash_top_k"})
-"""``--ref-config`` keys that install ``HookedEngine`` test hooks (module docstring)."""
+TEST_HOOK_PREFIX = "test_"
+"""``--ref-config`` keys starting with this are test hooks (``ref_hooks``), never config fields."""
 
 
 def model_digest(cfg: Any) -> str:
@@ -450,7 +421,11 @@ def open_engine(options: EngineOptions) -> BasertEngine:
         from basertd.native import ref as nref
     except ImportError as exc:  # pragma: no cover - the module ships with the package
         raise EngineLoadError(f"the reference engine surface is unavailable: {exc}") from None
-    hooks = {k: v for k, v in options.ref_config.items() if k in TEST_HOOK_KEYS}
+    hooks = {k: v for k, v in options.ref_config.items() if k.startswith(TEST_HOOK_PREFIX)}
+    if hooks:
+        from basertd.worker.engines.ref_hooks import check_hooks
+
+        check_hooks(hooks)  # EngineOptionError before anything is loaded
     cfg = _ref_config(nref, options)
     try:
         lib = nref.open_ref_lib(lib_path)
@@ -502,6 +477,8 @@ def open_engine(options: EngineOptions) -> BasertEngine:
         bundle.close()
         raise
     if hooks:
+        from basertd.worker.engines.ref_hooks import HookedEngine
+
         return HookedEngine(bundle, info, stats=bundle.stats, keepalive=(lib,), hooks=hooks)
     return BasertEngine(bundle, info, stats=bundle.stats, keepalive=(lib,))
 
@@ -511,7 +488,7 @@ def _ref_config(nref: Any, options: EngineOptions) -> Any:
     ``--context-length``. JSON forms: ``spaces`` a list of ``RefSpace`` field objects, ``identity``
     64 hex digits. Raises ``EngineOptionError`` naming the flag."""
     known = {f.name for f in fields(nref.RefConfig)}
-    values = {k: v for k, v in options.ref_config.items() if k not in TEST_HOOK_KEYS}
+    values = {k: v for k, v in options.ref_config.items() if not k.startswith(TEST_HOOK_PREFIX)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise EngineOptionError(

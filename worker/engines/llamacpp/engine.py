@@ -50,8 +50,12 @@ boundary: llama.cpp's abort callback (``abort.AbortWatch``) ends the step in fli
 llama.cpp drops, and the tick ends as above (``_arm_abort`` says which steps may be cut so that
 every two ticks make progress); the inter-token bound's yield waits for the boundary.
 
-Test hooks (not part of the Engine protocol): ``inject_fault(lane_tag, code)``,
-``force_finish(lane_tag, finish)``, as the reference engine's ``baseRT_ref_*`` ones.
+Capabilities (``base.Capability``): everything but HOST_TIER (no host tier for llama.cpp KV:
+demote and promote answer ERR_OP_UNSUPPORTED after the checks every op makes).
+
+Test hooks live outside this module: ``hooks`` is None in production; tests install a
+``basertd.worker.engines.llamacpp.hooks.LaneTestHooks`` (fault injection, forced finishes, as the
+reference engine's ``baseRT_ref_*`` calls), applied at one point of ``tick`` after the retires.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import heapq
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llama_cpp as L
 import numpy as np
@@ -100,6 +105,7 @@ from basertd.schema.tick import (
 )
 from basertd.shm import RingError
 from basertd.worker.engines.base import (
+    Engine,
     EngineError,
     EngineFatal,
     EngineInfo,
@@ -136,6 +142,9 @@ from basertd.worker.engines.llamacpp.validate import (
     TickWork,
     validate_plan,
 )
+
+if TYPE_CHECKING:
+    from basertd.worker.engines.llamacpp.hooks import LaneTestHooks
 
 KV_SPACE_ID = 0
 """space_id of the engine's one state space (PAGED_TOKEN_KV)."""
@@ -177,7 +186,7 @@ class _TickScratch:
             self.emit_order.append(tag)
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(Engine):
     """The llama.cpp engine adapter (``basertd.worker.engines.base.Engine``).
 
     Sizes are tokens unless named ``_bytes``: ``lanes`` concurrent lanes (also the most decodes per
@@ -298,8 +307,7 @@ class LlamaCppEngine:
         self.last_plan_seq: int | None = None
         self.tick_index = 0
         self.ops = StateOps(self)
-        self._inject: dict[int, int] = {}
-        self._force: dict[int, int] = {}
+        self.hooks: LaneTestHooks | None = None  # tests only (module docstring)
         self._evictable_bytes = 0
         self._evictable_dirty = True
         self._stats = {
@@ -487,7 +495,8 @@ class LlamaCppEngine:
             sc.clear_at_start = not self._yield_requested()
         self.ops.run_pending()
         self._retire(work, sc)
-        self._armed_hooks(sc)
+        if self.hooks is not None:
+            self.hooks.apply(sc)
         for e in work.evict:
             self._evict(e, sc, SHED_REASON_POOL)
         self._commit(work, sc)
@@ -590,22 +599,6 @@ class LlamaCppEngine:
             sc.ev.shed.evictions_performed += 1
             sc.ev.shed.bytes_evicted += freed
         return freed
-
-    def _armed_hooks(self, sc: _TickScratch) -> None:
-        """Apply test hooks armed since the last tick (``inject_fault``, ``force_finish``)."""
-        for tag, code in list(self._inject.items()):
-            lane = self.lanes.get(tag)
-            if lane is not None:
-                self._fault(lane, code, 0, sc)
-        self._inject.clear()
-        for tag, finish in list(self._force.items()):
-            lane = self.lanes.get(tag)
-            if lane is not None and not lane.finished:
-                lane.finish = Finish(finish)
-                lane.held_row = None
-                sc.note(tag)
-                sc.finish[tag] = lane.finish
-        self._force.clear()
 
     def _commit(self, work: TickWork, sc: _TickScratch) -> None:
         for tag, token in work.commits:
@@ -1313,16 +1306,10 @@ class LlamaCppEngine:
         """Trim a bare sequence to ``new_len`` tokens (rule 109)."""
         self.ops.trim(seq, space_id, new_len)
 
-    def demote(
-        self, seq: int, space_id: int, rng: TokenRange, encoding: int, sizing_gen: int, dst_bytes: int
-    ) -> int:
-        """Not served: EngineError(ERR_OP_UNSUPPORTED) (there is no host tier for llama.cpp KV),
-        after the checks every op makes (unknown space or sequence, EBUSY during an op)."""
-        self.ops.unsupported(seq, space_id, "demote")
-
-    def promote(self, seq: int, space_id: int, rng: TokenRange, data: bytes) -> int:
-        """Not served: EngineError(ERR_OP_UNSUPPORTED), after the common checks (see ``demote``)."""
-        self.ops.unsupported(seq, space_id, "promote")
+    def check_op_target(self, seq: int, space_id: int) -> None:
+        """ERR_UNKNOWN_HANDLE (space or sequence), EBUSY during another op (rule 98): what demote
+        and promote (not served: ``base.Capability.HOST_TIER``) check before ERR_OP_UNSUPPORTED."""
+        self.ops.check_target(seq, space_id)
 
     def op_poll(self, op: int) -> OpStatus:
         """State of an op; it completes at the next accepted tick (ABI rules 69, 99)."""
@@ -1375,27 +1362,7 @@ class LlamaCppEngine:
         """The bytes of ``tokens`` (may end inside a UTF-8 character)."""
         return self.model.detokenize(list(tokens))
 
-    # ------------------------------------------------------------------ test hooks, teardown
-
-    def inject_fault(self, lane_tag: int, code: int = FaultCode.INTERNAL) -> None:
-        """Test hook: ``lane_tag`` faults with ``code`` in the next accepted tick (a fault record,
-        its KV released; ABI rules 60-62). EngineError(REJECT_UNKNOWN_LANE) unless the lane is live,
-        REJECT_BOUNDS for an unknown fault code."""
-        if lane_tag not in self.lanes:
-            raise EngineError(Status.REJECT_UNKNOWN_LANE, f"lane {lane_tag} is not live")
-        if code not in FaultCode.__members__.values():
-            raise EngineError(Status.REJECT_BOUNDS, f"no fault code {code}")
-        self._inject[lane_tag] = code
-
-    def force_finish(self, lane_tag: int, finish: int) -> None:
-        """Test hook: the lane's next tick ends it with ``finish`` (EOS..ERROR), no more tokens.
-        EngineError(REJECT_UNKNOWN_LANE) unless live and unfinished, REJECT_BOUNDS for a bad finish."""
-        lane = self.lanes.get(lane_tag)
-        if lane is None or lane.finished:
-            raise EngineError(Status.REJECT_UNKNOWN_LANE, f"lane {lane_tag} is not live and unfinished")
-        if not Finish.EOS <= finish <= Finish.ERROR:
-            raise EngineError(Status.REJECT_BOUNDS, f"finish {finish} is not EOS..ERROR")
-        self._force[lane_tag] = finish
+    # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
         """Free the context and the model; idempotent."""

@@ -292,14 +292,12 @@ class StateOps:
         self.e.locked.add(op.handle)
         return op.op
 
-    def unsupported(self, handle: int, space_id: int, what: str) -> None:
-        """Refuse an op this engine does not serve (demote, promote), after the checks every op
-        makes: ERR_UNKNOWN_HANDLE (space or sequence), EBUSY during another op (rule 98), then
-        ERR_OP_UNSUPPORTED."""
+    def check_target(self, handle: int, space_id: int) -> None:
+        """The checks every op makes: ERR_UNKNOWN_HANDLE (space or sequence), EBUSY during another
+        op (rule 98). Ops the engine does not serve run them first (``Engine.check_op_target``)."""
         self._space(space_id)
         self._resolve(handle)
         self._idle(handle)
-        raise EngineError(Status.ERR_OP_UNSUPPORTED, f"{what} is not supported by the llama.cpp engine")
 
     def snapshot_boundary(self, handle: int, space_id: int, cap: int) -> int:
         """The longest whole-page length <= ``cap`` (and <= the valid length) whose prefix a seed
