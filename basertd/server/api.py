@@ -2,8 +2,8 @@
 
 ``ApiServer`` listens on the configured path with the configured mode and runs one
 ``ClientConnection`` per client on the daemon's event loop. A connection reads requests with
-``read_message`` and hands each to the ``Service`` (the daemon), which answers through the
-connection's ``send``. Replies of several generations on one connection interleave, each tagged
+``conn_limits.read_frame`` and hands each to the ``Service`` (the native API), which answers
+through the connection's ``send``. Replies of several generations on one connection interleave, each tagged
 with its ``request_id``.
 
 Failure rules: a frame that does not decode (``FrameError``) is answered with

@@ -14,7 +14,7 @@ pin, INVALID_REQUEST for bad arguments, SHUTTING_DOWN while stopping); ``handle`
 
 The handlers see the daemon only through ``ControlHost``, a narrow protocol (the daemon satisfies
 it); the prefix-cache verbs go through ``CacheControl``, served by the prefix-cache policy
-(``basertd.server.cache_policy.PolicyCacheControl``). ``config check`` reads its file off the event
+(``basertd.server.cache_verbs.PolicyCacheControl``). ``config check`` reads its file off the event
 loop and refuses anything but a regular file (a named pipe would block the read forever).
 """
 

@@ -32,7 +32,7 @@ class Lane:
     ``admitted_at``: monotonic seconds.
 
     For preemption and the prefix cache: ``admitted``: the admitted prompt (the request's prompt
-    plus the tokens it generated before a preemption) and ``hashes`` its page hash path; ``seed``:
+    plus the tokens it generated before a preemption) and ``hashes`` its page hash path; ``seeded_tokens``:
     tokens its seed covered;
     ``replay_left``: replayed tokens its decode units must still feed (ABI rule 72); ``emitted``:
     tokens the engine emitted on this lane (all of them, delivered or not); ``checkpoint``: 0, or
@@ -54,7 +54,7 @@ class Lane:
     tick_tokens: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
-    seed: int = 0
+    seeded_tokens: int = 0
     replay_left: int = 0
     replayed: int = 0
     emitted: list[int] = field(default_factory=list)
@@ -94,7 +94,7 @@ class Lane:
     def kv_tokens(self) -> int:
         """Tokens whose KV the engine surely holds: seeded, prefilled and replayed ones, and every
         emitted token but the last (whose KV the next decode unit would compute)."""
-        fed = max(self.prefilled, self.seed) + self.replayed
+        fed = max(self.prefilled, self.seeded_tokens) + self.replayed
         return fed + max(0, len(self.emitted) - 1)
 
     def published_tokens(self) -> list[int]:

@@ -55,6 +55,7 @@ from basertd.server.requests import AdmissionError, GenerationRequest
 from basertd.server.scheduler_commands import Command, DropPin, Evict, HoldPin, ListEntries
 from basertd.server.scheduler_core import QUEUED_FIRST_S, SchedulerCore
 from basertd.server.scheduler_draft import Plan, Resolved
+from basertd.server.states import SlotState
 from basertd.server.supervisor import WorkerSlot
 from basertd.server.tokenizer import Tokenizer
 from basertd.server.watchdog import Phase, ProgressWatchdog
@@ -85,7 +86,7 @@ def _core(name: str, doc: str) -> property:
 
 
 class Scheduler:
-    """The scheduler loop of one worker (module docstring). The daemon calls ``check_admission``
+    """The scheduler loop of one worker (module docstring). The front end calls ``check_admission``
     and ``submit`` for each accepted Generate, ``cancel`` for Cancel and gone clients, and runs
     ``run()`` as a task. State for operators and tests (kept by ``core``): ``lanes``, ``queues``,
     ``limits``, ``rates``, ``config``, ``cache``, ``cache_policy`` and the counters.
@@ -594,7 +595,7 @@ class Scheduler:
         fits = []
         for peer in self.peers():
             proc = peer.slot.proc
-            if proc is None or not proc.link.alive or peer.slot.state != "ready":
+            if proc is None or not proc.link.alive or peer.slot.state != SlotState.READY:
                 continue
             try:
                 peer.check_admission(len(req.prompt), req.max_tokens, req.qos)

@@ -296,7 +296,7 @@ class SchedulerCore(EventApplier):
                 prefilled=cand.prefilled,
                 admitted=tokens,
                 hashes=self.hashes(req),
-                seed=cand.prefilled,
+                seeded_tokens=cand.prefilled,
                 replay_left=max(0, len(tokens) - max(cand.prefilled, cand.prompt_len)),
                 checkpoint=cand.checkpoint if cand.checkpoint > cand.prefilled else 0,
                 preemptible=rank > INTERACTIVE,

@@ -153,7 +153,7 @@ class EventApplier(SchedulerState):
                 self.grammars.drop(lane.request)
                 self._admit_refused(lane.request, r)
             elif lane is not None and lane.request.admissions == 0:
-                lane.request.cached_tokens = min(lane.seed, len(lane.request.prompt))
+                lane.request.cached_tokens = min(lane.seeded_tokens, len(lane.request.prompt))
             if lane is not None and tag in self.lanes:
                 lane.request.admissions += 1
 
