@@ -1,4 +1,4 @@
-"""Aggregate generation throughput of ``basertd serve`` at 1 and 8 concurrent requests (issue 7).
+"""Aggregate generation throughput of ``basertd serve`` at 1 and 8 concurrent requests.
 
 Baseline, in the same process and minute: the same engine worker driven directly over Link W (no
 coordinator: one lane, whole prompt prefilled in the admit tick, decode grants of 8), on the same

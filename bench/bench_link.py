@@ -1,5 +1,5 @@
 """Link W cost: ticks per second through a real ``basertd-worker`` against the same plans run on a
-reference bundle in this process, in the same run (issue 5 item 6).
+reference bundle in this process, in the same run.
 
 For each lane count (1, 8, 64, 256) a mixed plan stream (``tests/worker/worker_plans.py``, the
 stream of the 1,000-tick equivalence test: admits with prompts in the prompt ring, chunked

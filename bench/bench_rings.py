@@ -1,5 +1,5 @@
 """BRTRING1 throughput: publish + read of one span through a ring, as a ratio to a plain numpy copy
-of the same bytes measured in the same process a moment before (issue 3, DESIGN.md "Rings").
+of the same bytes measured in the same process a moment before (DESIGN.md "Rings").
 
 Cases: 1024-token spans (4 KiB) in 4 KiB slots and in 1 KiB slots (4 slots per span), and
 262,144-float logits rows (1 MiB, the default model's vocabulary) in one slot each. A ring round
