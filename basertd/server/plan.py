@@ -328,6 +328,9 @@ class TickRates:
       tick in time, and keeps the long budget);
     - *throughput* (nothing urgent): ``long_prefill`` (0: ``max_prefill``) rounded down to a whole
       number of chunks (at least one), the full ``max_grant``; decode lanes are granted every tick.
+      While a streaming lane decodes on an engine that spreads a tick's prefill over its decode
+      rounds, the scheduler raises the grant to ``round_grant`` of the tick's prefill, so each
+      round stays within the inter-token bound.
     """
 
     tick_target_s: float
@@ -385,13 +388,27 @@ class TickRates:
         chunk = self.chunk()
         return max(chunk, (self.long_budget // chunk) * chunk), self.max_grant
 
+    def round_grant(self, prefill: int) -> int:
+        """The decode grant of a long tick that prefills ``prefill`` tokens beside streaming lanes
+        on an engine that spreads its prefill over the decode rounds (the llama.cpp engine): enough
+        rounds that each carries at most what ``ITL_MARGIN`` of ``max_itl_s`` less one decode step
+        allows at the measured prefill rate, so a streaming lane gets a token at least that often
+        through the whole tick; never below ``max_grant``, never above 0xFFFF (a u16)."""
+        if not self.prefill_s_per_token:
+            return self.max_grant
+        room = max(ITL_MARGIN * self.max_itl_s - (self.decode_s_per_step or 0.0), 0.1 * self.max_itl_s)
+        rows = max(1, int(room / self.prefill_s_per_token))
+        return max(self.max_grant, min(0xFFFF, -(-prefill // rows)))
+
     def _urgent(self, decoding: bool) -> tuple[int, int]:
         grant = self.max_grant
         decode_s = 0.0
         if self.decode_s_per_step and decoding:
             grant = max(1, min(self.max_grant, int(0.5 * self.tick_target_s / self.decode_s_per_step)))
             decode_s = grant * self.decode_s_per_step
-        prefill = self.max_prefill
+        # Nothing measured yet (a fresh worker whose first tick was cut): the floor, not the
+        # ceiling, so the tick serving the interactive request stays short.
+        prefill = self.min_prefill
         if self.prefill_s_per_token:
             room = max(self.tick_target_s - decode_s, 0.0)
             prefill = int(room / self.prefill_s_per_token)

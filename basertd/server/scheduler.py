@@ -264,6 +264,7 @@ class Scheduler:
             core.limits = WorkerLimits.from_worker(proc)
             core.reset_rates()
             core.can_yield = proc.can_yield
+            core.spreads_prefill = proc.capabilities.extra.get("prefill_rounds") == "spread"
             try:
                 core.step_tokens = int(proc.capabilities.extra.get("step_tokens", 0))
             except ValueError:

@@ -121,6 +121,17 @@ def coalescing_for(st: SchedulerState, now: float) -> Coalescing:
     return out
 
 
+def pending_prefill(st: SchedulerState, live: list, limit: int) -> int:
+    """Prompt tokens the next tick may prefill (at most ``limit``): what the live lanes have left
+    to prefill, then the queued prompts in queue order."""
+    total = sum(max(0, lane.prompt_len - lane.prefilled) for lane in live if lane.phase == "prefill")
+    for req in st.queues:
+        if total >= limit:
+            break
+        total += len(req.prompt) + len(req.generated)
+    return min(total, limit)
+
+
 def plan_limits(st: SchedulerState) -> PlanLimits:
     """The limits of the next plan: the worker's lanes, batch and KV, this tick's prefill budget
     and decode grant (``TickRates.budgets``, capped after a rejected plan), the lane caps."""
@@ -138,6 +149,8 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
     prefill_budget, grant = rates.budgets(
         waiting, bool(decoding), streaming=streaming, can_yield=st.can_yield
     )
+    if streaming and not waiting and st.spreads_prefill:
+        grant = rates.round_grant(pending_prefill(st, live, prefill_budget))
     if st.prefill_cap is not None:
         prefill_budget = min(prefill_budget, st.prefill_cap)
     lim = st.limits

@@ -66,6 +66,7 @@ class SchedulerState:
         self.last_mem: link.MemCounters | None = None
         self.to_release: list[int] = []
         self.can_yield = False
+        self.spreads_prefill = False  # the engine spreads a tick's prefill over its decode rounds
         self.step_tokens = 0  # engine tokens per step (capabilities), 0: min_prefill_chunk
         self.stopping = False
         self.next_tag = 1  # lane tags are never reused: the counter only grows

@@ -264,7 +264,7 @@ def test_a_transiently_refused_admit_is_requeued_at_the_head_of_its_class():
 
 def test_a_shed_prefill_chunk_resumes_next_tick_and_the_lane_does_not_decode():
     core = make_core(prefill_budget=64, long_prefill_budget=64)
-    req, _ = make_req("x" * 200, max_tokens=4)
+    req, _ = make_req("x" * 200, max_tokens=4, qos="batch")  # a long tick's 64-token chunk
     core.submit(req)
     plan = tick(core, shed={1: 40})
     (tag, offset, count), *_ = plan.draft.prefills
@@ -489,3 +489,28 @@ def test_a_hinted_request_that_arrives_while_hints_resolve_waits_for_the_next_pl
     assert [c.key for _, c in plan.draft.admits] == [a.key]  # never admitted cold, order kept
     core.launch(plan, {a.key: ref}, {}, now)
     assert core.hint_requests(now) == [late]  # the next plan resolves it
+
+
+# --- long ticks beside streaming lanes ---------------------------------------------------------
+
+
+def test_beside_a_streaming_lane_the_grant_spreads_the_pending_prefill_over_rounds():
+    from basertd.server.scheduler_draft import pending_prefill, plan_limits
+
+    core = make_core(lanes=2, decode_grant=8, long_prefill_budget=1024, max_itl_s=0.5)
+    chat, _ = make_req("chat", max_tokens=50, qos="batch", stream=True)
+    core.submit(chat)
+    plan, _ = launch(core)
+    ev, read = events(plan, emits={only_tag(plan): ([65], Finish.NONE)})
+    core.landed()
+    core.apply(plan, ev, read)
+    core.rates.observe(prefill_tokens=1000, prefill_s=4.0, decode_steps=8, decode_s=0.8)  # 4 ms/token
+    doc, _ = make_req("d" * 1000, max_tokens=2, qos="batch")
+    core.submit(doc)
+    live = list(core.lanes.values())
+    assert pending_prefill(core, live, 1024) == 1000
+    assert plan_limits(core).decode_grant == 8  # an engine that does not spread: the configured grant
+    core.can_yield = core.spreads_prefill = True  # the llama.cpp engine: yields, spreads
+    grant = plan_limits(core).decode_grant
+    assert grant == core.rates.round_grant(1000) == 14  # 75 prefill tokens per round
+    assert (1000 / grant) * 0.004 + 0.1 <= 0.5  # each round within the inter-token bound

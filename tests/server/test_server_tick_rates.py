@@ -48,6 +48,22 @@ def test_nothing_urgent_gets_long_ticks_of_whole_chunks_and_a_full_grant():
     assert r.budgets(False, True, streaming=True, can_yield=True) == (2048, 8)
 
 
+def test_a_round_grant_spreads_a_long_prefill_into_rounds_within_the_inter_token_bound():
+    r = rates()
+    grant = r.round_grant(2048)
+    rows = int((0.8 * 0.5 - 0.1) / 0.004)  # 75 prefill tokens per round: 0.3 s, plus a 0.1 s step
+    assert grant == -(-2048 // rows)
+    assert (2048 / grant) * r.prefill_s_per_token + r.decode_s_per_step <= r.max_itl_s
+
+
+def test_a_round_grant_never_falls_below_the_configured_grant_nor_exceeds_a_u16():
+    r = rates()
+    assert r.round_grant(100) == 8  # 100 tokens fit in two rounds: the configured 8 stand
+    assert r.round_grant(10_000_000) == 0xFFFF
+    r.prefill_s_per_token = None
+    assert r.round_grant(2048) == 8  # nothing measured yet
+
+
 def test_streaming_lanes_bound_the_prefill_of_an_engine_that_cannot_yield():
     r = rates()
     prefill, grant = r.budgets(False, True, streaming=True, can_yield=False)
@@ -72,3 +88,8 @@ def test_the_itl_yield_comes_early_enough_for_the_step_in_flight(step):
     assert 0.05 <= after <= 0.45
     if after > 0.05:  # not at the floor: the step in flight, a decode step and slack fit in
         assert after + step * r.prefill_s_per_token + r.decode_s_per_step <= 0.9 * r.max_itl_s + 1e-9
+
+
+def test_an_urgent_tick_before_any_measurement_prefills_the_floor():
+    r = TickRates(tick_target_s=0.05, max_prefill=512, max_grant=8, long_prefill=2048, max_itl_s=0.5)
+    assert r.budgets(True, False) == (16, 8)  # a fresh worker: short, not max_prefill

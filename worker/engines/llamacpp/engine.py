@@ -353,6 +353,7 @@ class LlamaCppEngine(Engine):
                 "kv_cells": str(self.n_cells),
                 "n_batch": str(self.n_batch),
                 "step_tokens": str(self.step_rows),
+                "prefill_rounds": "spread",
                 "description": m.description,
                 **({"yield": "step"} if self._control is not None else {}),
             },
