@@ -394,11 +394,19 @@ class TickRates:
         rounds that each carries at most what ``ITL_MARGIN`` of ``max_itl_s`` less one decode step
         allows at the measured prefill rate, so a streaming lane gets a token at least that often
         through the whole tick; never below ``max_grant``, never above 0xFFFF (a u16)."""
-        if not self.prefill_s_per_token:
+        rows = self.round_rows()
+        if rows is None:
             return self.max_grant
-        room = max(ITL_MARGIN * self.max_itl_s - (self.decode_s_per_step or 0.0), 0.1 * self.max_itl_s)
-        rows = max(1, int(room / self.prefill_s_per_token))
         return max(self.max_grant, min(0xFFFF, -(-prefill // rows)))
+
+    def round_rows(self) -> int | None:
+        """Prefill tokens one decode round may carry so that it ends within ``ITL_MARGIN`` of
+        ``max_itl_s`` (less one decode step) at the measured prefill rate; None before any
+        prefill was measured."""
+        if not self.prefill_s_per_token:
+            return None
+        room = max(ITL_MARGIN * self.max_itl_s - (self.decode_s_per_step or 0.0), 0.1 * self.max_itl_s)
+        return max(1, int(room / self.prefill_s_per_token))
 
     def _urgent(self, decoding: bool) -> tuple[int, int]:
         grant = self.max_grant

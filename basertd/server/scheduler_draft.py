@@ -149,8 +149,19 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
     prefill_budget, grant = rates.budgets(
         waiting, bool(decoding), streaming=streaming, can_yield=st.can_yield
     )
-    if streaming and not waiting and st.spreads_prefill:
-        grant = rates.round_grant(pending_prefill(st, live, prefill_budget))
+    urgent_budget = cfg.prefill_budget
+    if st.can_yield:  # an arrival cuts a long tick anyway: an interactive prompt prefills whole
+        urgent_budget = max(urgent_budget, cfg.long_prefill_budget)
+    rows = rates.round_rows()
+    if streaming and st.can_yield and st.spreads_prefill and rows:
+        # The engine spreads the tick's prefill over its decode rounds: grant enough rounds that
+        # each fits the inter-token bound, and prefill no more than the rounds the streaming lanes
+        # can still run (a lane near its end decodes its last tokens, then stops).
+        pending = pending_prefill(st, live, prefill_budget + urgent_budget)
+        grant = max(grant, rates.round_grant(pending))
+        rounds = min(grant, max(lane.request.remaining for lane in decoding if lane.request.stream))
+        prefill_budget = min(prefill_budget, max(1, rounds) * rows)
+        urgent_budget = min(urgent_budget, max(1, rounds) * rows)
     if st.prefill_cap is not None:
         prefill_budget = min(prefill_budget, st.prefill_cap)
     lim = st.limits
@@ -162,7 +173,7 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
         decode_grant=grant,
         max_admit_tokens=lim.max_admit_tokens,
         max_admits=(1 << 30) if st.max_admits is None else st.max_admits,
-        urgent_prefill_budget=cfg.prefill_budget if st.prefill_cap is None else 0,
+        urgent_prefill_budget=urgent_budget if st.prefill_cap is None else 0,
         lane_caps=LaneCaps.from_names(cfg.lane_caps),
         preempt=cfg.preempt,
         preempt_publish=st.cache.publish_on_retire,

@@ -120,8 +120,9 @@ def test_two_ticks_in_a_row_cannot_both_lose_their_first_step(make_engine, contr
     assert ev.tick_status == TickStatus.OK and eng.lanes[1].kv_len == 100
 
 
-def test_a_long_prefill_is_spread_over_the_decode_rounds(make_engine):
-    eng, coord = make_engine(yield_step_tokens=STEP)
+@pytest.mark.parametrize(("n", "want"), [(400, [100, 200, 300, 400]), (40, [40, 40, 40, 40])])
+def test_a_long_prefill_is_spread_over_the_decode_rounds_a_short_one_goes_whole(make_engine, n, want):
+    eng, coord = make_engine(yield_step_tokens=STEP, context_length=1024, lanes=2)
     coord.tick(
         admits=[admit(2, coord.prompt(make_prompt(8, 10)), params=ignore_eos())],
         prefills=[LanePrefill(lane_tag=2, token_offset=0, token_count=10)],
@@ -134,12 +135,13 @@ def test_a_long_prefill_is_spread_over_the_decode_rounds(make_engine):
             seen.append(eng.lanes[1].kv_len)
 
     ev = coord.tick(
-        admits=[admit(1, coord.prompt(make_prompt(9, 80)))],
-        prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=80)],
+        admits=[admit(1, coord.prompt(make_prompt(9, n)))],
+        prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=n)],
         decodes=[LaneDecode(lane_tag=2, max_new_tokens=4)],
         on_partial_emit=on_partial,
     )
     assert ev.tick_status == TickStatus.OK
     assert len(_emitted(coord, ev, 2)) == 4
-    # one token per round, the 80 prompt tokens spread evenly over the 4 rounds
-    assert seen == [20, 40, 60, 80]
+    # one token per round; a long prompt spread evenly over the 4 rounds, a short one whole in the
+    # first (at least MIN_ROUND_FEED rows a round)
+    assert seen == want

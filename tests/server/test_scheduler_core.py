@@ -514,3 +514,18 @@ def test_beside_a_streaming_lane_the_grant_spreads_the_pending_prefill_over_roun
     grant = plan_limits(core).decode_grant
     assert grant == core.rates.round_grant(1000) == 14  # 75 prefill tokens per round
     assert (1000 / grant) * 0.004 + 0.1 <= 0.5  # each round within the inter-token bound
+
+
+def test_on_a_yielding_engine_a_long_interactive_prompt_prefills_whole_in_its_admitting_tick():
+    core = make_core(lanes=2, prefill_budget=128, long_prefill_budget=1024)
+    req, _ = make_req("i" * 900, max_tokens=2)  # interactive
+    core.submit(req)
+    core.can_yield = True
+    plan, _ = launch(core)
+    (_, offset, count), *_ = plan.draft.prefills
+    assert (offset, count) == (0, 900)  # not cut to tiny tick-target chunks
+    other = make_core(lanes=2, prefill_budget=128, long_prefill_budget=1024)  # cannot yield
+    req2, _ = make_req("i" * 900, max_tokens=2)
+    other.submit(req2)
+    plan2, _ = launch(other)
+    assert plan2.draft.prefills[0][2] < 900

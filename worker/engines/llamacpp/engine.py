@@ -156,6 +156,11 @@ def _u32_status(status: Status) -> int:
     return int(status) & _U32  # ABI rule 15: two's-complement bits
 
 
+MIN_ROUND_FEED = 64
+"""Prefill rows a round carries at least when its tick spreads a prefill over decode rounds (a
+short prompt's first token is not delayed by rounds of a few rows each)."""
+
+
 class _TickScratch:
     """Per-tick working state: grants left, tokens and logprobs per lane, rows, faults."""
 
@@ -877,7 +882,8 @@ class LlamaCppEngine(Engine):
         rounds = max((sc.grant.get(ln.tag, 0) for ln in (*forward, *ready)), default=0)
         if left <= 0 or rounds <= 1:
             return max(left, 0)
-        return max(1, -(-left // rounds))
+        # A short prefill (an interactive prompt) is not stretched over the rounds: it goes whole.
+        return max(min(left, MIN_ROUND_FEED), -(-left // rounds))
 
     def _decode_batch(
         self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, sc: _TickScratch
