@@ -157,7 +157,7 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
         # The engine spreads the tick's prefill over its decode rounds: grant enough rounds that
         # each fits the inter-token bound, and prefill no more than the rounds the streaming lanes
         # can still run (a lane near its end decodes its last tokens, then stops).
-        pending = pending_prefill(st, live, prefill_budget + urgent_budget)
+        pending = pending_prefill(st, live, prefill_budget + (urgent_budget if waiting else 0))
         grant = max(grant, rates.round_grant(pending))
         rounds = min(grant, max(lane.request.remaining for lane in decoding if lane.request.stream))
         prefill_budget = min(prefill_budget, max(1, rounds) * rows)

@@ -157,8 +157,9 @@ def _u32_status(status: Status) -> int:
 
 
 MIN_ROUND_FEED = 64
-"""Prefill rows a round carries at least when its tick spreads a prefill over decode rounds (a
-short prompt's first token is not delayed by rounds of a few rows each)."""
+"""A tick's prefill of at most this many rows is not spread over its decode rounds: it goes whole
+in the first (a short prompt's first token is not delayed by rounds of a few rows each). A longer
+one is spread evenly, so the rounds the grants allow are all used and none is decode-only."""
 
 
 class _TickScratch:
@@ -882,8 +883,9 @@ class LlamaCppEngine(Engine):
         rounds = max((sc.grant.get(ln.tag, 0) for ln in (*forward, *ready)), default=0)
         if left <= 0 or rounds <= 1:
             return max(left, 0)
-        # A short prefill (an interactive prompt) is not stretched over the rounds: it goes whole.
-        return max(min(left, MIN_ROUND_FEED), -(-left // rounds))
+        if left <= MIN_ROUND_FEED:  # a short prefill (an interactive prompt) goes whole
+            return left
+        return -(-left // rounds)
 
     def _decode_batch(
         self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, sc: _TickScratch
