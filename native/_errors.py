@@ -9,7 +9,7 @@ fit the ABI, or engine output that breaks the array rules of RULES.md section C.
 
 from __future__ import annotations
 
-from basertd.schema.abi import Status
+from basertd.schema.abi import Status, status_name
 from basertd.schema.rejection import PLAN_REJECTION_RANGE, PlanRejected
 
 
@@ -20,13 +20,10 @@ class AbiError(Exception):
     ``call`` names the C function."""
 
     def __init__(self, status: Status | int, call: str = "", message: str = "") -> None:
-        try:
-            status = Status(status)
-        except ValueError:
-            pass
+        status = Status.of(status)
         self.status = status
         self.call = call
-        name = status.name if isinstance(status, Status) else f"status {status}"
+        name = status_name(status)
         text = f"{call}: {name}" if call else name
         super().__init__(f"{text} ({message})" if message else text)
 

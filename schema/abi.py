@@ -50,6 +50,20 @@ class Status(IntEnum):
     REJECT_CERT_UNMATCHED = -140
     ERR_FATAL = -1
 
+    @classmethod
+    def of(cls, code: int) -> "Status | int":
+        """``code`` as a ``Status`` when it is an assigned code, else the raw int (an unknown code
+        is kept as it is, ABI rule 13)."""
+        try:
+            return cls(code)
+        except ValueError:
+            return code
+
+
+def status_name(status: Status | int) -> str:
+    """The name of a ``Status``, or ``"status N"`` for an unknown code."""
+    return status.name if isinstance(status, Status) else f"status {status}"
+
 
 class FaultCode(IntEnum):
     """Per-lane fault codes (BaseRTLaneFault.code): the lane stops, the tick goes on (ABI rule 60)."""

@@ -11,7 +11,7 @@ answers by planning again.
 
 from __future__ import annotations
 
-from basertd.schema.abi import Status
+from basertd.schema.abi import Status, status_name
 
 __all__ = ["PLAN_REJECTION_RANGE", "PlanRejected"]
 
@@ -28,12 +28,9 @@ class PlanRejected(Exception):
     TICK_REJECTED carries it), else None."""
 
     def __init__(self, status: Status | int, message: str = "", *, plan_seq: int | None = None) -> None:
-        try:
-            status = Status(status)
-        except ValueError:
-            pass
+        status = Status.of(status)
         self.status = status
         self.message = message
         self.plan_seq = plan_seq
-        name = status.name if isinstance(status, Status) else f"status {status}"
+        name = status_name(status)
         super().__init__(f"{name}: {message}" if message else name)

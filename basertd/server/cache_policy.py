@@ -69,7 +69,7 @@ import structlog
 from basertd.schema.abi import Status
 from basertd.schema.tick import MatchResult, ShedPolicy, TokenRef
 from basertd.server.config import CacheConfig
-from basertd.server.link import WorkerError
+from basertd.server.link_errors import WorkerError
 from basertd.server.prefix_index import IndexEntry, IndexObserver, PrefixIndex, page_hashes
 
 log = structlog.get_logger("basertd.cache")

@@ -17,7 +17,7 @@ from basertd.schema import control
 from basertd.schema.client import ErrorCode
 from basertd.server.cache_policy import PinHold, WorkerCache
 from basertd.server.errors import ControlError
-from basertd.server.link import LinkError
+from basertd.server.link_errors import LinkError
 from basertd.server.prefix_index import page_hashes
 from basertd.server.scheduler_commands import Command, DropPin, Evict, HoldPin, ListEntries
 

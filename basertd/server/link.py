@@ -65,22 +65,7 @@ from basertd.server.link_errors import (
     WorkerError,
 )
 
-__all__ = [
-    "MAX_LINK_MESSAGE_BYTES",
-    "EmitCallback",
-    "EmitCallbackError",
-    "LinkClosed",
-    "LinkError",
-    "LinkProtocolError",
-    "LinkTimeout",
-    "MessageNotEncodable",
-    "PlanRejected",
-    "TickInFlight",
-    "WorkerDied",
-    "WorkerError",
-    "WorkerLink",
-    "configure_link_socket",
-]
+__all__ = ["MAX_LINK_MESSAGE_BYTES", "EmitCallback", "WorkerLink", "configure_link_socket"]
 
 log = structlog.get_logger("basertd.link")
 

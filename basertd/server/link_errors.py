@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
-from basertd.schema.abi import Status
+from basertd.schema.abi import Status, status_name
 from basertd.schema.rejection import PlanRejected
 
 if TYPE_CHECKING:
@@ -81,13 +81,10 @@ class WorkerError(LinkError):
     ABI ``Status`` (``ERR_FATAL`` when the engine died; the process exits with code 70 next)."""
 
     def __init__(self, status: Status | int, message: str = "") -> None:
-        try:
-            status = Status(status)
-        except ValueError:
-            pass
+        status = Status.of(status)
         self.status = status
         self.message = message
-        name = status.name if isinstance(status, Status) else str(status)
+        name = status_name(status)
         super().__init__(f"{name}: {message}" if message else name)
 
 

@@ -20,7 +20,7 @@ from basertd.schema.abi import Sampling
 from basertd.schema.tick import SamplingParams
 from basertd.server.cache_policy import WorkerCache
 from basertd.server.lanes import Lane
-from basertd.server.link import LinkError
+from basertd.server.link_errors import LinkError
 from basertd.server.requests import GenerationRequest, Sampler
 from basertd.server.scheduler_commands import Command, HoldPin
 

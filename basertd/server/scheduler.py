@@ -44,7 +44,7 @@ from basertd.schema import link
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import TokenRef
 from basertd.server.config import CacheConfig, SchedulerConfig
-from basertd.server.link import EmitCallbackError, LinkError, LinkTimeout, PlanRejected, WorkerError
+from basertd.server.link_errors import EmitCallbackError, LinkError, LinkTimeout, PlanRejected, WorkerError
 from basertd.server.logit_bias import BiasTables
 from basertd.server.metrics import Metrics
 from basertd.server.notify import Heartbeat

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from lc_harness import Coordinator
 
+from basertd.shm import ControlBlock
 from basertd.worker.engines.llamacpp import LlamaCppEngine
 
 
@@ -34,3 +35,11 @@ def make_engine(tiny_gguf):
 def lc(make_engine):
     """One default tiny-llama engine and its coordinator."""
     return make_engine()
+
+
+@pytest.fixture
+def control():
+    """A control segment (``basertd.shm.ControlBlock``) for the yield tests; closed after the test."""
+    block = ControlBlock.create()
+    yield block
+    block.close()

@@ -86,6 +86,10 @@ class Coordinator:
         """Build a plan from ``kw`` and run it."""
         return self.engine.tick(self.plan(**kw), on_partial_emit)
 
+    def emitted(self, ev: TickEvents, tag: int) -> list[int]:
+        """The tokens lane ``tag`` emitted in one tick."""
+        return [t for e in ev.emits if e.lane_tag == tag and e.n_tokens for t in self.read(e.token_ref)]
+
     def tokens_of(self, ev: TickEvents) -> dict[int, list[int]]:
         """Emitted tokens per lane of one tick."""
         return {e.lane_tag: self.read(e.token_ref) for e in ev.emits if e.n_tokens}

@@ -13,20 +13,9 @@ from lc_harness import admit, ignore_eos, make_prompt
 
 from basertd.schema.abi import ShedKind, TickStatus
 from basertd.schema.tick import LaneDecode, LanePrefill
-from basertd.shm import ControlBlock, YieldReason
+from basertd.shm import YieldReason
 
 STEP = 16
-
-
-@pytest.fixture
-def control():
-    block = ControlBlock.create()
-    yield block
-    block.close()
-
-
-def _emitted(coord, ev, tag):
-    return [t for e in ev.emits if e.lane_tag == tag and e.n_tokens for t in coord.read(e.token_ref)]
 
 
 def _arrive_at_step(eng, control, step, reason=YieldReason.URGENT_ADMIT):
@@ -54,7 +43,7 @@ def test_an_urgent_arrival_aborts_the_step_in_flight_and_the_lane_resumes_token_
         prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=100)],
         decodes=[LaneDecode(lane_tag=1, max_new_tokens=8)],
     )
-    want = _emitted(rcoord, ev, 1)
+    want = rcoord.emitted(ev, 1)
     eng, coord = make_engine(yield_step_tokens=STEP)
     eng.attach_control(control)
     _arrive_at_step(eng, control, 2)
@@ -79,7 +68,7 @@ def test_an_urgent_arrival_aborts_the_step_in_flight_and_the_lane_resumes_token_
         decodes=[LaneDecode(lane_tag=1, max_new_tokens=8)],
     )
     assert ev.tick_status == TickStatus.OK
-    assert _emitted(coord, ev, 1) == want
+    assert coord.emitted(ev, 1) == want
     assert eng.stats()["prefill_tokens_total"] == 100
 
 
@@ -141,7 +130,7 @@ def test_a_long_prefill_is_spread_over_the_decode_rounds_a_short_one_goes_whole(
         on_partial_emit=on_partial,
     )
     assert ev.tick_status == TickStatus.OK
-    assert len(_emitted(coord, ev, 2)) == 4
+    assert len(coord.emitted(ev, 2)) == 4
     # one token per round; a long prompt spread evenly over the 4 rounds, a short one whole in the
     # first (at least MIN_ROUND_FEED rows a round)
     assert seen == want

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 from lc_harness import admit, ignore_eos, make_prompt
 
 from basertd.schema.abi import Finish, ShedKind, TickStatus
@@ -14,17 +13,6 @@ from basertd.schema.tick import LaneDecode, LanePrefill
 from basertd.shm import ControlBlock, YieldReason
 
 STEP = 16
-
-
-@pytest.fixture
-def control():
-    block = ControlBlock.create()
-    yield block
-    block.close()
-
-
-def _emitted(coord, ev, tag):
-    return [t for e in ev.emits if e.lane_tag == tag and e.n_tokens for t in coord.read(e.token_ref)]
 
 
 def _unyielded(make_engine, prompt, n_new):
@@ -35,7 +23,7 @@ def _unyielded(make_engine, prompt, n_new):
         decodes=[LaneDecode(lane_tag=1, max_new_tokens=n_new)],
     )
     assert eng.stats()["yields_total"] == 0
-    return _emitted(coord, ev, 1)
+    return coord.emitted(ev, 1)
 
 
 def test_a_yielded_prefill_is_a_shed_chunk_and_resumes_token_exact(make_engine, control):
@@ -57,7 +45,7 @@ def test_a_yielded_prefill_is_a_shed_chunk_and_resumes_token_exact(make_engine, 
     assert (s.lane_tag, s.kind, s.tokens) == (1, ShedKind.PREFILL_CHUNK, 100 - STEP)
     lane = eng.lanes[1]
     assert lane.prefilled == lane.kv_len == STEP
-    assert _emitted(coord, ev, 1) == []  # its decode waits for the prefill (ABI rule 47)
+    assert coord.emitted(ev, 1) == []  # its decode waits for the prefill (ABI rule 47)
     assert eng.stats()["yields_total"] == 1 and control.yields_taken == 1
     control.clear_yield()
     ev = coord.tick(
@@ -65,7 +53,7 @@ def test_a_yielded_prefill_is_a_shed_chunk_and_resumes_token_exact(make_engine, 
         decodes=[LaneDecode(lane_tag=1, max_new_tokens=8)],
     )
     assert ev.tick_status == TickStatus.OK
-    assert _emitted(coord, ev, 1) == want
+    assert coord.emitted(ev, 1) == want
     assert eng.stats()["prefill_tokens_total"] == 100
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from basertd.native import abi as nabi
 from basertd.schema.abi import Status
 from basertd.schema.rejection import PLAN_REJECTION_RANGE, PlanRejected
-from basertd.server import link, link_errors
+from basertd.server import link_errors
 from basertd.worker.engines import base
 
 
@@ -14,7 +14,7 @@ def test_every_layer_raises_the_schema_class():
     # ``except PlanRejected`` means the same refusal wherever it is written.
     assert nabi.PlanRejected is PlanRejected
     assert base.PlanRejected is PlanRejected
-    assert link.PlanRejected is PlanRejected and link_errors.PlanRejected is PlanRejected
+    assert link_errors.PlanRejected is PlanRejected
     assert nabi.PLAN_REJECTION_RANGE is PLAN_REJECTION_RANGE
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from basertd.schema.abi import RingKind, RingRole, Status
+from basertd.schema.abi import RingKind, RingRole, Status, status_name
 from basertd.schema.rejection import PlanRejected as PlanRejected  # the one refused-plan error
 from basertd.schema.tick import (
     CacheKey,
@@ -42,12 +42,9 @@ class EngineError(Exception):
     """A call refused by the engine with an ABI ``Status``; nothing changed (RULES.md preamble)."""
 
     def __init__(self, status: Status | int, message: str = "") -> None:
-        try:
-            status = Status(status)
-        except ValueError:
-            pass
+        status = Status.of(status)
         self.status = status
-        name = status.name if isinstance(status, Status) else str(status)
+        name = status_name(status)
         super().__init__(f"{name}: {message}" if message else name)
 
 

@@ -734,11 +734,11 @@ class LlamaCppEngine(Engine):
             active = [t for t in decode_order if sc.grant.get(t, 0) > 0 and t in self.lanes]
             if not active and not feed:
                 break
-            if sc.steps and self._yield_requested() and not self._replaying(active):
+            sc.replaying = self._replaying(active)
+            if sc.steps and not sc.replaying and self._yield_requested():
                 sc.yielded = True  # decode lanes keep the tokens they have (finish NONE)
                 break
             self._grammar_fill(active)
-            sc.replaying = self._replaying(active)
             self._round(active, feed, sc)
             feed = [ln for ln in feed if ln.tag in self.lanes and ln.kv_len < ln.prefilled]
             if sc.on_partial is not None:
