@@ -149,15 +149,18 @@ def test_rule_128_ref_is_stale_after_slots_writes(rig):
 
 # ABI rule 129
 def test_rule_129_concurrent_reader_sees_whole_payloads(make_rig):
-    spans, width = 300, 8
-    script = [3 + (j % 200) for j in range(spans) for _ in range(width)]  # each span: 8 equal ids
+    spans, most, width = 300, 500, 8
+    script = [3 + (j % 200) for j in range(most) for _ in range(width)]  # each span: 8 equal ids
     rig = make_rig(
         scripted_tokens=script, context_length=4096, rig_kw=dict(token_slot_elems=width, emit_slots=2)
     )
     reader, stop = rig.emit, threading.Event()
     whole, stale, torn = [0], [0], []
 
+    running = threading.Event()
+
     def read_loop():
+        running.set()
         while not stop.is_set():
             for index in (0, 1):
                 gen = reader.slot_generation(index)
@@ -175,8 +178,15 @@ def test_rule_129_concurrent_reader_sees_whole_payloads(make_rig):
     thread = threading.Thread(target=read_loop)
     rig.start(1, [5, 6, 7])
     thread.start()
+    running.wait(10)
     try:
         for _ in range(spans):
+            rig.tick(decodes=[D(1, width)])
+        # On a loaded box the reader thread may not have been scheduled during those ticks: keep
+        # writing until it has read whole payloads (within the script and the context).
+        for _ in range(most - spans):
+            if whole[0] >= 10:
+                break
             rig.tick(decodes=[D(1, width)])
     finally:
         stop.set()
