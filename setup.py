@@ -100,7 +100,7 @@ setup(
     package_data={
         "basertd.native": ["*.h"],
         "basertd.native.ref_engine": ["*.h"],
-        "basertd.server.chat_templates": ["*.jinja"],
+        "basertd.server.transport.http.chat_templates": ["*.jinja"],
     },
     ext_modules=_ref_engine(),
     cffi_modules=_cffi_modules(),

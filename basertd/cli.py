@@ -7,7 +7,7 @@ configuration (the message names the key; also an HTTP listener on a non-loopbac
 without ``[http] api_key_file``, one line), 1 when the daemon cannot start (socket in use, model
 unavailable, state directory locked, write-ahead log corrupt, ...). ``--wal-recover=truncate``
 starts on a corrupt write-ahead log by keeping it up to the corrupt record (the rest is renamed
-``*.corrupt``; ``basertd.server.wal``); the default, ``refuse``, does not start and says so.
+``*.corrupt``; ``basertd.server.durability.wal``); the default, ``refuse``, does not start and says so.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def serve(config_path: str | None, http: tuple[str, ...], wal_recover: str) -> N
         sys.exit(2)
     from basertd.models import ModelUnavailable
     from basertd.server.daemon import configure_logging, run
-    from basertd.server.tokenizer import TokenizerError
-    from basertd.server.wal import WalError
+    from basertd.server.durability.wal import WalError
+    from basertd.server.request.tokenizer import TokenizerError
 
     configure_logging(config.log_level)
     try:

@@ -578,7 +578,7 @@ def config() -> None:
 @click.pass_context
 def config_check(ctx: click.Context, file: Path, as_json: bool) -> None:
     """Validate FILE as basertd would, here, without a daemon; exit 1 when it has errors."""
-    from basertd.server.control import check_config_text
+    from basertd.server.ops.control import check_config_text
 
     try:
         text = file.read_text()
@@ -615,7 +615,7 @@ def wal_check(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None
     when it is clean or only torn by a crash (the start drops the torn tail), 1 when it is corrupt
     (the start refuses; `basertd serve --wal-recover=truncate` drops it from the bad record on)."""
     from basertd.server.config import resolve_state_dir
-    from basertd.server.wal_recover import check_log
+    from basertd.server.durability.wal_recover import check_log
 
     path = state_dir or resolve_state_dir(None, create=False)
     try:

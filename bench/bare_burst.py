@@ -15,7 +15,7 @@ import numpy as np
 
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, SamplingParams, TickPlan
-from basertd.server.worker_proc import SyncWorker, WorkerSpec
+from basertd.server.workers.process import SyncWorker, WorkerSpec
 
 
 class BareBurst:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from basertd.server.wal import Journal, RequestRecord
+from basertd.server.durability.wal import Journal, RequestRecord
 
 
 def run(journal: Journal, seconds: float, lanes: int, grant: int, fsyncs: list[float]) -> dict:

@@ -11,7 +11,7 @@ steps (and a repetition ends early should a constrained lane complete its gramma
 
 Compile time: ``grammar_create`` of a fresh schema on a warm engine (llguidance compile plus the
 matcher build against the cached tokenizer), the first call's extra cost (the per-model tokenizer
-build), and the coordinator's validation (``basertd.server.grammar``, no tokenizer).
+build), and the coordinator's validation (``basertd.server.request.grammar``, no tokenizer).
 
     .venv/bin/python bench/bench_grammar.py [--model PATH] [--threads 2] [--steps 32] [--reps 3]
 
@@ -32,7 +32,7 @@ import numpy as np
 
 from basertd.schema.abi import Finish, RingKind, RingRole, SamplingFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, SamplingParams, TickPlan
-from basertd.server.grammar import schema_spec
+from basertd.server.request.grammar import schema_spec
 from basertd.shm import RingReader, RingWriter, Segment, ring_bytes, slot_bytes_for
 from basertd.worker.engines.base import RingMapping
 from basertd.worker.engines.llamacpp import LlamaCppEngine

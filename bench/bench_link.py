@@ -47,7 +47,7 @@ from worker_plans import (
 
 from basertd.native.ref import RefConfig
 from basertd.schema.abi import TickFlag
-from basertd.server.worker_proc import RingGeometry, SyncWorker, WorkerSpec
+from basertd.server.workers.process import RingGeometry, SyncWorker, WorkerSpec
 
 
 def ref_config(lanes: int) -> RefConfig:

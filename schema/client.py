@@ -24,7 +24,7 @@ import msgspec
 
 class QosClass(StrEnum):
     """The QoS class of a request, highest first (DESIGN.md "Scheduling"); the definition order is
-    the rank order (``basertd.server.qos``). A ``StrEnum``: on the wire and in labels it is the
+    the rank order (``basertd.server.sched.qos``). A ``StrEnum``: on the wire and in labels it is the
     plain name."""
 
     INTERACTIVE = "interactive"

@@ -20,8 +20,8 @@ from daemon_harness import Daemon
 from basertd.schema import client as api
 from basertd.schema.abi import AdmitStatus, Finish
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, TickPlan
-from basertd.server.requests import sampler_for
-from basertd.server.worker_proc import SyncWorker, WorkerSpec
+from basertd.server.request.record import sampler_for
+from basertd.server.workers.process import SyncWorker, WorkerSpec
 
 __all__ = [
     "MARGIN_TOL",

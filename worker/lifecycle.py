@@ -6,7 +6,7 @@
   or a subreaper). SIGKILL, not SIGTERM: a worker whose coordinator is gone has nobody to send
   results to, and an engine stuck inside a tick must not keep a GPU forever. Nothing the worker
   holds outlives it (memfds and sockets close with the process; the ipc endpoint belongs to the
-  coordinator). The signal fires when the parent *thread* exits (see ``basertd.server.worker_proc``).
+  coordinator). The signal fires when the parent *thread* exits (see ``basertd.server.workers.process``).
 - ``parent_alive(expected_ppid)``: the periodic check the link loop runs while idle, as a backstop.
 - ``StopSignals``: SIGTERM and SIGINT set a flag (the tick in flight finishes and its result is
   sent, then the worker exits 0) and write a byte to a self-pipe (``signal.set_wakeup_fd``) whose

@@ -1,6 +1,6 @@
 """``basertd-worker``: one engine process per device (DESIGN.md "Processes").
 
-Started by the coordinator (``basertd.server.worker_proc``), never by hand in production::
+Started by the coordinator (``basertd.server.workers.process``), never by hand in production::
 
     basertd-worker --worker-id 0 --link ipc:///run/basertd/basertd-w0-x/link.sock --parent-pid 1234 \\
         --ring 1:prompt:5:4096:272 --ring 2:emit:6:4096:80 --ring 3:logits:7:8:4112 \\

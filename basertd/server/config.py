@@ -86,7 +86,7 @@ Example (every key shown with its default)::
 Paths: ``resolve_runtime_dir`` and ``default_socket_path`` are the one place the runtime directory
 rule lives; ``basertctl`` and the client library use them too.
 ``resolve_state_dir`` is the one place the state directory rule lives (the write-ahead log,
-``basertd.server.wal``).
+``basertd.server.durability.wal``).
 """
 
 from __future__ import annotations
@@ -137,8 +137,9 @@ class WorkerConfig(_Section):
     ``lanes``: concurrent generations; ``context_length``: tokens per lane (prompt + generated);
     ``threads``: engine CPU threads; ``engine_args``: extra ``basertd-worker`` flags passed as is.
     ``chat_template``: the chat template of the HTTP chat endpoint: a file path or the name of a
-    template shipped with basertd (``basertd.server.chat_template``); "" = the model's own (GGUF
-    ``tokenizer.chat_template``), or the shipped Gemma template for the default model."""
+    template shipped with basertd (``basertd.server.transport.http.chat_template``); "" = the
+    model's own (GGUF ``tokenizer.chat_template``), or the shipped Gemma template for the default
+    model."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""
@@ -162,14 +163,14 @@ class SchedulerConfig(_Section):
     queued requests per QoS class and worker; ``max_queued_tokens``: queued prompt tokens per
     worker; ``partial_emits``: ask the worker for mid-tick token deltas (ABI rule 64).
 
-    QoS (``basertd.server.qos``): ``preempt``: an interactive request that finds no lane preempts
+    QoS (``basertd.server.sched.qos``): ``preempt``: an interactive request that finds no lane preempts
     the lowest-class lane (it resumes exactly, ABI rules 71-73); ``aging_s``: seconds after which a
     queued request competes one class higher (0: strict class order); ``lane_caps``: most live
     lanes per class (0 or absent: no cap).
 
     ``stall_timeout_s``: the progress watchdog's bound (seconds): a worker with work waiting that
     completes no tick for this long is reported stalled (``/health``), its worker restarted and
-    its stuck work failed (``basertd.server.watchdog``).
+    its stuck work failed (``basertd.server.sched.watchdog``).
 
     ``max_crash_resumes``: a worker that dies is a preemption of its lanes (each resumes exactly on
     the respawned worker); a request running at this many crashes of its worker in a row, with no
@@ -209,7 +210,7 @@ class CacheConfig(_Section):
     plan (the plan's ShedPolicy); ``max_evict_bytes_per_tick``: cap of that eviction (bytes, 0 = no
     cap).
 
-    The policy (``basertd.server.cache_policy``): ``enabled``: admit requests seeded from cached
+    The policy (``basertd.server.cache.policy``): ``enabled``: admit requests seeded from cached
     prefixes, coalesce shared prefixes and hold pins (needs ``publish_on_retire``);
     ``coalesce_min_tokens``: queued requests sharing at least this many uncached prompt tokens with
     a prefilling lane or an earlier request wait for it and prefill them once (0: off);
@@ -274,7 +275,7 @@ class OperatorsConfig(_Section):
 
 
 class DurabilityConfig(_Section):
-    """The write-ahead log (``basertd.server.wal``; DESIGN.md "Crash = preemption; acceptance is
+    """The write-ahead log (``basertd.server.durability.wal``; DESIGN.md "Crash = preemption; acceptance is
     durable").
 
     ``mode``: "tick" journals accepted requests, their tokens and completions in ``state_dir``
@@ -289,7 +290,7 @@ class DurabilityConfig(_Section):
 
 class MetricsConfig(_Section):
     """Metrics knobs (docs/scale-out.md). ``vllm_compat``: also export the ``vllm:*`` series the
-    Gateway API Inference Extension's endpoint picker reads (``basertd.server.metrics``)."""
+    Gateway API Inference Extension's endpoint picker reads (``basertd.server.observe.metrics``)."""
 
     vllm_compat: bool = True
 
@@ -298,7 +299,7 @@ _ZMQ_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 
 
 class KvEventsConfig(_Section):
-    """KV-cache events in vLLM's wire format (``basertd.server.kv_events``, docs/scale-out.md).
+    """KV-cache events in vLLM's wire format (``basertd.server.observe.kv_events``, docs/scale-out.md).
 
     ``endpoint``: the ZMQ PUB address ("" = off); it binds when it holds ``*`` or ``::`` or is
     ``ipc://`` / ``inproc://``, else connects (vLLM's rule); a bound endpoint is per worker: worker
@@ -333,7 +334,7 @@ class KvEventsConfig(_Section):
 
 class LimitsConfig(_Section):
     """Resource caps of the client socket (DESIGN.md "Client API"), enforced by
-    ``basertd.server.api``.
+    ``basertd.server.transport.socket_server``.
 
     ``max_connections``: open client connections in all; ``max_connections_per_uid``: open
     connections of one peer uid (SO_PEERCRED); a connection over either cap gets
@@ -385,7 +386,7 @@ def is_loopback(host: str) -> bool:
 
 
 class HttpConfig(_Section):
-    """The OpenAI-compatible HTTP API (``basertd.server.http``).
+    """The OpenAI-compatible HTTP API (``basertd.server.transport.http``).
 
     ``listen``: ``"HOST:PORT"`` and ``"unix:PATH"`` entries ([] = no HTTP; ``basertd serve --http``
     replaces the list); ``api_key_file``: a file of API keys, one per line (blank lines and lines
@@ -394,7 +395,7 @@ class HttpConfig(_Section):
     are authorised by the socket's mode (``socket_mode``) and peer credentials instead.
     ``max_body_bytes``: largest request body (bytes), larger ones are refused 413.
     ``resume_grace_s``: seconds a streamed request keeps running after its client went away, for a
-    reconnect with ``Last-Event-ID`` (``basertd.server.http.resume``); 0 = cancel at once."""
+    reconnect with ``Last-Event-ID`` (``basertd.server.transport.http.resume``); 0 = cancel at once."""
 
     listen: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8000"])
     api_key_file: str = ""

@@ -4,7 +4,7 @@
 private 0700 ``workers-<pid>/`` directory holding each worker's ``ipc://`` endpoint), the
 ``Fleet`` (every worker's supervisor, scheduler and tokenizer, and routing), the ``Frontend``
 (admission of every API's requests), the native API on the client socket (``NativeService`` over
-``ApiServer``), the OpenAI-compatible HTTP API (``basertd.server.http``, ``[http] listen`` and
+``ApiServer``), the OpenAI-compatible HTTP API (``basertd.server.transport.http``, ``[http] listen`` and
 systemd sockets named ``http``), the control verbs (``ControlService``, which sees the daemon
 through its narrow
 ``ControlHost`` protocol), metrics, drain, reload and systemd notification. It keeps only
@@ -14,19 +14,19 @@ lifecycle: start, stop, drain, reload, notify.
 queued or running with SHUTTING_DOWN, closes every worker (SHUTDOWN, then SIGKILL after a grace
 period; reaped), and removes the socket and the runtime files it created.
 
-Durability (``basertd.server.durable``): the write-ahead log in ``state_dir`` is opened (locked,
+Durability (``basertd.server.durability.durable``): the write-ahead log in ``state_dir`` is opened (locked,
 recovered) before any worker starts; every unfinished request it holds is queued again and runs
 on from its durable tokens; it is closed last, after the schedulers stopped. With ``[durability]
 mode = "tick"`` a stop hands over: what it ends with SHUTTING_DOWN stays unfinished in the log and
 the next start runs it on (clients ``Resume``).
 
-Operators (DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.drain``: new requests
+Operators (DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.frontend.drain``: new requests
 refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are cancelled
 typed, or with durability on handed over to the next start) and then stops, exit status 0; a
 second SIGTERM, or SIGINT, stops at once. SIGHUP reloads
-the configuration file (``basertd.server.reload``). systemd gets READY=1 once every worker has
+the configuration file (``basertd.server.ops.reload``). systemd gets READY=1 once every worker has
 handshaken, STATUS= lines and watchdog pings, and the client socket may come from ``LISTEN_FDS``
-(``basertd.server.notify``).
+(``basertd.server.observe.notify``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ import structlog
 
 from basertd import __version__
 from basertd.schema.client import ErrorCode
-from basertd.server.api import ApiServer
-from basertd.server.cache_verbs import PolicyCacheControl
 from basertd.server.config import (
     Config,
     ConfigError,
@@ -55,17 +53,17 @@ from basertd.server.config import (
     resolve_state_dir,
     socket_path,
 )
-from basertd.server.control import CacheControl, ControlService
-from basertd.server.drain import Drainer
-from basertd.server.durable import Durability
+from basertd.server.durability.durable import Durability
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_recover import RecoverMode
 from basertd.server.fleet import Fleet
-from basertd.server.frontend import Frontend
-from basertd.server.http.app import HttpServer
-from basertd.server.kv_events import KvEventsHub, start_kv_events
-from basertd.server.metrics import Metrics
-from basertd.server.metrics_vllm import VllmWorker, bind_vllm
-from basertd.server.native_api import NativeService
-from basertd.server.notify import (
+from basertd.server.frontend.admission import Frontend
+from basertd.server.frontend.drain import Drainer
+from basertd.server.frontend.restart import requeue
+from basertd.server.observe.kv_events import KvEventsHub, start_kv_events
+from basertd.server.observe.metrics import Metrics
+from basertd.server.observe.metrics_vllm import VllmWorker, bind_vllm
+from basertd.server.observe.notify import (
     HTTP_FD_NAME,
     Notifier,
     Watchdog,
@@ -74,15 +72,18 @@ from basertd.server.notify import (
     listen_fds,
     watchdog_interval,
 )
-from basertd.server.peercred import OperatorPolicy
-from basertd.server.reload import apply_reload
-from basertd.server.requests import GenerationRequest
-from basertd.server.runtime_files import remove_stale_worker_dirs
-from basertd.server.scheduler import Scheduler
+from basertd.server.ops.cache_verbs import PolicyCacheControl
+from basertd.server.ops.control import CacheControl, ControlService
+from basertd.server.ops.reload import apply_reload
+from basertd.server.ops.runtime_files import remove_stale_worker_dirs
+from basertd.server.request.record import GenerationRequest
+from basertd.server.sched.loop import Scheduler
 from basertd.server.states import DaemonState, HealthStatus, SlotState
-from basertd.server.supervisor import WorkerSlot
-from basertd.server.wal import Journal
-from basertd.server.wal_recover import RecoverMode
+from basertd.server.transport.http.app import HttpServer
+from basertd.server.transport.native_api import NativeService
+from basertd.server.transport.peercred import OperatorPolicy
+from basertd.server.transport.socket_server import ApiServer
+from basertd.server.workers.slot import WorkerSlot
 
 log = structlog.get_logger("basertd.daemon")
 
@@ -197,7 +198,7 @@ class Daemon:
         await fleet.build()
         self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state, self.durability)
         self.durability.start()
-        resumed = self.durability.requeue(fleet)
+        resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
         if self.kv_events is not None:
             self.metrics.registry.register(self.kv_events.collector())
@@ -222,7 +223,7 @@ class Daemon:
                 cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
             )
             await self.http.start()
-        self.metrics.bind(lambda: fleet.live_state(self.drainer), VERSION)
+        self.metrics.bind(lambda: fleet.live_state(self.drainer.in_flight, self.drainer.draining), VERSION)
         if cfg.metrics.vllm_compat:
             bind_vllm(self.metrics, self._vllm_workers)
         address = cfg.operators.metrics_address()
@@ -269,7 +270,7 @@ class Daemon:
                 on_commit=self.metrics.wal_commit,
             )
             log.info("journal_opened", state_dir=str(state_dir), epoch=journal.epoch)
-        return Durability(journal, self.metrics, self.drainer, on_failed=self.request_stop)
+        return Durability(journal, self.metrics, on_failed=self.request_stop)
 
     async def _notify_ready(self) -> None:
         """READY=1 once every worker has handshaken, then a STATUS= line whenever it changes."""
@@ -348,7 +349,7 @@ class Daemon:
 
     def reload(self) -> None:
         """Re-read the configuration file and apply what can change at run time
-        (``basertd.server.reload``); a file that does not validate changes nothing (logged)."""
+        (``basertd.server.ops.reload``); a file that does not validate changes nothing (logged)."""
         if self.config_path is None:
             log.warning("reload_skipped", reason="started without a configuration file")
             return
@@ -431,7 +432,7 @@ class Daemon:
         log.info("daemon_stopped")
 
     def _vllm_workers(self) -> list[VllmWorker]:
-        """Each worker as the ``vllm:*`` metrics see it (``basertd.server.metrics_vllm``)."""
+        """Each worker as the ``vllm:*`` metrics see it (``basertd.server.observe.metrics_vllm``)."""
         return [
             VllmWorker(
                 worker_id=m.worker_id,
@@ -458,7 +459,7 @@ async def run(
     """Run the daemon until it is told to stop; returns the exit status (0). Signals (DESIGN.md "Operators"):
     SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
     once); SIGINT stops at once; SIGHUP reloads ``config_path``. ``wal_recover``: what to do with a
-    corrupt write-ahead log (``basertd.server.wal.Journal.open``'s ``recover``)."""
+    corrupt write-ahead log (``basertd.server.durability.wal.Journal.open``'s ``recover``)."""
     daemon = Daemon(config, config_path=config_path, wal_recover=wal_recover)
     loop = asyncio.get_running_loop()
     installed = []

@@ -21,18 +21,17 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
-from basertd.server.cache_policy import WorkerCache
-from basertd.server.cache_policy import route as route_by_prefix
+from basertd.server.cache.policy import WorkerCache
+from basertd.server.cache.policy import route as route_by_prefix
 from basertd.server.config import Config, WorkerConfig
-from basertd.server.drain import Drainer
-from basertd.server.link_errors import LinkError
-from basertd.server.metrics import LiveState, Metrics, WorkerState
-from basertd.server.requests import QOS_CLASSES, AdmissionError
-from basertd.server.scheduler import Scheduler, WorkerLimits
+from basertd.server.observe.metrics import LiveState, Metrics, WorkerState
+from basertd.server.request.record import QOS_CLASSES, AdmissionError
+from basertd.server.request.tokenizer import Tokenizer, TokenizerError, make_tokenizer
+from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
-from basertd.server.supervisor import WorkerSlot
-from basertd.server.tokenizer import Tokenizer, TokenizerError, make_tokenizer
-from basertd.server.worker_specs import prefix_cache_usable, worker_spec
+from basertd.server.workers.link_errors import LinkError
+from basertd.server.workers.slot import WorkerSlot
+from basertd.server.workers.specs import prefix_cache_usable, worker_spec
 
 log = structlog.get_logger("basertd.fleet")
 
@@ -313,11 +312,10 @@ class Fleet:
             return None
         return dict(pong.stats or {})
 
-    def live_state(self, drainer: Drainer) -> LiveState:
-        """The load gauges and engine counters of every worker now (call on the event loop)."""
-        state = LiveState(
-            queue_depth=self.queued_by_class(), in_flight=drainer.in_flight, draining=drainer.draining
-        )
+    def live_state(self, in_flight: int, draining: bool) -> LiveState:
+        """The load gauges and engine counters of every worker now (call on the event loop), with
+        the daemon's ``in_flight`` request count and ``draining`` flag (``Drainer``)."""
+        state = LiveState(queue_depth=self.queued_by_class(), in_flight=in_flight, draining=draining)
         for m in self.members:
             sched, slot = m.scheduler, m.slot
             mem = sched.last_mem

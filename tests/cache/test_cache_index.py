@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from basertd.schema.tick import MatchCandidate, MatchResult, SpaceMatch
-from basertd.server.cache_policy import best_candidate, eviction_target, route
-from basertd.server.coalescing import PrefillingLane, QueuedPrompt, coalesce
-from basertd.server.prefix_index import PrefixIndex, lcp_pages, page_hashes
+from basertd.server.cache.coalescing import PrefillingLane, QueuedPrompt, coalesce
+from basertd.server.cache.policy import best_candidate, eviction_target, route
+from basertd.server.cache.prefix_index import PrefixIndex, lcp_pages, page_hashes
 
 PAGE = 4
 

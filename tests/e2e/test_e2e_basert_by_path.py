@@ -26,8 +26,8 @@ from serving_harness import DirectRun, engine_stats
 from basertd.native import header_path, ref_engine_path
 from basertd.native.ref import write_ref_bundle
 from basertd.schema import client as api
-from basertd.server.tokenizer import BaseRTTokenizer
-from basertd.server.worker_proc import WorkerSpec
+from basertd.server.request.tokenizer import BaseRTTokenizer
+from basertd.server.workers.process import WorkerSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 LANES = 4

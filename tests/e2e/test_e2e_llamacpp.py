@@ -12,7 +12,7 @@ from serving_harness import DirectRun
 from basertd.client import AsyncClient, ClientError
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
-from basertd.server.worker_proc import WorkerSpec
+from basertd.server.workers.process import WorkerSpec
 
 LANES = 4
 CONTEXT = 256

@@ -1,7 +1,7 @@
 """End to end on the C reference engine: a real ``basertd serve``, real workers, real sockets and
 shared memory. The reference engine is deterministic (next token = hash of the committed
 tokens and the RNG counter), so every output is checked token for token against a direct engine
-run of the same prompt through ``basertd.server.worker_proc.SyncWorker``."""
+run of the same prompt through ``basertd.server.workers.process.SyncWorker``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from basertd.client import AsyncClient, ClientError, ConnectionLost
 from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
-from basertd.server.tokenizer import BytesTokenizer, IncrementalDetokenizer
+from basertd.server.request.tokenizer import BytesTokenizer, IncrementalDetokenizer
 
 REF = {"vocab_size": 259, "eos_token": 2, "eos_period": 48, "tick_delay_us": 1000}
 LANES = 8

@@ -22,10 +22,11 @@ from serving_harness import access_lines, tiny_toml
 from basertd.client import AsyncClient, ClientError
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
-from basertd.server import durable, grammar
-from basertd.server.requests import GenerationRequest, sampler_for
-from basertd.server.tokenizer import BytesTokenizer
-from basertd.server.wal import RequestRecord
+from basertd.server.durability import durable
+from basertd.server.durability.wal import RequestRecord
+from basertd.server.request import grammar
+from basertd.server.request.record import GenerationRequest, sampler_for
+from basertd.server.request.tokenizer import BytesTokenizer
 
 PERSON = {
     "type": "object",

@@ -121,7 +121,7 @@ def test_a_schema_that_does_not_compile_bounded_compiles_as_given(monkeypatch):
 
 
 def test_tool_choice_auto_bounds_the_numbers_of_the_tool_schema_it_inlines():
-    from basertd.server.grammar import tool_grammar
+    from basertd.server.request.grammar import tool_grammar
 
     tools = [
         {

@@ -1,4 +1,4 @@
-"""The coordinator's grammar layer (basertd.server.grammar): request fields to validated specs,
+"""The coordinator's grammar layer (basertd.server.request.grammar): request fields to validated specs,
 tool-call grammars and the tool-call parser; specs run on the tiny GGUF through the engine."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from basertd.schema import link
 from basertd.schema.abi import Finish, Sampling
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
-from basertd.server import grammar as sg
+from basertd.server.request import grammar as sg
 
 WEATHER = {
     "type": "object",

@@ -9,14 +9,14 @@ import ctypes
 import llama_cpp
 import pytest
 
-from basertd.server.chat_template import (
+from basertd.server.request.tokenizer import GgufTokenizer
+from basertd.server.transport.http.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     load_template_text,
     shipped_templates,
     template_source,
 )
-from basertd.server.tokenizer import GgufTokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "hello world"}],

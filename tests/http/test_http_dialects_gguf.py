@@ -14,8 +14,8 @@ import ollama
 import pytest
 from daemon_harness import Daemon
 
-from basertd.server.chat_template import ChatTemplate, load_template_text
-from basertd.server.tokenizer import GgufTokenizer
+from basertd.server.request.tokenizer import GgufTokenizer
+from basertd.server.transport.http.chat_template import ChatTemplate, load_template_text
 
 T0 = {"temperature": 0}
 """Greedy (the anthropic SDK takes sampling fields only through extra_body)."""

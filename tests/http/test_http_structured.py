@@ -21,9 +21,9 @@ import openai
 import pytest
 from daemon_harness import Daemon
 
-from basertd.server import grammar
-from basertd.server.chat_template import ChatTemplate, ChatTemplateError, load_template_text
-from basertd.server.http import tool_calls
+from basertd.server.request import grammar
+from basertd.server.transport.http import tool_calls
+from basertd.server.transport.http.chat_template import ChatTemplate, ChatTemplateError, load_template_text
 
 MODELS = {"tiny-llama": "chatml", "tiny-gemma3": "gemma"}
 MAX = 256

@@ -2,7 +2,8 @@
 only from vLLM's documented event types (``vllm_subscriber``): every batch decodes, and replaying
 the stream reconstructs exactly the pages ``basertctl cache ls`` shows after a shared-prefix burst,
 an eviction under pool pressure, a pin, ``cache evict`` and a worker restart; the replay socket
-returns what a subscriber missed while it was away (docs/scale-out.md, ``basertd.server.kv_events``)."""
+returns what a subscriber missed while it was away (docs/scale-out.md,
+``basertd.server.observe.kv_events``)."""
 
 from __future__ import annotations
 

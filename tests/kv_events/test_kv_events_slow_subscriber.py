@@ -1,5 +1,5 @@
 """A subscriber that never reads does not slow ticks, and what it makes the publisher drop is
-counted (``basertd_kv_events_dropped_total``; ``basertd.server.kv_events``: bounded queue,
+counted (``basertd_kv_events_dropped_total``; ``basertd.server.observe.kv_events``: bounded queue,
 ``XPUB_NODROP`` with a high-water mark, the dropped batch stays replayable)."""
 
 from __future__ import annotations

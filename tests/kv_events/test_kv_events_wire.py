@@ -1,6 +1,6 @@
 """The publisher's endpoints and wire without a daemon: vLLM's bind-or-connect rule, per-worker
 addresses, every worker's batches tagged with its rank and the expanded topic, and a PrefixIndex
-observer reporting runs of new pages (``basertd.server.kv_events``)."""
+observer reporting runs of new pages (``basertd.server.observe.kv_events``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from vllm_subscriber import Subscriber
 
+from basertd.server.cache.prefix_index import PrefixIndex, page_hashes
 from basertd.server.config import ConfigError, KvEventsConfig, parse_config
-from basertd.server.kv_events import binds, offset_endpoint, start_kv_events
-from basertd.server.prefix_index import PrefixIndex, page_hashes
+from basertd.server.observe.kv_events import binds, offset_endpoint, start_kv_events
 
 
 def test_endpoint_rules():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from basertd.server.cache_counters import CacheCounters, WorkerCacheCounts
-from basertd.server.metrics import Metrics
+from basertd.server.observe.cache_counters import CacheCounters, WorkerCacheCounts
+from basertd.server.observe.metrics import Metrics
 
 
 def test_first_admissions_count_hits_misses_and_tokens_per_worker():

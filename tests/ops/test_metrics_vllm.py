@@ -1,5 +1,5 @@
 """The vLLM-named metrics the Inference Extension's endpoint picker reads (``[metrics]
-vllm_compat``, ``basertd.server.metrics_vllm``): under load they equal the daemon's own queue,
+vllm_compat``, ``basertd.server.observe.metrics_vllm``): under load they equal the daemon's own queue,
 lane and KV counts in the same scrape, they read 0 when idle, ``cache_config_info`` names the
 engine's page size and pool, the prefix-cache counters count each request's prompt once (a
 coalescing checkpoint's re-admission is not counted again), and ``vllm_compat = false`` hides

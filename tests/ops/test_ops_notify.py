@@ -20,7 +20,7 @@ from ops_harness import NotifyListener, listening_socket, ref_worker
 from basertd.client import AsyncClient, Client, ClientError, ErrorCode
 from basertd.schema import control
 from basertd.server.config import parse_config
-from basertd.server.notify import (
+from basertd.server.observe.notify import (
     Heartbeat,
     Notifier,
     SocketActivationError,

@@ -19,7 +19,7 @@ from ops_harness import ref_worker, run_as
 from basertd import ctl
 from basertd.client import Client, ClientError, ErrorCode
 from basertd.schema import control
-from basertd.server.peercred import OperatorPolicy, PeerCredentials, peer_credentials
+from basertd.server.transport.peercred import OperatorPolicy, PeerCredentials, peer_credentials
 
 NOBODY = 65534
 

@@ -14,7 +14,7 @@ from ops_harness import ref_worker
 from basertd.client import ClientError, ErrorCode
 from basertd.schema import control
 from basertd.server.config import parse_config
-from basertd.server.reload import config_changes, effective_config
+from basertd.server.ops.reload import config_changes, effective_config
 
 
 def _wait_event(d: Daemon, name: str, count: int, timeout: float = 10.0) -> dict:

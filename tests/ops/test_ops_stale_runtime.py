@@ -1,5 +1,5 @@
 """Runtime files of a dead coordinator are removed at the next start
-(``basertd.server.runtime_files``): a coordinator killed with SIGKILL leaves ``workers-<pid>/``;
+(``basertd.server.ops.runtime_files``): a coordinator killed with SIGKILL leaves ``workers-<pid>/``;
 the next daemon on that runtime directory removes it, and never a live coordinator's directory."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from daemon_harness import Daemon
 from ops_harness import ref_worker
 
 from basertd.client import Client
-from basertd.server.runtime_files import coordinator_alive, remove_stale_worker_dirs
+from basertd.server.ops.runtime_files import coordinator_alive, remove_stale_worker_dirs
 
 
 def test_only_dirs_of_dead_or_foreign_pids_are_removed(tmp_path):

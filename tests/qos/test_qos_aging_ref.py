@@ -1,4 +1,4 @@
-"""Aging never holds back a fresh interactive request (the rule of ``basertd.server.qos``), end to
+"""Aging never holds back a fresh interactive request (the rule of ``basertd.server.sched.qos``), end to
 end on the reference engine with 20 ms ticks.
 
 Every lane is held by a batch request that was admitted by aging, and more batch requests older

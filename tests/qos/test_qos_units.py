@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from basertd.server.plan import Candidate, LaneView, PlanLimits, build_plan
-from basertd.server.qos import LaneCaps, admission_order, choose_victim, effective_rank
+from basertd.server.sched.plan_builder import Candidate, LaneView, PlanLimits, build_plan
+from basertd.server.sched.qos import LaneCaps, admission_order, choose_victim, effective_rank
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from basertd.native import abi as nabi
 from basertd.schema.abi import Status
 from basertd.schema.rejection import PLAN_REJECTION_RANGE, PlanRejected
-from basertd.server import link_errors
+from basertd.server.workers import link_errors
 from basertd.worker.engines import base
 
 

@@ -22,13 +22,13 @@ from basertd.schema.tick import (
     TickEvents,
     TokenRef,
 )
-from basertd.server.cache_policy import Seed
+from basertd.server.cache.policy import Seed
 from basertd.server.config import CacheConfig, SchedulerConfig
-from basertd.server.requests import AdmissionError, GenerationRequest, RequestState, sampler_for
-from basertd.server.scheduler_core import SchedulerCore
-from basertd.server.scheduler_draft import Plan, Resolved
-from basertd.server.tokenizer import BytesTokenizer
-from basertd.server.worker_limits import WorkerLimits
+from basertd.server.request.record import AdmissionError, GenerationRequest, RequestState, sampler_for
+from basertd.server.request.tokenizer import BytesTokenizer
+from basertd.server.sched.core import SchedulerCore
+from basertd.server.sched.draft import Plan, Resolved
+from basertd.server.workers.limits import WorkerLimits
 from basertd.shm import YieldReason
 
 TOK = BytesTokenizer()
@@ -495,7 +495,7 @@ def test_a_hinted_request_that_arrives_while_hints_resolve_waits_for_the_next_pl
 
 
 def test_beside_a_streaming_lane_the_grant_spreads_the_pending_prefill_over_rounds():
-    from basertd.server.scheduler_draft import pending_prefill, plan_limits
+    from basertd.server.sched.draft import pending_prefill, plan_limits
 
     core = make_core(lanes=2, decode_grant=8, long_prefill_budget=1024, max_itl_s=0.5)
     chat, _ = make_req("chat", max_tokens=50, qos="batch", stream=True)

@@ -1,5 +1,5 @@
 """A plan the engine rejects because of one lane, and a scheduler that stalls, end to end on the
-reference engine (``basertd.server.rejects``, ``basertd.server.watchdog``).
+reference engine (``basertd.server.sched.rejects``, ``basertd.server.sched.watchdog``).
 
 The reference engine's test hooks (``basertd.worker.engines.ref_hooks.HookedEngine``) reject every
 plan that admits a lane with a marked ``top_k`` (as an out-of-range value would be), or hang the

@@ -11,11 +11,11 @@ import pytest
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import LaneLogprob
-from basertd.server.http import openai as oa
-from basertd.server.http.errors import HttpError
-from basertd.server.limits import check_generate, check_logit_bias
-from basertd.server.requests import AdmissionError, GenerationRequest, sampler_for, token_logprobs
-from basertd.server.tokenizer import BytesTokenizer
+from basertd.server.frontend.limits import check_generate, check_logit_bias
+from basertd.server.request.record import AdmissionError, GenerationRequest, sampler_for, token_logprobs
+from basertd.server.request.tokenizer import BytesTokenizer
+from basertd.server.transport.http import openai as oa
+from basertd.server.transport.http.errors import HttpError
 
 TOK = BytesTokenizer()
 

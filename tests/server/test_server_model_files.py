@@ -15,7 +15,7 @@ import pytest
 from tinymodel import tiny_vocab, write_tiny_gguf
 
 from basertd.model_files import diagnose_gguf, load_failure
-from basertd.server.tokenizer import GgufTokenizer, TokenizerError
+from basertd.server.request.tokenizer import GgufTokenizer, TokenizerError
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.model import LlamaModel
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from basertd.server.plan import Candidate, LaneView, PlanLimits, TickRates, build_plan
+from basertd.server.sched.plan_builder import Candidate, LaneView, PlanLimits, TickRates, build_plan
 
 
 def limits(**kw) -> PlanLimits:

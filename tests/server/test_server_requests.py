@@ -7,10 +7,10 @@ import pytest
 from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.client import ErrorCode
-from basertd.server.lanes import RequestQueues, candidate, reservation
-from basertd.server.limits import MAX_GRAMMAR_CHARS, check_generate
-from basertd.server.requests import AdmissionError, GenerationRequest, fold_seed, sampler_for
-from basertd.server.tokenizer import BytesTokenizer
+from basertd.server.frontend.limits import MAX_GRAMMAR_CHARS, check_generate
+from basertd.server.request.record import AdmissionError, GenerationRequest, fold_seed, sampler_for
+from basertd.server.request.tokenizer import BytesTokenizer
+from basertd.server.sched.lanes import RequestQueues, candidate, reservation
 
 TOK = BytesTokenizer()
 

@@ -7,8 +7,9 @@ import pytest
 
 from basertd.schema import client, control
 from basertd.schema.client import QosClass
-from basertd.server import qos, requests
 from basertd.server.config import ConfigError, parse_config
+from basertd.server.request import record as requests
+from basertd.server.sched import qos
 from basertd.server.states import DaemonState, HealthStatus, SlotState
 
 

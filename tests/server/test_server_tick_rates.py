@@ -1,11 +1,11 @@
 """Throughput-first tick budgets from the measured rate curve, bounded by an interactive request or
-the inter-token latency bound (DESIGN.md "Scheduling"; ``basertd.server.plan.TickRates``)."""
+the inter-token latency bound (DESIGN.md "Scheduling"; ``basertd.server.sched.plan_builder.TickRates``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from basertd.server.plan import TickRates, best_chunk, rate_curve
+from basertd.server.sched.plan_builder import TickRates, best_chunk, rate_curve
 
 STATS = {
     "rate_tok_s_b16": 60,

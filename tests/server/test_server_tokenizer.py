@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from basertd.server.tokenizer import (
+from basertd.server.request.tokenizer import (
     BOS_ID,
     BytesTokenizer,
     IncrementalDetokenizer,

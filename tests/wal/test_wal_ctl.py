@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from basertd.server.config import ConfigError, parse_config, resolve_state_dir
-from basertd.server.wal import Journal, RequestRecord
-from basertd.server.wal_format import WAL_DIR, list_segments
+from basertd.server.durability.wal import Journal, RequestRecord
+from basertd.server.durability.wal_format import WAL_DIR, list_segments
 
 BIN = Path(sys.executable).parent
 

@@ -1,6 +1,6 @@
 """The journal on a real state directory: reopen, result expiry, group commit, rotation and
 compaction, the lock and the epoch across real processes, SIGKILL, refuse / truncate, off mode
-(``basertd.server.wal``)."""
+(``basertd.server.durability.wal``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from basertd.schema.client import Usage
-from basertd.server.wal import (
+from basertd.server.durability.wal import (
     Journal,
     JournalFailed,
     JournalUsageError,
@@ -23,8 +23,8 @@ from basertd.server.wal import (
     StateDirLocked,
     WalCorrupt,
 )
-from basertd.server.wal_format import WAL_DIR, list_segments, read_segment
-from basertd.server.wal_recover import plan_recovery
+from basertd.server.durability.wal_format import WAL_DIR, list_segments, read_segment
+from basertd.server.durability.wal_recover import plan_recovery
 
 
 def _rec(rid: str, prompt: list[int] | None = None) -> RequestRecord:
@@ -167,7 +167,7 @@ def test_epoch_grows_with_every_open(tmp_path: Path) -> None:
 
 _CHILD = """
 import sys
-from basertd.server.wal import Journal, RequestRecord
+from basertd.server.durability.wal import Journal, RequestRecord
 j = Journal.open(sys.argv[1])
 j.accepted(RequestRecord(request_id="x", prompt=[1], max_tokens=10**6, seed=1))
 j.commit()

@@ -1,6 +1,6 @@
 """Recovery of a write-ahead log cut, zeroed, flipped or followed by garbage: it is right (the
 state of the last commit wholly on disk) or it fails closed (``WalCorrupt``), never wrong
-(``basertd.server.wal_format``)."""
+(``basertd.server.durability.wal_format``)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wal_testutil import CLOCK, RecordedLog, record_log, snapshot
 
-from basertd.server.wal import Journal
-from basertd.server.wal_format import (
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_format import (
     WAL_DIR,
     Batch,
     Toks,
     WalCorrupt,
     encode_frame,
 )
-from basertd.server.wal_recover import plan_recovery
+from basertd.server.durability.wal_recover import plan_recovery
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.worker_proc import WorkerSpec
+from basertd.server.workers.process import WorkerSpec
 
 
 @pytest.fixture

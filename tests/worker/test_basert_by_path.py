@@ -12,8 +12,8 @@ import pytest
 
 from basertd.native import header_path, ref_engine_path
 from basertd.native.ref import write_ref_bundle
-from basertd.server.tokenizer import BaseRTTokenizer, TokenizerError
-from basertd.server.worker_proc import SyncWorker, WorkerStartError
+from basertd.server.request.tokenizer import BaseRTTokenizer, TokenizerError
+from basertd.server.workers.process import SyncWorker, WorkerStartError
 
 ROOT = Path(__file__).resolve().parents[2]
 

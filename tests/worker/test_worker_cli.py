@@ -13,7 +13,7 @@ import pytest
 from proc_testutil import log_lines
 
 from basertd.native import header_path
-from basertd.server.worker_proc import SyncWorker, WorkerStartError
+from basertd.server.workers.process import SyncWorker, WorkerStartError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.worker_proc import WorkerStartError, read_error_line
+from basertd.server.workers.process import WorkerStartError, read_error_line
 from basertd.worker.main import ERROR_LINE_MAX, write_error_line
 
 
@@ -55,7 +55,7 @@ def test_error_line_is_one_bounded_line(tmp_path):
     ],
 )
 def test_start_error_carries_the_workers_line(make_spec, fields, code, needle):
-    from basertd.server.worker_proc import SyncWorker
+    from basertd.server.workers.process import SyncWorker
 
     with pytest.raises(WorkerStartError) as info:
         SyncWorker(make_spec(**fields))

@@ -7,7 +7,13 @@ import os
 import stat
 
 from basertd.schema.abi import RingKind, RingRole, SpaceKind
-from basertd.server.worker_proc import EMIT_RING_ID, LOGITS_RING_ID, PROMPT_RING_ID, RingGeometry, SyncWorker
+from basertd.server.workers.process import (
+    EMIT_RING_ID,
+    LOGITS_RING_ID,
+    PROMPT_RING_ID,
+    RingGeometry,
+    SyncWorker,
+)
 
 
 def test_capabilities_describe_engine_model_and_rings(make_spec):

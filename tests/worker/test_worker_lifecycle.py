@@ -27,8 +27,8 @@ from proc_testutil import log_lines, pid_alive
 from basertd.schema import link
 from basertd.schema.abi import Status, TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, TickPlan
-from basertd.server.link_errors import WorkerDied, WorkerError
-from basertd.server.worker_proc import SyncWorker, WorkerProcess, WorkerSpec
+from basertd.server.workers.link_errors import WorkerDied, WorkerError
+from basertd.server.workers.process import SyncWorker, WorkerProcess, WorkerSpec
 from basertd.worker.logging import CONTENT_KEYS, drop_content
 
 HERE = Path(__file__).resolve().parent
@@ -102,7 +102,7 @@ def test_worker_exits_when_its_coordinator_dies(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, time
-        from basertd.server.worker_proc import SyncWorker, WorkerSpec
+        from basertd.server.workers.process import SyncWorker, WorkerSpec
         log = open({str(tmp_path / "w.log")!r}, "ab")
         w = SyncWorker(WorkerSpec(runtime_dir={str(tmp_path)!r}, stderr=log))
         print("WORKER_PID", w.proc.pid, flush=True)

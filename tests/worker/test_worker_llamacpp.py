@@ -14,7 +14,7 @@ from ring_rig import RingRig
 from basertd.schema import link
 from basertd.schema.abi import TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, TickPlan
-from basertd.server.worker_proc import RingGeometry, SyncWorker
+from basertd.server.workers.process import RingGeometry, SyncWorker
 
 pytest.importorskip("llama_cpp")
 

@@ -34,7 +34,7 @@ from basertd.schema.tick import (
     TickPlan,
     TokenRange,
 )
-from basertd.server.link_errors import (
+from basertd.server.workers.link_errors import (
     EmitCallbackError,
     LinkTimeout,
     MessageNotEncodable,
@@ -42,7 +42,7 @@ from basertd.server.link_errors import (
     TickInFlight,
     WorkerError,
 )
-from basertd.server.worker_proc import RingGeometry, SyncWorker
+from basertd.server.workers.process import RingGeometry, SyncWorker
 
 PAGE = 4
 

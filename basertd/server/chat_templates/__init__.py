@@ -1,1 +1,0 @@
-"""Chat templates shipped with basertd (Jinja files read by ``basertd.server.chat_template``)."""

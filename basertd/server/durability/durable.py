@@ -1,0 +1,434 @@
+"""Durable acceptance: the write-ahead log between the scheduler and the client (DESIGN.md "Front
+ends, durability, ...": "Crash = preemption; acceptance is durable").
+
+``Durability`` owns the daemon's ``Journal`` (``basertd.server.durability.wal``) on the event loop side:
+
+- **Journaling sink.** Every accepted request's replies pass through a ``DurableSink`` on their
+  way to the client: ``Accepted`` journals the request record (under a daemon-unique
+  ``resume_id``), ``Tokens`` journal their ids, ``Done`` / ``Error`` journal the end. Each reply is
+  then *held* until the group commit that holds its record has returned, and only then passed on
+  (in order) to the transport's sink and to every ``Resume`` subscriber. So nothing a client sees
+  can be lost by a crash.
+- **Group commit.** One committer task runs ``journal.commit()`` in a thread
+  (``asyncio.to_thread``: the fsync never stalls the event loop, so the schedulers plan and tick
+  on while it runs) whenever replies are held; what is buffered while a commit runs goes out in
+  the next one. With one tick in flight per worker that is one write + one fsync per tick (more
+  with partial emits, fewer when the workers' ticks coincide), and a tick's tokens are delivered
+  right after their commit returns.
+- **Restart.** ``unfinished()`` lists every unfinished request of the recovered log and
+  ``restore`` attaches each, as the restart admission (``basertd.server.frontend.restart``) makes
+  it, to its journal entry with its durable tokens already delivered (``GenerationRequest.restore``):
+  it is admitted with ``decode_replay`` = their count and ``rng_counter_base = (seed << 32) +
+  count`` (ABI rules 71-73), so generation continues exactly where it was (exact on the reference
+  engine; on llama.cpp a near-tie may flip after the re-prefill, as for a preemption). Its replies
+  go to whoever ``Resume``\\ s it.
+- **Resume** (``resume``): the durable tokens after ``after``, then the live stream, then Done or
+  Error; a finished request is answered from the log's results for ``result_ttl_s``.
+- **Hand-over.** An ``Error(SHUTTING_DOWN)`` (a stop, or a drain that timed out) is NOT journaled
+  as an end: the request stays unfinished in the log and the next start runs it on.
+
+With ``[durability] mode = "off"`` (a ``NullJournal``) nothing is wrapped, held or journaled, and
+Accepted carries no ``resume_id``. Requests with ``stream = false`` journal their tokens only with
+their end; after a restart they are generated again from their seed (the same tokens on the
+reference engine).
+
+Errors: ``Durability.resume`` raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST). A failed
+commit (``JournalFailed``) stops acknowledging: held replies are dropped and ``on_failed`` is
+called (the daemon stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from basertd.schema import client as api
+from basertd.schema.client import ErrorCode
+from basertd.server.durability.wal import Journal, JournalFailed, RequestRecord, WalError
+from basertd.server.request.grammar import GrammarSpec
+from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink
+from basertd.server.request.tokenizer import IncrementalDetokenizer, StopMatcher
+
+if TYPE_CHECKING:
+    from basertd.server.observe.metrics import Metrics
+    from basertd.server.request.tokenizer import Tokenizer
+
+log = structlog.get_logger("basertd.durable")
+
+MAX_REMEMBERED = 65536
+"""Requests of this run whose tokenizer and stop strings are remembered for replaying their text."""
+CLIENT_ID = "client_id"
+"""Key of ``RequestRecord.extra`` holding the client's own request id."""
+GRAMMAR = "grammar"
+"""``extra`` key of a constrained request's grammar spec, ``[kind, text]``: a request re-run after a
+restart stays constrained (``basertd.server.request.grammar.GrammarSpec``)."""
+LOGIT_BIAS = "logit_bias"
+"""``extra`` key of a request's logit bias, ``[[token id, bias], ...]``: a request re-run after a
+restart samples with the same bias."""
+
+
+def new_resume_id() -> str:
+    """A daemon-unique journal id (random: unique across restarts on the same log too)."""
+    return "r-" + uuid.uuid4().hex
+
+
+def replay_text(tokenizer: Tokenizer, stop: list[str], ids: list[int], after: int) -> str:
+    """The text delta of ``ids[after:]`` as the live stream would have produced it after the first
+    ``after`` ids (UTF-8 never split; text from a matched stop string on withheld)."""
+    detok = IncrementalDetokenizer(tokenizer)
+    stops = StopMatcher(stop)
+    stops.feed(detok.feed(ids[:after]))
+    return stops.feed(detok.feed(ids[after:]))[0]
+
+
+class DurableSink:
+    """The ``RequestSink`` of one journaled request (module docstring): journals each reply, holds
+    it until its commit returned, then passes it to ``inner`` and the ``Resume`` subscribers.
+    ``delivered``: the ids released so far (what any client can have)."""
+
+    def __init__(self, durability: Durability, inner: RequestSink, resume_id: str) -> None:
+        self.durability = durability
+        self.inner = inner
+        self.resume_id = resume_id
+        self.request: GenerationRequest | None = None
+        self.record: RequestRecord | None = None
+        self.delivered: list[int] = []
+        self.subscribers: list[RequestSink] = []
+        self._journaled = 0
+        self._ended = False
+
+    @property
+    def closed(self) -> bool:
+        """True once the original client went away (a request re-run after a restart has none and
+        is never closed: it runs to its end for a later Resume)."""
+        return self.inner.closed
+
+    def send(self, msg: object) -> None:
+        """Journal ``msg`` and hold it for the next commit. Never raises."""
+        journal = self.durability.journal
+        rid = self.resume_id
+        try:
+            if isinstance(msg, api.Tokens) and msg.ids:
+                journal.tokens(rid, self._journaled, list(msg.ids))
+                self._journaled += len(msg.ids)
+            elif isinstance(msg, api.Done) and not self._ended:
+                self._ended = True
+                journal.finished(rid, msg.finish_reason, usage=msg.usage, timings=msg.timings)
+            elif isinstance(msg, api.Error) and not self._ended and msg.code is not ErrorCode.SHUTTING_DOWN:
+                self._ended = True
+                req = self.request
+                journal.finished(
+                    rid,
+                    "cancelled" if msg.code is ErrorCode.CANCELLED else "error",
+                    usage=req.usage() if req is not None else None,
+                    timings=req.timings() if req is not None else None,
+                    error_code=str(msg.code),
+                    error_message=msg.message,
+                )
+        except WalError as exc:  # a reply the journal cannot take: it still reaches the client
+            log.error("journal_refused", resume_id=rid, kind=type(msg).__name__, error=str(exc))
+        self.durability.hold(self, msg)
+
+    def release(self, msg: object) -> None:
+        """``msg`` is durable: pass it on (to subscribers under the id they resumed with)."""
+        if isinstance(msg, api.Tokens):
+            self.delivered.extend(msg.ids)
+        self.inner.send(msg)
+        if self.subscribers:
+            tagged = msgspec.structs.replace(msg, request_id=self.resume_id)  # type: ignore[type-var]
+            self.subscribers = [s for s in self.subscribers if not s.closed]
+            for sub in self.subscribers:
+                sub.send(tagged)
+        if isinstance(msg, (api.Done, api.Error)):
+            self.durability.live.pop(self.resume_id, None)
+            self.subscribers = []
+            if isinstance(msg, api.Error) and msg.code is ErrorCode.SHUTTING_DOWN:
+                self.durability.handed_over.add(self.resume_id)
+
+
+def _extra(gen: api.Generate, req: GenerationRequest) -> dict[str, Any]:
+    """The front-end fields a request record keeps: the client's request id and the grammar."""
+    extra: dict[str, Any] = {CLIENT_ID: gen.request_id}
+    if req.grammar is not None:
+        extra[GRAMMAR] = [req.grammar.kind, req.grammar.text]
+    if gen.logit_bias:
+        extra[LOGIT_BIAS] = [[int(t), float(b)] for t, b in gen.logit_bias.items()]
+    return extra
+
+
+class Durability:
+    """The journal on the event loop (module docstring). ``enabled`` is False for mode "off".
+    ``live``: resume id -> sink of every journaled request not yet ended (as clients see it)."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        metrics: Metrics,
+        *,
+        on_failed: Callable[[], None] | None = None,
+    ) -> None:
+        self.journal = journal
+        self.metrics = metrics
+        self.enabled = journal.mode != "off"
+        self.on_failed = on_failed
+        self.live: dict[str, DurableSink] = {}
+        self.handed_over: set[str] = set()
+        self._tokenizers: dict[str, tuple[Tokenizer, list[str]]] = {}
+        self._held: list[tuple[DurableSink, object]] = []
+        self._kick = asyncio.Event()
+        self._settled = asyncio.Event()
+        self._settled.set()
+        self._task: asyncio.Task | None = None
+        self._failed = False
+        self.commits = 0
+
+    # --- the committer ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the committer task (on the running loop)."""
+        if self.enabled and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="wal-commit")
+
+    def hold(self, sink: DurableSink, msg: object) -> None:
+        """Hold ``msg`` (its record is buffered in the journal) until the next commit returns."""
+        if self._failed:
+            return
+        self._held.append((sink, msg))
+        self._settled.clear()
+        self._kick.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            batch, self._held = self._held, []
+            if not batch:
+                self._settled.set()
+                continue
+            try:
+                # every record of ``batch`` was buffered before this point: this commit holds it
+                await asyncio.to_thread(self.journal.commit)
+            except JournalFailed as exc:
+                self._fail(exc)
+                return
+            self.commits += 1
+            for sink, msg in batch:
+                try:
+                    sink.release(msg)
+                except Exception as exc:  # one broken transport must not hold up the others
+                    log.error("release_failed", resume_id=sink.resume_id, error=repr(exc))
+            if not self._held:
+                self._settled.set()
+
+    def _fail(self, exc: Exception) -> None:
+        self._failed = True
+        self._held.clear()
+        self._settled.set()
+        log.error("durability_failed", error=str(exc), note="no reply is acknowledged any more; stopping")
+        if self.on_failed is not None:
+            self.on_failed()
+
+    async def flush(self) -> None:
+        """Wait until every held reply was committed and released."""
+        if self._task is None:
+            return
+        while not self._settled.is_set() and not self._task.done():
+            self._kick.set()
+            await asyncio.wait({asyncio.ensure_future(self._settled.wait()), self._task}, timeout=5.0)
+
+    async def close(self) -> None:
+        """Flush, stop the committer and close the journal (commits what is buffered, releases the
+        state directory's lock). Idempotent; never raises."""
+        with contextlib.suppress(Exception):
+            await self.flush()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        try:
+            self.journal.close()
+        except WalError as exc:
+            log.error("journal_close_failed", error=str(exc))
+
+    # --- admission -------------------------------------------------------------------------------
+
+    def wrap(
+        self, gen: api.Generate, prompt: list[int], req: GenerationRequest, inner: RequestSink
+    ) -> api.Accepted:
+        """Journal the acceptance of ``gen`` (tokenized to ``prompt``) and put ``req``'s replies
+        through a ``DurableSink`` around ``inner``; returns the Accepted to send through
+        ``req.sink``. With durability off: ``req`` unchanged, Accepted without resume_id."""
+        accepted = api.Accepted(request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed)
+        if not self.enabled:
+            return accepted
+        rid = new_resume_id()
+        record = msgspec.structs.replace(
+            RequestRecord.from_generate(
+                gen, prompt, req.sampler.seed, t_accepted=time.time(), extra=_extra(gen, req)
+            ),
+            request_id=rid,
+        )
+        self.journal.accepted(record)
+        self._attach(req, DurableSink(self, inner, rid), record)
+        accepted.resume_id = rid
+        return accepted
+
+    def _attach(self, req: GenerationRequest, sink: DurableSink, record: RequestRecord) -> None:
+        sink.request, sink.record = req, record
+        req.sink = sink
+        self.live[sink.resume_id] = sink
+        self._tokenizers[sink.resume_id] = (req.tokenizer, list(req.stop))
+        if len(self._tokenizers) > MAX_REMEMBERED:
+            del self._tokenizers[next(iter(self._tokenizers))]
+
+    # --- restart ---------------------------------------------------------------------------------
+
+    def unfinished(self) -> list[tuple[RequestRecord, list[int], str]]:
+        """``(record, durable tokens, client request id)`` of every unfinished request of the
+        recovered log, in log order (empty when durability is off); counts the recovery in the
+        metrics and logs a recovery that lost bytes. The restart admission
+        (``basertd.server.frontend.restart``) queues each one or ends it with an error."""
+        if not self.enabled:
+            return []
+        rep = self.journal.recovered.report
+        st = self.journal.stats
+        self.metrics.wal_recovery(
+            st.records_recovered, st.requests_recovered, st.results_recovered, st.bytes_truncated
+        )
+        if rep is not None and (rep.truncated_bytes or rep.corrupt):
+            log.warning(
+                "wal_recovered_with_loss", truncated_bytes=rep.truncated_bytes, corrupt=len(rep.corrupt)
+            )
+        return [
+            (u.record, list(u.tokens), str(u.record.extra.get(CLIENT_ID, u.record.request_id)))
+            for u in self.journal.recovered.unfinished
+        ]
+
+    def sink_for(self, record: RequestRecord, inner: RequestSink) -> DurableSink:
+        """The journaling sink of a recovered request, in front of ``inner``."""
+        return DurableSink(self, inner, record.request_id)
+
+    def restore(
+        self, req: GenerationRequest, sink: DurableSink, record: RequestRecord, tokens: list[int]
+    ) -> api.Done | None:
+        """Attach the recovered ``req`` to its journal entry with its durable ``tokens`` already
+        delivered (a stream; a non-streamed request is generated again from its seed: its tokens
+        were never journaled before its end). Returns the ``Done`` when those tokens already end
+        it (a stop string, max_tokens), else None (queue it)."""
+        self._attach(req, sink, record)
+        if not record.stream:
+            sink._journaled = 0
+            return None
+        sink._journaled = len(tokens)
+        sink.delivered = list(tokens)
+        return req.restore(tokens)
+
+    @staticmethod
+    def generate_of(record: RequestRecord, client_id: str) -> api.Generate:
+        """The ``Generate`` a recovered record was admitted from (its sampling fields)."""
+        return api.Generate(
+            request_id=client_id,
+            prompt_tokens=record.prompt,
+            max_tokens=record.max_tokens,
+            temperature=record.temperature,
+            top_p=record.top_p,
+            top_k=record.top_k,
+            min_p=record.min_p,
+            repeat_penalty=record.repeat_penalty,
+            frequency_penalty=record.frequency_penalty,
+            presence_penalty=record.presence_penalty,
+            seed=record.seed,
+            stop=list(record.stop),
+            qos=record.qos,  # type: ignore[arg-type]
+            ignore_eos=record.ignore_eos,
+            stream=record.stream,
+            model=record.model,
+            logprobs=getattr(record, "logprobs", None),
+            logit_bias={int(t): float(b) for t, b in record.extra.get(LOGIT_BIAS, [])},
+        )
+
+    @staticmethod
+    def grammar_of(record: RequestRecord) -> GrammarSpec | None:
+        """The structured-output spec a recovered record carries, if any."""
+        return GrammarSpec(*record.extra[GRAMMAR]) if GRAMMAR in record.extra else None
+
+    # --- Resume ----------------------------------------------------------------------------------
+
+    def resume(self, resume_id: str, after: int, sink: RequestSink, default_tokenizer: Any = None) -> bool:
+        """Answer ``Resume {resume_id, after}`` through ``sink`` (module docstring). Returns True
+        when ``sink`` now follows a live request, False when the answer is complete. Raises
+        ``AdmissionError`` NOT_FOUND (unknown or expired id, durability off), SHUTTING_DOWN (handed
+        over to the next start: retry there) or INVALID_REQUEST (``after`` < 0 or past the tokens
+        the daemon has)."""
+        if not self.enabled:
+            raise AdmissionError(ErrorCode.NOT_FOUND, "durability is off: there is nothing to resume")
+        if after < 0:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, f"after must be >= 0, got {after}")
+        live = self.live.get(resume_id)
+        if live is not None:
+            ids = live.delivered
+            req = live.request
+            assert req is not None
+            self._check_after(resume_id, after, len(ids))
+            sink.send(
+                api.Accepted(
+                    request_id=resume_id,
+                    prompt_tokens=len(req.prompt),
+                    seed=req.sampler.seed,
+                    resume_id=resume_id,
+                )
+            )
+            if len(ids) > after:
+                text = replay_text(req.tokenizer, list(req.stop), ids, after)
+                sink.send(api.Tokens(request_id=resume_id, ids=ids[after:], text=text))
+            live.subscribers.append(sink)
+            return True
+        if resume_id in self.handed_over:
+            raise AdmissionError(
+                ErrorCode.SHUTTING_DOWN, "the daemon is stopping: resume this request after its restart"
+            )
+        res = self.journal.result(resume_id)
+        if res is None:
+            raise AdmissionError(
+                ErrorCode.NOT_FOUND, f"no request {resume_id!r} to resume (unknown, or its result expired)"
+            )
+        self._check_after(resume_id, after, len(res.tokens))
+        tokenizer, stop = self._tokenizers.get(resume_id, (default_tokenizer, []))
+        sink.send(
+            api.Accepted(request_id=resume_id, prompt_tokens=res.usage.prompt_tokens, resume_id=resume_id)
+        )
+        if len(res.tokens) > after:
+            text = replay_text(tokenizer, stop, res.tokens, after) if tokenizer is not None else ""
+            sink.send(api.Tokens(request_id=resume_id, ids=res.tokens[after:], text=text))
+        if res.error_code:
+            try:
+                code = ErrorCode(res.error_code)
+            except ValueError:
+                code = ErrorCode.INTERNAL
+            sink.send(api.Error(code=code, request_id=resume_id, message=res.error_message))
+        else:
+            sink.send(
+                api.Done(
+                    request_id=resume_id,
+                    finish_reason=res.finish_reason,
+                    usage=res.usage,
+                    timings=res.timings,
+                )
+            )
+        return False
+
+    @staticmethod
+    def _check_after(resume_id: str, after: int, have: int) -> None:
+        if after > have:
+            raise AdmissionError(
+                ErrorCode.INVALID_REQUEST,
+                f"resume of {resume_id!r} after {after} tokens: the daemon has {have}",
+            )

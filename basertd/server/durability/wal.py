@@ -1,0 +1,560 @@
+"""The journal: the coordinator's write-ahead log in ``state_dir`` (DESIGN.md "Front ends,
+durability, ...": "Crash = preemption; acceptance is durable"). Format and recovery rules:
+``basertd.server.durability.wal_format``; recovery planning: ``basertd.server.durability.wal_recover``.
+
+How the daemon uses it (one ``Journal`` per daemon, opened before the socket accepts)::
+
+    journal = Journal.open(state_dir, mode="tick", result_ttl_s=600, recover="refuse")
+    for req in journal.recovered.unfinished:   # requeue: prompt + req.tokens, decode_replay
+        ...
+    for res in journal.recovered.results:      # answer Resume for these until they expire
+        ...
+    # per accepted request (before Accepted is sent):   journal.accepted(RequestRecord(...))
+    # per tick, per lane with new tokens:               journal.tokens(request_id, start, ids)
+    # per finished / failed / cancelled request:        journal.finished(request_id, reason, ...)
+    # once per tick, BEFORE that tick's tokens are delivered:  journal.commit()
+    journal.close()
+
+``commit()`` is group commit: everything buffered since the last commit goes out as ONE frame in
+ONE ``os.write`` followed by ONE ``os.fdatasync`` (the file only grows, so fdatasync covers its
+size). It blocks for the fsync (milliseconds on an SSD): call it from a thread
+(``await asyncio.to_thread(journal.commit)``) when the event loop must not stall; the journal is
+thread-safe for one committing thread plus callers buffering the next tick meanwhile. Only
+committed records are durable; a request or token never committed may be lost by a crash, so
+nothing may be sent to a client before the commit that holds it has returned.
+
+``mode="off"`` gives a ``NullJournal``: no file, no lock, no fsync, nothing recovered, every call
+a no-op (epoch 0); a log left in ``state_dir`` by an earlier ``"tick"`` run stays untouched and is
+recovered by the next ``"tick"`` start.
+
+Epoch: every open bumps ``epoch`` past every earlier one (the ``epoch`` file and the log) and
+makes it durable before returning; every frame carries it. The daemon fences with it: anything
+stamped with an older epoch (lane tags, shm names, worker generations) belongs to a dead daemon.
+
+Rotation and compaction: when a segment passes ``segment_bytes``, ``commit`` writes a checkpoint
+of the durable state into a new segment (finished requests older than ``result_ttl_s`` left out),
+makes it durable, then deletes the old segments; ``compact()`` does the same on demand.
+
+Errors: ``StateDirLocked`` (another daemon holds ``state_dir``), ``WalCorrupt`` (recovery refuses;
+the message says what to do), ``JournalUsageError`` (a call that contradicts the journal; nothing
+changes), ``JournalFailed`` (a write or fsync failed: the journal is closed for good, as after a
+failed fsync the kernel may have dropped the pages; the daemon must stop acknowledging).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from basertd.schema.client import Timings, Usage
+from basertd.server.durability.wal_format import (
+    WAL_DIR,
+    Accept,
+    Batch,
+    Finish,
+    FinishedResult,
+    LogState,
+    Record,
+    RequestRecord,
+    Toks,
+    UnfinishedRequest,
+    WalCorrupt,
+    WalError,
+    encode_frame,
+    segment_name,
+)
+from basertd.server.durability.wal_recover import RecoverMode, RecoveryReport, plan_recovery
+
+__all__ = [
+    "FinishedResult",
+    "Journal",
+    "JournalFailed",
+    "JournalStats",
+    "JournalUsageError",
+    "NullJournal",
+    "Recovered",
+    "RequestRecord",
+    "StateDirLocked",
+    "UnfinishedRequest",
+    "WalCorrupt",
+    "WalError",
+]
+
+log = logging.getLogger("basertd.wal")
+
+DEFAULT_SEGMENT_BYTES = 64 << 20
+"""A segment is rotated (checkpoint + compaction) once it passes this many bytes."""
+LOCK_FILE = "lock"
+EPOCH_FILE = "epoch"
+CHECKPOINT_FRAME_RECORDS = 4096
+"""Most records per checkpoint frame."""
+
+
+class StateDirLocked(WalError):
+    """Another daemon holds ``state_dir`` (one daemon per state directory)."""
+
+
+class JournalUsageError(WalError, ValueError):
+    """A call that contradicts the journal (an unknown or already running request, a token
+    position past the end); raised before anything is buffered."""
+
+
+class JournalFailed(WalError):
+    """A write or fsync of the log failed; the journal accepts nothing more."""
+
+
+class Recovered(msgspec.Struct, kw_only=True):
+    """What ``Journal.open`` found: ``unfinished`` requests to run again (in acceptance order),
+    ``results`` of finished requests within ``result_ttl_s`` (in finishing order), and the
+    ``report`` (torn tails dropped, corruption dropped in truncate mode)."""
+
+    unfinished: list[UnfinishedRequest] = msgspec.field(default_factory=list)
+    results: list[FinishedResult] = msgspec.field(default_factory=list)
+    report: RecoveryReport | None = None
+
+
+@dataclass
+class JournalStats:
+    """Counters for the metrics: bytes written (frames, checkpoints included), commits, records
+    written, fsyncs and their total and last latency (seconds), segments rotated, and what
+    recovery found at open (records replayed, unfinished requests, results, torn bytes dropped)."""
+
+    bytes_written: int = 0
+    commits: int = 0
+    records_written: int = 0
+    fsyncs: int = 0
+    fsync_seconds_total: float = 0.0
+    last_fsync_s: float = 0.0
+    rotations: int = 0
+    records_recovered: int = 0
+    requests_recovered: int = 0
+    results_recovered: int = 0
+    bytes_truncated: int = 0
+
+
+CommitHook = Callable[[int, float], None]
+"""Called after each durable write with (bytes written, fsync seconds): feed a histogram."""
+
+
+class Journal:
+    """The write-ahead log of one daemon; build it with ``Journal.open``."""
+
+    mode: str = "tick"
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.recovered = Recovered()
+        self.stats = JournalStats()
+        self.on_commit: CommitHook | None = None
+
+    @staticmethod
+    def open(
+        state_dir: str | os.PathLike[str],
+        mode: Literal["tick", "off"] = "tick",
+        result_ttl_s: float = 600.0,
+        recover: RecoverMode = "refuse",
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        on_commit: CommitHook | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> Journal:
+        """Lock ``state_dir`` (created 0700 if missing), recover its log, bump the epoch and write a
+        fresh checkpoint. ``recover``: "refuse" raises ``WalCorrupt`` on corruption, "truncate"
+        keeps the log up to it and renames the dropped segments ``*.corrupt``. ``clock`` gives
+        wall-clock seconds (result expiry). Raises ``StateDirLocked``, ``WalCorrupt``, OSError."""
+        if mode == "off":
+            return NullJournal()
+        if mode != "tick":
+            raise JournalUsageError(f"durability mode must be 'tick' or 'off', got {mode!r}")
+        if recover not in ("refuse", "truncate"):
+            raise JournalUsageError(f"recover must be 'refuse' or 'truncate', got {recover!r}")
+        j = _FileJournal(Path(state_dir), result_ttl_s, segment_bytes, clock)
+        try:
+            j._open(recover)
+        except BaseException:
+            j._release()
+            raise
+        j.on_commit = on_commit
+        return j
+
+    # The buffering and commit surface (``_FileJournal`` and ``NullJournal`` implement it).
+    def accepted(self, record: RequestRecord) -> None:
+        """Buffer the acceptance of ``record`` (durable at the next ``commit``). Raises
+        ``JournalUsageError`` when the id is already running."""
+        raise NotImplementedError
+
+    def tokens(self, request_id: str, start: int, ids: list[int]) -> None:
+        """Buffer generated tokens ``ids`` of a running request at positions ``start``...
+        (``start`` counts generated tokens; a ``start`` below the count so far replaces the tokens
+        from there on). Raises ``JournalUsageError`` for an unknown request or a gap."""
+        raise NotImplementedError
+
+    def finished(
+        self,
+        request_id: str,
+        reason: str,
+        *,
+        usage: Usage | None = None,
+        timings: Timings | None = None,
+        error_code: str = "",
+        error_message: str = "",
+    ) -> None:
+        """Buffer the end of a running request: ``reason`` stop/length/eos/cancelled/error, and for
+        an Error the client ``ErrorCode`` value and message. Raises ``JournalUsageError`` for an
+        unknown request."""
+        raise NotImplementedError
+
+    def commit(self) -> int:
+        """Make everything buffered durable: one write, one fdatasync. Returns bytes written (0
+        when nothing was buffered: no write, no fsync). Raises ``JournalFailed``."""
+        raise NotImplementedError
+
+    def compact(self) -> None:
+        """Rotate now: checkpoint the durable state into a new segment, drop the old ones."""
+        raise NotImplementedError
+
+    def result(self, request_id: str) -> FinishedResult | None:
+        """The durable result of a finished request still within ``result_ttl_s``, else None."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Commit what is buffered, close the segment, release the lock. Idempotent."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NullJournal(Journal):
+    """``mode = "off"``: no file, no lock, no fsync, nothing recovered; every call is a no-op."""
+
+    mode = "off"
+
+    def accepted(self, record: RequestRecord) -> None:
+        pass
+
+    def tokens(self, request_id: str, start: int, ids: list[int]) -> None:
+        pass
+
+    def finished(self, request_id: str, reason: str, **kw: object) -> None:  # type: ignore[override]
+        pass
+
+    def commit(self) -> int:
+        return 0
+
+    def compact(self) -> None:
+        pass
+
+    def result(self, request_id: str) -> FinishedResult | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class _FileJournal(Journal):
+    """``mode = "tick"``: the log on disk."""
+
+    def __init__(self, state_dir: Path, ttl_s: float, segment_bytes: int, clock: Callable[[], float]):
+        super().__init__()
+        self.state_dir = state_dir
+        self.wal_dir = state_dir / WAL_DIR
+        self.ttl_s = ttl_s
+        self.segment_bytes = segment_bytes
+        self.clock = clock
+        self._lock_fd = -1
+        self._fd = -1
+        self._seq = 0  # current segment number
+        self._seg_size = 0
+        self._durable = LogState()  # the mirror of what is on disk; checkpoints copy it
+        self._view: dict[str, int] = {}  # running request -> token count, buffered included
+        self._buffer: list[Record] = []
+        self._buf_lock = threading.Lock()
+        self._io_lock = threading.Lock()
+        self._failed: str | None = None
+        self._closed = False
+
+    # --- open ------------------------------------------------------------------------------------
+
+    def _open(self, recover: RecoverMode) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.wal_dir.mkdir(exist_ok=True, mode=0o700)
+        self._lock()
+        file_epoch = self._read_epoch(recover)
+        plan = plan_recovery(self.state_dir, recover)
+        report = plan.report
+        for warning in report.warnings:
+            log.warning("write-ahead log: %s", warning)
+        for problem in report.corrupt:
+            log.error("write-ahead log: dropped (--wal-recover=truncate): %s", problem)
+        self.epoch = max(file_epoch, report.last_epoch) + 1
+        self._write_epoch()
+        if plan.truncate is not None and plan.truncate[0] not in plan.quarantine:
+            path, length = plan.truncate
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, length)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        state = plan.state
+        state.expire(self.clock(), self.ttl_s)
+        self._durable = state
+        self._view = {rid: len(r.tokens) for rid, r in state.live.items()}
+        self._seq = plan.next_seq - 1
+        self._rotate(drop=plan.drop, quarantine=plan.quarantine)
+        self.recovered = Recovered(
+            unfinished=[
+                UnfinishedRequest(record=r.record, tokens=list(r.tokens)) for r in state.live.values()
+            ],
+            results=list(state.results.values()),
+            report=report,
+        )
+        st = self.stats
+        st.records_recovered, st.bytes_truncated = report.records, report.truncated_bytes
+        st.requests_recovered, st.results_recovered = len(state.live), len(state.results)
+
+    def _lock(self) -> None:
+        path = self.state_dir / LOCK_FILE
+        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise StateDirLocked(
+                f"state_dir {self.state_dir} is in use by another basertd (pid {holder}); one daemon "
+                "per state directory: stop it, or give this one another state_dir"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    def _read_epoch(self, recover: RecoverMode) -> int:
+        path = self.state_dir / EPOCH_FILE
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return 0
+        try:
+            return int(text.strip())
+        except ValueError:
+            if recover != "truncate":
+                raise WalCorrupt(self.state_dir, path, 0, "the epoch file is not a number") from None
+            log.error("write-ahead log: unreadable epoch file %s ignored (--wal-recover=truncate)", path)
+            return 0
+
+    def _write_epoch(self) -> None:
+        tmp = self.state_dir / f"{EPOCH_FILE}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, f"{self.epoch}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.state_dir / EPOCH_FILE)
+        _fsync_dir(self.state_dir)
+
+    def _release(self) -> None:
+        for name in ("_fd", "_lock_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)  # closing the lock file's only descriptor releases the flock
+                setattr(self, name, -1)
+
+    # --- rotation --------------------------------------------------------------------------------
+
+    def _rotate(self, drop: list[Path] = (), quarantine: list[Path] = ()) -> None:
+        """Checkpoint the durable state into a new segment, make it durable, then remove ``drop``
+        and every older segment (``quarantine`` ones are renamed ``*.corrupt``). Caller holds
+        ``_io_lock`` (or is ``_open``)."""
+        state = self._durable
+        state.expire(self.clock(), self.ttl_s)
+        seq = self._seq + 1
+        path = self.wal_dir / segment_name(seq)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            records = state.checkpoint_records(seq, self.epoch, self.clock())
+            size = 0
+            for i in range(0, len(records), CHECKPOINT_FRAME_RECORDS):
+                state.seq += 1
+                frame = encode_frame(
+                    Batch(self.epoch, state.seq, records[i : i + CHECKPOINT_FRAME_RECORDS]), seq
+                )
+                _write_all(fd, frame)
+                size += len(frame)
+            self._timed_fsync(fd)
+            _fsync_dir(self.wal_dir)
+        except BaseException:
+            os.close(fd)
+            raise
+        old_fd, old_seq = self._fd, self._seq
+        self._fd, self._seq, self._seg_size = fd, seq, size
+        self.stats.bytes_written += size
+        if old_fd >= 0:
+            os.close(old_fd)
+            self.stats.rotations += 1
+        for p in quarantine:
+            os.replace(p, p.with_name(p.name + ".corrupt"))
+        stale = {p for p in drop if p not in quarantine}
+        stale |= {self.wal_dir / segment_name(old_seq)} if old_seq else set()
+        for p in stale:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        _fsync_dir(self.wal_dir)
+
+    def _timed_fsync(self, fd: int) -> float:
+        t0 = time.perf_counter()
+        os.fdatasync(fd)
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.fsyncs += 1
+        st.fsync_seconds_total += dt
+        st.last_fsync_s = dt
+        return dt
+
+    # --- the buffering surface -------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._failed is not None:
+            raise JournalFailed(f"the write-ahead log failed earlier: {self._failed}")
+        if self._closed:
+            raise JournalUsageError("the journal is closed")
+
+    def accepted(self, record: RequestRecord) -> None:
+        with self._buf_lock:
+            self._check_open()
+            if record.request_id in self._view:
+                raise JournalUsageError(f"request {record.request_id!r} is already running")
+            self._view[record.request_id] = 0
+            self._buffer.append(Accept(record))
+
+    def tokens(self, request_id: str, start: int, ids: list[int]) -> None:
+        with self._buf_lock:
+            self._check_open()
+            have = self._view.get(request_id)
+            if have is None:
+                raise JournalUsageError(f"tokens for request {request_id!r}, which is not running")
+            if not 0 <= start <= have:
+                raise JournalUsageError(f"tokens of {request_id!r} at {start}: it has {have} so far")
+            self._view[request_id] = start + len(ids)
+            self._buffer.append(Toks(request_id, start, list(ids)))
+
+    def finished(
+        self,
+        request_id: str,
+        reason: str,
+        *,
+        usage: Usage | None = None,
+        timings: Timings | None = None,
+        error_code: str = "",
+        error_message: str = "",
+    ) -> None:
+        with self._buf_lock:
+            self._check_open()
+            if request_id not in self._view:
+                raise JournalUsageError(f"finish of request {request_id!r}, which is not running")
+            del self._view[request_id]
+            self._buffer.append(
+                Finish(
+                    request_id,
+                    reason,
+                    usage or Usage(),
+                    timings or Timings(),
+                    str(error_code),
+                    error_message,
+                    self.clock(),
+                )
+            )
+
+    def commit(self) -> int:
+        with self._io_lock:
+            with self._buf_lock:
+                self._check_open()
+                records, self._buffer = self._buffer, []
+            if not records:
+                return 0
+            state = self._durable
+            batch = Batch(self.epoch, state.seq + 1, records)
+            frame = encode_frame(batch, self._seq)
+            try:
+                _write_all(self._fd, frame)
+                fsync_s = self._timed_fsync(self._fd)
+            except OSError as exc:
+                self._fail(exc)
+                raise JournalFailed(f"write-ahead log write failed: {exc}") from exc
+            state.apply_batch(batch)  # cannot contradict: every call was checked against _view
+            self._seg_size += len(frame)
+            st = self.stats
+            st.bytes_written += len(frame)
+            st.commits += 1
+            st.records_written += len(records)
+            if self.on_commit is not None:
+                self.on_commit(len(frame), fsync_s)
+            if self._seg_size >= self.segment_bytes:
+                self._rotate_or_fail()
+            return len(frame)
+
+    def _rotate_or_fail(self) -> None:
+        try:
+            self._rotate()
+        except OSError as exc:
+            self._fail(exc)
+            raise JournalFailed(f"write-ahead log rotation failed: {exc}") from exc
+
+    def _fail(self, exc: OSError) -> None:
+        self._failed = str(exc)
+        log.error("write-ahead log failed, no further request is durable: %s", exc)
+
+    def compact(self) -> None:
+        with self._io_lock:
+            self._check_open()
+            self._rotate_or_fail()
+
+    def result(self, request_id: str) -> FinishedResult | None:
+        with self._io_lock:
+            res = self._durable.results.get(request_id)
+            if res is not None and self.clock() - res.t_finished > self.ttl_s:
+                return None
+            return res
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._failed is None:
+                self.commit()
+        finally:
+            with self._io_lock:
+                self._closed = True
+                self._release()

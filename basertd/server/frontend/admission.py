@@ -1,0 +1,260 @@
+"""The front end: one transport-independent path from a request to a stream of outputs.
+
+Every API the daemon speaks (the native Unix-socket protocol, the HTTP dialects) turns its request
+into a ``basertd.schema.client.Generate`` and hands it to ``Frontend``; everything after that is
+the same for all of them (DESIGN.md "Client API"):
+
+1. admission: the daemon is ready and not draining; the request's values are inside the limits
+   table (``basertd.server.frontend.limits``); the prompt's byte length can fit the context at all;
+2. tokenizing, with BOS as the worker wants it: long texts off the event loop (a bounded thread
+   pool), so a megabyte prompt never stalls other streams;
+3. routing: the least loaded worker serving the model, then the peer holding the longest cached
+   prefix (``Fleet.route`` / ``route_prefix``); the scheduler's own admission check (context
+   window, KV pool, queue caps);
+4. the request record (``GenerationRequest``) with an ``ObservedSink`` around the transport's
+   sink, so metrics, the access log and drain accounting see every API alike; with durability on
+   (``basertd.server.durability.durable``) a ``DurableSink`` around that journals the request and holds
+   each reply until its group commit returned; ``Accepted`` (with the ``resume_id``) is the first
+   reply; the scheduler then sends Tokens / Done / Error through the same sink.
+
+A transport either gives its own ``RequestSink`` (``submit``: the native API writes frames
+straight to its connection) or takes an async iterator (``stream``: ``GenerationStream``, used
+by HTTP). A consumer that goes away cancels its request: its lane retires in the next plan and a
+queued request never starts. Refusals raise ``AdmissionError`` (a typed ``ErrorCode``) before
+anything is queued, and are counted in ``basertd_admission_errors_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from basertd.schema import client as api
+from basertd.schema.client import ErrorCode
+from basertd.server.durability.durable import Durability
+from basertd.server.fleet import Fleet
+from basertd.server.frontend.access import ObservedSink
+from basertd.server.frontend.drain import Drainer
+from basertd.server.frontend.limits import (
+    check_generate,
+    check_logit_bias,
+    check_prompt_bytes,
+    check_prompt_tokens,
+)
+from basertd.server.frontend.streams import GenerationStream, QueueSink
+from basertd.server.observe.metrics import Metrics
+from basertd.server.request.grammar import GrammarRequestError, spec_from_request
+from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
+from basertd.server.request.tokenizer import TokenizerError
+from basertd.server.states import DaemonState, HealthStatus
+
+log = structlog.get_logger("basertd.frontend")
+
+TOKENIZER_THREADS = 2
+"""Threads that tokenize and detokenize off the event loop."""
+MAX_PENDING_TOKENIZE = 64
+"""Tokenize jobs allowed to wait for a thread at once; more are refused QUEUE_FULL."""
+INLINE_TOKENIZE_CHARS = 4096
+"""Texts up to this many characters are tokenized on the event loop (tens of microseconds: cheaper
+than a thread hop); longer ones go to the pool."""
+
+
+class Frontend:
+    """The front end of one daemon (module docstring). ``state()`` returns the daemon's public
+    state (``ready`` admits); ``api`` labels requests in logs by the API they came through."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: Metrics,
+        drainer: Drainer,
+        state: Callable[[], str],
+        durability: Durability | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.durability = durability
+        self.metrics = metrics
+        self.drainer = drainer
+        self._state = state
+        self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._pending = 0
+        self.requests_total = 0
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (running jobs finish)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- off-loop work ---------------------------------------------------------------------------
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the tokenizer pool. Raises ``AdmissionError(QUEUE_FULL)`` when
+        ``MAX_PENDING_TOKENIZE`` jobs already wait."""
+        if self._pending >= MAX_PENDING_TOKENIZE:
+            raise AdmissionError(ErrorCode.QUEUE_FULL, "too many prompts are being tokenized; retry shortly")
+        self._pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._pending -= 1
+
+    async def encode(self, worker_id: int, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` for ``worker_id``'s vocabulary (BOS as the worker wants it when
+        ``add_special``), tokenized off the loop. Raises ``AdmissionError(INVALID_REQUEST)`` for
+        text the tokenizer refuses."""
+        tok = self.fleet[worker_id].tokenizer
+        bos = add_special and self.fleet.add_bos(worker_id)
+        try:
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                return tok.encode(text, add_bos=bos)
+            return await self._off_loop(lambda: tok.encode(text, add_bos=bos))
+        except TokenizerError as exc:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    async def tokenize(self, model: str, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` with ``model``'s vocabulary. Raises ``AdmissionError``
+        (NOT_FOUND for an unknown model, INVALID_REQUEST for text over the byte limit)."""
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        check_prompt_bytes(text, m.config.context_length, m.tokenizer, what="text")
+        return await self.encode(wid, text, add_special=add_special)
+
+    async def detokenize(self, model: str, tokens: list[int]) -> str:
+        """The text of ``tokens`` (ids outside the vocabulary are INVALID_REQUEST); special tokens
+        render as nothing, invalid UTF-8 as U+FFFD."""
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        check_prompt_tokens(tokens, m.tokenizer.vocab_size, m.config.context_length * 16, what="tokens")
+        tok = m.tokenizer
+
+        def run() -> str:
+            return b"".join(tok.piece(t) for t in tokens).decode("utf-8", "replace")
+
+        return await self._off_loop(run)
+
+    def template_tokenizer(self, model: str) -> tuple[int, Any]:
+        """``(worker_id, tokenizer)`` of the worker a request for ``model`` would go to (for chat
+        templates: BOS/EOS texts and the end-of-turn token)."""
+        wid = self.fleet.route(model)
+        return wid, self.fleet[wid].tokenizer
+
+    # --- generation ------------------------------------------------------------------------------
+
+    def _admissible(self) -> None:
+        state = self._state()
+        if state in (DaemonState.STOPPING, DaemonState.STOPPED):
+            raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        refusal = self.drainer.refusal()
+        if refusal is not None:
+            raise AdmissionError(*refusal)
+
+    async def submit(
+        self, gen: api.Generate, sink: RequestSink, *, api_name: str = "native"
+    ) -> GenerationRequest:
+        """Admit ``gen`` (module docstring) and queue it; ``Accepted`` is sent through ``sink``
+        before this returns, then the scheduler's replies. Raises ``AdmissionError`` with nothing
+        queued (counted in ``basertd_admission_errors_total``)."""
+        try:
+            return await self._submit(gen, sink, api_name)
+        except AdmissionError as exc:
+            self.metrics.admission_error(exc.code)
+            raise
+
+    async def _submit(self, gen: api.Generate, sink: RequestSink, api_name: str) -> GenerationRequest:
+        self._admissible()
+        check_generate(gen)
+        try:  # structured output: compiled and validated here, it never reaches a worker invalid
+            spec = spec_from_request(gen.response_format, gen.grammar, gen.regex)
+        except GrammarRequestError as exc:
+            raise AdmissionError(exc.code, str(exc)) from None
+        wid = self.fleet.route(gen.model)
+        m = self.fleet[wid]
+        check_logit_bias(gen, m.tokenizer.vocab_size)
+        if gen.prompt is not None:
+            check_prompt_bytes(gen.prompt, m.config.context_length, m.tokenizer)
+            prompt = await self.encode(wid, gen.prompt)
+        else:
+            prompt = list(gen.prompt_tokens or [])
+            check_prompt_tokens(prompt, m.tokenizer.vocab_size, m.config.context_length)
+        self._admissible()  # the daemon may have begun draining while the prompt was tokenized
+        if sink.closed:
+            raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
+        wid = self.fleet.route_prefix(wid, prompt)
+        m = self.fleet[wid]
+        m.scheduler.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
+        req = GenerationRequest(
+            request_id=gen.request_id,
+            prompt=prompt,
+            max_tokens=gen.max_tokens,
+            sampler=sampler_for(gen, m.tokenizer.vocab_size),
+            sink=observed,
+            tokenizer=m.tokenizer,
+            stop=list(gen.stop),
+            qos=gen.qos,
+            stream=gen.stream,
+            grammar=spec,
+        )
+        if self.durability is not None:
+            accepted = self.durability.wrap(gen, prompt, req, observed)
+        else:
+            accepted = api.Accepted(
+                request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed
+            )
+        self.requests_total += 1
+        observed.attach(req)
+        req.sink.send(accepted)
+        m.scheduler.submit(req)
+        return req
+
+    def cancel(
+        self, req: GenerationRequest, *, code: ErrorCode = ErrorCode.CANCELLED, message: str = "cancelled"
+    ) -> None:
+        """End ``req`` with ``Error(code)`` after what it already delivered: its lane retires in
+        the next plan, a queued request never starts. Ignored once finished."""
+        if req.worker_id is not None and not req.finished:
+            self.fleet[req.worker_id].scheduler.cancel(req, code=code, message=message)
+
+    def resume(self, resume_id: str, after: int, sink: RequestSink) -> bool:
+        """Answer a Resume through ``sink`` (``Durability.resume``): True when ``sink`` now follows
+        a live request. Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST)."""
+        if self.durability is None:
+            raise AdmissionError(ErrorCode.NOT_FOUND, "durability is off: there is nothing to resume")
+        tokenizer = self.fleet[self.fleet.route("")].tokenizer if len(self.fleet) else None
+        return self.durability.resume(resume_id, after, sink, tokenizer)
+
+    async def stream(self, gen: api.Generate, *, api_name: str) -> GenerationStream:
+        """Admit ``gen`` and return its outputs as an async iterator (``GenerationStream``).
+        Raises ``AdmissionError`` like ``submit``."""
+        sink = QueueSink()
+        req = await self.submit(gen, sink, api_name=api_name)
+        # Accepted is the first reply; with durability it waits for its group commit
+        first = await sink.queue.get()
+        if isinstance(first, api.Accepted):
+            return GenerationStream(self, req, sink, first)
+        stream = GenerationStream(self, req, sink, None)
+        stream.push_front(first)  # an Error before Accepted (the daemon stopped meanwhile)
+        return stream
+
+    # --- health ----------------------------------------------------------------------------------
+
+    def health(self) -> tuple[HealthStatus, str]:
+        """``(status, reason)``: status ``ok`` while every worker serves and nothing stalls,
+        ``degraded`` when some serve and a worker gave up or stalled (the reason names it and
+        why), ``starting`` while no worker serves yet, ``draining`` / ``stopping`` / ``stopped``
+        from the daemon's state. The reason is "" for ``ok``."""
+        state = self._state()
+        problems = self.fleet.problems()
+        ready = self.fleet.ready_count
+        if state != DaemonState.READY:
+            return HealthStatus(state), state
+        if problems:
+            return HealthStatus.DEGRADED, "; ".join(problems)
+        if ready == len(self.fleet):
+            return HealthStatus.OK, ""
+        if ready == 0:
+            return HealthStatus.STARTING, "no worker has finished starting yet"
+        return HealthStatus.DEGRADED, f"workers {ready}/{len(self.fleet)} ready"

@@ -1,0 +1,125 @@
+"""vLLM-named metrics for routers that read them (docs/scale-out.md, ``[metrics] vllm_compat``).
+
+The Gateway API Inference Extension's endpoint picker (and llm-d on top of it) scores a model
+server by the metrics of its model-server protocol under vLLM's names. They are exported beside
+ours, on the same registry, one series per served model (``model_name``), summed over the
+workers serving it, and read at scrape time like the live gauges (exactly 0 once idle):
+
+- ``vllm:num_requests_waiting`` (gauge): requests queued, every QoS class.
+- ``vllm:num_requests_running`` (gauge): requests in lanes (``basertd_lanes_active``).
+- ``vllm:kv_cache_usage_perc`` (gauge, 0..1): KV tokens reserved by live lanes over the KV
+  capacity of the pool (prefix-cache entries that no lane uses are reclaimable, as in vLLM,
+  where cached blocks with no reference count as free).
+- ``vllm:cache_config_info`` (gauge 1): labels ``block_size`` (the engine's page, tokens),
+  ``num_gpu_blocks`` (pages of the pool), ``enable_prefix_caching``.
+- ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (counters, tokens): prompt tokens
+  at each request's first admission, and those of them served from the prefix cache
+  (``basertd_prefix_cache_query_tokens`` / ``basertd_cached_tokens``; a re-admission after a
+  preemption or a coalescing checkpoint is never counted again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from basertd.server.observe.metrics import Metrics, _LiveCollector
+
+
+@dataclass(frozen=True)
+class VllmWorker:
+    """One worker as the vLLM series see it: ``worker_id``, the ``model_name`` it serves, whether
+    it is ``ready``, requests ``waiting`` (queued) and ``running`` (in lanes), KV tokens
+    ``kv_used_tokens`` reserved by live lanes of ``kv_capacity_tokens``, the page size
+    ``block_size`` (tokens) and ``prefix_caching`` (``[cache] enabled``)."""
+
+    worker_id: int
+    model_name: str
+    ready: bool
+    waiting: int
+    running: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    block_size: int
+    prefix_caching: bool = True
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages of the worker's KV pool."""
+        return self.kv_capacity_tokens // max(1, self.block_size)
+
+
+class VllmCollector(_LiveCollector):
+    """Yields the ``vllm:*`` series (module docstring) from ``source()`` (a list of
+    ``VllmWorker``), taken on the daemon's loop; the two counters come from ``metrics.cache_counters``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__()
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        workers = self._state()
+        if workers is None:
+            return
+        labels = ["model_name"]
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Requests waiting to be processed (queued).", labels=labels
+        )
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Requests in lanes (running).", labels=labels
+        )
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage: 1 means the KV tokens of every page are reserved by live lanes.",
+            labels=labels,
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the KV cache: page size (block_size, tokens) and pool pages.",
+            labels=[*labels, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (first admission of each request).",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=labels
+        )
+        counts = self.metrics.cache_counters
+        for model in dict.fromkeys(w.model_name for w in workers):
+            mine = [w for w in workers if w.model_name == model]
+            waiting.add_metric([model], float(sum(w.waiting for w in mine)))
+            running.add_metric([model], float(sum(w.running for w in mine)))
+            cap = sum(w.kv_capacity_tokens for w in mine)
+            used = sum(w.kv_used_tokens for w in mine)
+            usage.add_metric([model], min(1.0, used / cap) if cap else 0.0)
+            ready = [w for w in mine if w.ready]
+            for block in dict.fromkeys(w.block_size for w in ready):
+                same = [w for w in ready if w.block_size == block]
+                caching = str(all(w.prefix_caching for w in same))
+                info.add_metric([model, str(block), str(sum(w.num_blocks for w in same)), caching], 1.0)
+            queries.add_metric([model], float(sum(counts.of(w.worker_id).query_tokens for w in mine)))
+            hits.add_metric([model], float(sum(counts.of(w.worker_id).cached_tokens for w in mine)))
+        yield waiting
+        yield running
+        yield usage
+        yield info
+        yield queries
+        yield hits
+
+
+def bind_vllm(metrics: Metrics, source: Callable[[], list[VllmWorker]]) -> VllmCollector:
+    """Also export the ``vllm:*`` series on ``metrics``' registry, read from ``source()`` on the
+    running event loop at scrape time (``[metrics] vllm_compat``). Returns the collector."""
+    collector = VllmCollector(metrics)
+    metrics.registry.register(collector)
+    metrics.extra_collectors.append(collector)
+    collector.source = source
+    collector.loop = asyncio.get_running_loop()
+    collector.loop_thread = threading.get_ident()
+    return collector

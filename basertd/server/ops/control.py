@@ -1,0 +1,433 @@
+"""The control API: handlers of every ``basertctl`` verb and their peer-credential guard.
+
+``ControlService(host).handle(conn, msg)`` answers one ``basertd.schema.control`` request on the
+client socket (DESIGN.md "Operators"). Before any handler runs, the peer's kernel credentials
+(``conn.credentials``, SO_PEERCRED / SO_PEERGROUPS) must satisfy the daemon's
+``OperatorPolicy`` (root, the daemon's user, the ``[operators] operator_group``); anyone else gets
+``Error(PERMISSION_DENIED)``, one ``control_denied`` warning in the log and a count in
+``basertd_control_denied_total``, and nothing changes. Generation stays open to whoever can open
+the socket (its mode and group decide that).
+
+Handlers raise ``ControlError(code, message)`` for refusals (NOT_FOUND for an unknown worker or
+pin, INVALID_REQUEST for bad arguments, SHUTTING_DOWN while stopping); ``handle`` turns it into
+``Error`` and never lets anything else escape as a traceback.
+
+The handlers see the daemon only through ``ControlHost``, a narrow protocol (the daemon satisfies
+it); the prefix-cache verbs go through ``CacheControl``, served by the prefix-cache policy
+(``basertd.server.ops.cache_verbs.PolicyCacheControl``). ``config check`` reads its file off the event
+loop and refuses anything but a regular file (a named pipe would block the read forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import math
+import os
+import stat
+import time
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import structlog
+
+from basertd.schema import client as api
+from basertd.schema import control
+from basertd.schema.client import ErrorCode
+from basertd.server.config import Config, ConfigError, parse_config
+from basertd.server.ops.control_errors import ControlError
+from basertd.server.ops.reload import config_changes
+from basertd.server.states import DaemonState, SlotState
+
+if TYPE_CHECKING:
+    from basertd.server.fleet import Fleet
+    from basertd.server.frontend.drain import Drainer
+    from basertd.server.observe.metrics import Metrics
+    from basertd.server.transport.peercred import OperatorPolicy
+    from basertd.server.transport.socket_server import ClientConnection
+
+log = structlog.get_logger("basertd.control")
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest configuration file ``config check`` reads."""
+RESTART_TIMEOUT_S = 180.0
+"""Seconds ``restart-worker`` waits for the new incarnation to handshake."""
+STOP_TIMEOUT_HINT_S = 90.0
+"""TimeoutStopSec of the shipped basertd.service; a drain timeout near it gets a warning."""
+
+VERB_NAMES: dict[type, str] = {
+    control.Status: "status",
+    control.Workers: "workers",
+    control.Lanes: "lanes",
+    control.Queue: "queue",
+    control.CacheStats: "cache stats",
+    control.CacheList: "cache ls",
+    control.CachePin: "cache pin",
+    control.CacheUnpin: "cache unpin",
+    control.CacheEvict: "cache evict",
+    control.Drain: "drain",
+    control.Resume: "resume",
+    control.RestartWorker: "restart-worker",
+    control.Metrics: "metrics",
+    control.Shutdown: "shutdown",
+    control.ConfigCheck: "config check",
+}
+"""basertctl's name of each control verb (for messages, logs and metric labels)."""
+
+
+class CacheControl(Protocol):
+    """What the prefix-cache verbs need (implemented by ``cache_verbs.PolicyCacheControl`` over
+    each worker's prefix-cache policy). Worker ids are validated by the caller; methods raise
+    ``ControlError``."""
+
+    async def stats(self) -> list[control.CacheStatsRow]:
+        """One row per worker: entries, bytes (pinned among them), hits / misses, cached tokens,
+        evictions and evicted bytes."""
+        ...
+
+    async def entries(self, worker_id: int | None, limit: int) -> list[control.CacheEntryRow]:
+        """Cached prefixes of ``worker_id`` (None: all), most recently used first, at most
+        ``limit``."""
+        ...
+
+    async def pin(self, tokens_by_worker: dict[int, list[int]]) -> control.CachePinResult:
+        """Pin the given prefix (token ids, per worker) in the protected cache class; one pin id
+        covers every worker named."""
+        ...
+
+    async def unpin(self, pin_id: int) -> None:
+        """Drop pin ``pin_id`` (``ControlError(NOT_FOUND)`` if unknown)."""
+        ...
+
+    async def evict(self, worker_id: int | None, bytes_target: int) -> control.CacheEvictResult:
+        """Evict unpinned prefixes: up to ``bytes_target`` bytes (0: all unpinned) per worker."""
+        ...
+
+
+class ControlHost(Protocol):
+    """What the control verbs need of the daemon (``basertd.server.daemon.Daemon`` is one)."""
+
+    config: Config
+    version: str
+    started_at: float
+    metrics: Metrics
+    operators: OperatorPolicy
+    drainer: Drainer
+    fleet: Fleet
+    cache_control: CacheControl
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def requests_total(self) -> int: ...
+
+    def public_state(self) -> str: ...
+
+    def publish_status(self) -> None: ...
+
+    def request_shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None: ...
+
+
+def _worker_ids(fleet: Fleet, worker_id: int | None) -> list[int]:
+    try:
+        return fleet.worker_ids(worker_id)
+    except LookupError as exc:
+        raise ControlError(ErrorCode.NOT_FOUND, str(exc)) from None
+
+
+def read_config_file(path: str) -> str:
+    """The text of the configuration file ``path``. Raises ``OSError`` (or ``ValueError``) for
+    anything but a readable regular file of at most ``MAX_CONFIG_BYTES`` UTF-8 bytes; opening
+    never blocks (O_NONBLOCK: a FIFO is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise OSError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8")
+
+
+def _timeout(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise ControlError(ErrorCode.INVALID_REQUEST, f"timeout must be a finite number >= 0, got {value}")
+    return value
+
+
+def check_config_text(text: str, source: str, running: Config | None = None) -> control.ConfigCheckResult:
+    """Validate configuration ``text`` (TOML) without applying it. Errors: anything
+    ``basertd serve`` would refuse (the key is named). Warnings: model files that do not exist, a
+    socket open to others, an operator group unknown to this system, a drain timeout that does not
+    fit the unit's TimeoutStopSec, and, against the ``running`` configuration, which changed keys a
+    reload (SIGHUP) applies and which need a restart."""
+    try:
+        cfg = parse_config(tomllib.loads(text), source=source)
+    except tomllib.TOMLDecodeError as exc:
+        return control.ConfigCheckResult(ok=False, errors=[f"{source}: invalid TOML: {exc}"])
+    except ConfigError as exc:
+        return control.ConfigCheckResult(ok=False, errors=[str(exc)])
+    warnings = []
+    for i, w in enumerate(cfg.workers):
+        if w.model and not Path(w.model).expanduser().exists():
+            warnings.append(f"workers[{i}].model: {w.model} does not exist (here)")
+    if int(cfg.socket_mode) & 0o007:
+        warnings.append(f"socket_mode {int(cfg.socket_mode):04o} lets every local user generate")
+    group = cfg.operators.operator_group
+    if group:
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            warnings.append(f"operators.operator_group: no group {group!r} on this system")
+    if cfg.operators.drain_timeout_s + 10 > STOP_TIMEOUT_HINT_S:
+        warnings.append(
+            f"operators.drain_timeout_s {cfg.operators.drain_timeout_s:g} s: raise TimeoutStopSec of "
+            f"basertd.service above {cfg.operators.drain_timeout_s + 10:g} s"
+        )
+    if running is not None:
+        changes = config_changes(running, cfg)
+        if changes.applied:
+            warnings.append("a reload (SIGHUP) applies: " + ", ".join(changes.applied))
+        if changes.needs_restart:
+            warnings.append("changed, needs a restart: " + ", ".join(changes.needs_restart))
+    return control.ConfigCheckResult(ok=True, warnings=warnings)
+
+
+class ControlService:
+    """Answers control verbs for one daemon (module docstring)."""
+
+    def __init__(self, host: ControlHost) -> None:
+        self.d = host
+
+    async def handle(self, conn: ClientConnection, msg: Any) -> None:
+        """Check the peer, run the verb's handler, send its result or a typed ``Error``."""
+        rid = getattr(msg, "request_id", "")
+        verb = VERB_NAMES.get(type(msg))
+        if verb is None:
+            conn.send(
+                api.Error(
+                    code=ErrorCode.INVALID_REQUEST,
+                    request_id=rid,
+                    message=f"{type(msg).__name__} is not a request this daemon serves",
+                )
+            )
+            return
+        peer = conn.credentials
+        if not self.d.operators.allows(peer):
+            log.warning("control_denied", verb=verb, uid=peer.uid, gid=peer.gid, pid=peer.pid)
+            self.d.metrics.control_denied(verb)
+            conn.send(
+                api.Error(
+                    code=ErrorCode.PERMISSION_DENIED,
+                    request_id=rid,
+                    message=f"{verb} is for {self.d.operators.describe()}; you are {peer.describe()}",
+                )
+            )
+            return
+        try:
+            reply = await getattr(self, "_" + type(msg).__name__)(msg)
+        except ControlError as exc:
+            conn.send(api.Error(code=exc.code, request_id=rid, message=exc.message))
+            return
+        except Exception as exc:  # a handler bug: typed error to the operator, traceback to the log
+            log.exception("control_failed", verb=verb)
+            conn.send(api.Error(code=ErrorCode.INTERNAL, request_id=rid, message=f"{verb} failed: {exc!r}"))
+            return
+        reply.request_id = rid
+        conn.send(reply)
+        if verb not in ("status", "workers", "lanes", "queue", "cache stats", "cache ls", "metrics"):
+            log.info("control", verb=verb, uid=peer.uid, pid=peer.pid)
+
+    def _check_running(self) -> None:
+        if self.d.state in (DaemonState.STOPPING, DaemonState.STOPPED):
+            raise ControlError(ErrorCode.SHUTTING_DOWN, "basertd is shutting down")
+
+    # --- views -----------------------------------------------------------------------------------
+
+    async def _Status(self, msg: control.Status) -> control.StatusResult:
+        d = self.d
+        return control.StatusResult(
+            version=d.version,
+            state=d.public_state(),
+            uptime_s=time.monotonic() - d.started_at,
+            workers_ready=d.fleet.ready_count,
+            workers_total=len(d.fleet),
+            lanes_busy=d.fleet.lanes_busy,
+            lanes_max=d.fleet.lanes_max,
+            queued=sum(d.fleet.queued_by_class().values()),
+            requests_total=d.requests_total,
+            problems=d.fleet.problems(),
+        )
+
+    async def _Workers(self, msg: control.Workers) -> control.WorkersResult:
+        d = self.d
+        all_stats = await asyncio.gather(*(d.fleet.worker_stats(i) for i in range(len(d.fleet))))
+        rows = []
+        for m, stats in zip(d.fleet, all_stats, strict=True):
+            i, slot, sched = m.worker_id, m.slot, m.scheduler
+            stats = stats or {}
+            rows.append(
+                control.WorkerRow(
+                    worker_id=i,
+                    engine=m.config.engine,
+                    model=m.model_name,
+                    state=(
+                        DaemonState.DRAINING  # a serving worker of a draining daemon
+                        if slot.state is SlotState.READY and d.drainer.draining
+                        else slot.state
+                    ),
+                    pid=slot.proc.pid if slot.proc is not None else 0,
+                    lanes_busy=sched.busy_lanes,
+                    lanes_max=sched.limits.max_lanes,
+                    queue_depth=len(sched.queues),
+                    respawns=slot.respawns,
+                    pool_used_bytes=int(stats.get("pool_bytes_used", 0)),
+                    pool_total_bytes=int(stats.get("pool_bytes_total", 0)),
+                    ticks_run=sched.ticks_run,
+                    engine_lanes=int(stats.get("live_lanes", 0)),
+                    seed_leases=int(stats.get("live_seed_leases", 0)),
+                    engine_stats={k: int(v) for k, v in stats.items()},
+                    last_error="" if slot.state is SlotState.READY else slot.last_error,
+                )
+            )
+        return control.WorkersResult(workers=rows)
+
+    async def _Lanes(self, msg: control.Lanes) -> control.LanesResult:
+        now = time.monotonic()
+        wanted = set(_worker_ids(self.d.fleet, msg.worker_id))
+        rows = [
+            control.LaneRow(
+                worker_id=sched.worker_id,
+                lane_tag=lane.tag,
+                request_id=lane.request.request_id,
+                qos=lane.request.qos,
+                state=lane.phase,
+                prompt_tokens=lane.prompt_len,
+                generated_tokens=len(lane.request.generated),
+                cached_tokens=lane.request.cached_tokens,
+                age_s=now - lane.admitted_at,
+            )
+            for sched in self.d.fleet.schedulers
+            if sched.worker_id in wanted
+            for lane in sched.lanes.values()
+        ]
+        return control.LanesResult(lanes=rows)
+
+    async def _Queue(self, msg: control.Queue) -> control.QueueResult:
+        now = time.monotonic()
+        totals: dict[str, list[float]] = {}
+        for sched in self.d.fleet.schedulers:
+            for qos, depth, wait in sched.queue_rows(now):
+                t = totals.setdefault(qos, [0, 0.0])
+                t[0] += depth
+                t[1] = max(t[1], wait)
+        return control.QueueResult(
+            classes=[control.QueueRow(qos=q, depth=int(d), oldest_wait_s=w) for q, (d, w) in totals.items()]
+        )
+
+    async def _Metrics(self, msg: control.Metrics) -> control.MetricsResult:
+        return control.MetricsResult(text=self.d.metrics.exposition())
+
+    async def _ConfigCheck(self, msg: control.ConfigCheck) -> control.ConfigCheckResult:
+        if (msg.path is None) == (msg.text is None):
+            raise ControlError(ErrorCode.INVALID_REQUEST, "give exactly one of path and text")
+        if msg.path is not None:
+            try:
+                text = await asyncio.to_thread(read_config_file, msg.path)
+            except (OSError, ValueError) as exc:
+                return control.ConfigCheckResult(ok=False, errors=[f"{msg.path}: cannot read: {exc}"])
+            return check_config_text(text, msg.path, self.d.config)
+        return check_config_text(msg.text or "", "<text>", self.d.config)
+
+    # --- prefix cache ----------------------------------------------------------------------------
+
+    async def _CacheStats(self, msg: control.CacheStats) -> control.CacheStatsResult:
+        return control.CacheStatsResult(workers=await self.d.cache_control.stats())
+
+    async def _CacheList(self, msg: control.CacheList) -> control.CacheListResult:
+        _worker_ids(self.d.fleet, msg.worker_id)
+        if msg.limit < 1:
+            raise ControlError(ErrorCode.INVALID_REQUEST, f"limit must be >= 1, got {msg.limit}")
+        return control.CacheListResult(entries=await self.d.cache_control.entries(msg.worker_id, msg.limit))
+
+    async def _CachePin(self, msg: control.CachePin) -> control.CachePinResult:
+        if (msg.tokens is None) == (msg.text is None):
+            raise ControlError(ErrorCode.INVALID_REQUEST, "give exactly one of tokens and text")
+        by_worker: dict[int, list[int]] = {}
+        for i in _worker_ids(self.d.fleet, msg.worker_id):
+            tok = self.d.fleet[i].tokenizer
+            if msg.text is not None:
+                bos = self.d.fleet.add_bos(i)
+                tokens = await asyncio.to_thread(tok.encode, msg.text, add_bos=bos)
+            else:
+                tokens = list(msg.tokens or [])
+                if any(not 0 <= t < tok.vocab_size for t in tokens):
+                    raise ControlError(
+                        ErrorCode.INVALID_REQUEST, f"tokens outside the vocabulary (0..{tok.vocab_size - 1})"
+                    )
+            if not tokens:
+                raise ControlError(ErrorCode.EMPTY_PROMPT, "the prefix to pin is empty")
+            by_worker[i] = tokens
+        return await self.d.cache_control.pin(by_worker)
+
+    async def _CacheUnpin(self, msg: control.CacheUnpin) -> control.ControlOk:
+        await self.d.cache_control.unpin(msg.pin_id)
+        return control.ControlOk(message=f"pin {msg.pin_id} dropped")
+
+    async def _CacheEvict(self, msg: control.CacheEvict) -> control.CacheEvictResult:
+        _worker_ids(self.d.fleet, msg.worker_id)
+        if msg.bytes_target < 0:
+            raise ControlError(
+                ErrorCode.INVALID_REQUEST, f"bytes_target must be >= 0, got {msg.bytes_target}"
+            )
+        return await self.d.cache_control.evict(msg.worker_id, msg.bytes_target)
+
+    # --- steering --------------------------------------------------------------------------------
+
+    async def _Drain(self, msg: control.Drain) -> control.DrainResult:
+        timeout = _timeout(msg.timeout_s)
+        self._check_running()
+        self.d.drainer.begin(ErrorCode.DRAINING)
+        self.d.publish_status()
+        outcome = await self.d.drainer.drain(timeout, ErrorCode.DRAINING)
+        self.d.publish_status()
+        left = self.d.drainer.in_flight if outcome.resumed else outcome.cancelled
+        return control.DrainResult(drained=outcome.drained, lanes_active=left, waited_s=outcome.waited_s)
+
+    async def _Resume(self, msg: control.Resume) -> control.ControlOk:
+        self._check_running()
+        if self.d.drainer.code is ErrorCode.SHUTTING_DOWN and self.d.drainer.draining:
+            raise ControlError(ErrorCode.SHUTTING_DOWN, "basertd is draining to stop; it cannot resume")
+        resumed = self.d.drainer.resume()
+        self.d.publish_status()
+        return control.ControlOk(message="accepting requests" if resumed else "was not draining")
+
+    async def _RestartWorker(self, msg: control.RestartWorker) -> control.RestartWorkerResult:
+        self._check_running()
+        (wid,) = _worker_ids(self.d.fleet, msg.worker_id)
+        slot = self.d.fleet[wid].slot
+        old = slot.proc
+        log.warning("worker_restart_by_operator", worker_id=wid, pid=old.pid if old else 0)
+        if slot.given_up:
+            slot.poke()
+        elif old is not None:
+            slot.restart("operator request (basertctl restart-worker)")
+        try:
+            proc = await asyncio.wait_for(slot.ready(), RESTART_TIMEOUT_S)
+        except TimeoutError:
+            raise ControlError(
+                ErrorCode.TIMEOUT, f"worker {wid} did not come back within {RESTART_TIMEOUT_S:g} s"
+            ) from None
+        return control.RestartWorkerResult(worker_id=wid, pid=proc.pid)
+
+    async def _Shutdown(self, msg: control.Shutdown) -> control.ControlOk:
+        timeout = _timeout(msg.timeout_s)
+        self._check_running()
+        self.d.request_shutdown(drain=msg.drain, timeout_s=timeout)
+        how = f"draining for up to {timeout:g} s, then stopping" if msg.drain else "stopping now"
+        return control.ControlOk(message=how)

@@ -1,0 +1,103 @@
+"""OpenAI error objects and the HTTP status a client library maps each failure to.
+
+A failure is an ``HttpError`` (status, message, type, param, code, extra headers); its body is
+``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 invalid request / context
+length exceeded / empty prompt, 401 missing or wrong API key, 403 refused peer, 404 unknown model
+or route, 405 wrong method, 413 body too large, 429 queue full (with ``Retry-After``), 503
+draining / shutting down / no worker, 500 internal (never a traceback).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from basertd.schema.client import ErrorCode
+from basertd.server.request.record import AdmissionError
+
+RETRY_AFTER_S = 1
+"""Seconds a 429 asks the client to wait (``Retry-After``)."""
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+STATUS_OF: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.EMPTY_PROMPT: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.PROTOCOL_ERROR: 400,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.WORKER_FAILED: 503,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.DRAINING: 503,
+    ErrorCode.TIMEOUT: 504,
+}
+"""HTTP status of each typed front-end error."""
+
+
+class HttpError(Exception):
+    """A request that fails with ``status`` (module docstring). ``param`` names the offending
+    request field when there is one; ``code`` is a machine-readable reason (the front end's
+    ``ErrorCode`` value for refusals it raised)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        if status == 429:
+            self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self.body())
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> HttpError:
+    """A 400 naming ``param``."""
+    return HttpError(400, message, param=param, code=code)
+
+
+def from_code(code: ErrorCode | str, message: str) -> HttpError:
+    """The ``HttpError`` of a typed front-end error (``STATUS_OF``)."""
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        ec = ErrorCode.INTERNAL
+    return HttpError(STATUS_OF.get(ec, 500), message, code=ec.value)
+
+
+def from_admission(exc: AdmissionError) -> HttpError:
+    """The ``HttpError`` of a refusal at admission."""
+    return from_code(exc.code, exc.message)

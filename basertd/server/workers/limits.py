@@ -1,0 +1,52 @@
+"""The numbers admission and planning need from one worker (DESIGN.md "Scheduling")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from basertd.schema.abi import SpaceKind
+
+
+class WorkerLimits:
+    """The numbers admission and planning need from a worker's capability record (or, before
+    the first handshake, from its config): context length, lanes and max batch size, page size
+    (tokens), KV capacity (tokens) and the prompt tokens one plan may write into the prompt ring."""
+
+    def __init__(
+        self,
+        context_length: int,
+        max_lanes: int,
+        max_batch_size: int,
+        page_tokens: int,
+        kv_tokens: int,
+        max_admit_tokens: int,
+    ) -> None:
+        self.context_length = context_length
+        self.max_lanes = max_lanes
+        self.max_batch_size = max_batch_size
+        self.page_tokens = page_tokens
+        self.kv_tokens = kv_tokens
+        self.max_admit_tokens = max_admit_tokens
+
+    @classmethod
+    def from_worker(cls, proc: Any) -> WorkerLimits:
+        """Limits of a started worker (``basertd.server.workers.process.WorkerProcess``). KV capacity:
+        the pool bytes over the bytes per token of its paged state spaces when it reports them,
+        else ``max_lanes * context_length``."""
+        caps = proc.capabilities
+        per_token = sum(
+            s.bytes_per_token
+            for s in caps.state_spaces
+            if s.kind in (SpaceKind.PAGED_TOKEN_KV, SpaceKind.DEPTH_PAGED_KV) and s.bytes_per_token
+        )
+        kv = caps.max_lanes * caps.context_length
+        if per_token and caps.pool_bytes:
+            kv = caps.pool_bytes // per_token
+        return cls(
+            context_length=caps.context_length,
+            max_lanes=caps.max_lanes,
+            max_batch_size=max(1, caps.max_batch_size),
+            page_tokens=max(1, caps.page_size_tokens),
+            kv_tokens=kv,
+            max_admit_tokens=proc.prompt_ring.max_span_elems // 2,
+        )
