@@ -26,66 +26,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from _daemon import BenchDaemon, workers_toml
+
 from basertd.client import AsyncClient, Client, ClientError
-from basertd.schema import control
 
 
-class Served:
-    """One ``basertd serve`` subprocess with its own runtime and state directories."""
+class Served(BenchDaemon):
+    """One ``basertd serve`` with ``[durability] mode = mode``."""
 
-    def __init__(self, workers_toml: str, mode: str) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix=f"brt-bd-{mode}-", dir="/tmp"))
-        self.socket = self.base / "rt" / "basertd.sock"
-        cfg = self.base / "basertd.toml"
-        cfg.write_text(
-            f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
-            f'{workers_toml}[durability]\nmode = "{mode}"\n[http]\nlisten = []\n'
-        )
-        env = {k: v for k, v in os.environ.items() if k != "BASERTD_SOCKET"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.base / "daemon.log", "wb"),  # noqa: SIM115 - the child keeps it
-            env=env,
-        )
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"daemon exited: {(self.base / 'daemon.log').read_text()[-2000:]}")
-            try:
-                with Client(self.socket, timeout=5) as c:
-                    h = c.health()
-                if h.status == "ok":
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise SystemExit("daemon not ready")
-
-    def worker_pid(self) -> int:
-        with Client(self.socket, timeout=10) as c:
-            return c.request(control.Workers()).workers[0].pid
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.base, ignore_errors=True)
+    def __init__(self, workers: str, mode: str) -> None:
+        super().__init__(workers, prefix=f"brt-bd-{mode}-", extra=f'[durability]\nmode = "{mode}"\n')
 
 
 async def burst(sock: Path, n: int, tokens: int) -> tuple[float, list[float]]:
@@ -113,7 +69,7 @@ async def burst(sock: Path, n: int, tokens: int) -> tuple[float, list[float]]:
 
 def kill_to_next_token(served: Served, tokens: int) -> float | str:
     """Seconds from a worker SIGKILL to the next token of the stream it was serving."""
-    with Client(served.socket, timeout=300) as c:
+    with Client(served.sock, timeout=300) as c:
         s = c.stream(prompt_tokens=[1, 7, 11, 13], max_tokens=tokens, temperature=0.0, ignore_eos=True)
         it = iter(s)
         for _ in range(3):
@@ -149,20 +105,18 @@ def main() -> int:
     args = ap.parse_args()
     if args.engine == "ref":
         workers = (
-            f'[[workers]]\nengine = "basert"\nlanes = {args.lanes}\ncontext_length = 512\n'
-            f"[workers.ref_config]\nvocab_size = 259\neos_period = 0\ntick_delay_us = {args.tick_us}\n"
+            workers_toml("basert", lanes=args.lanes, context_length=512)
+            + f"[workers.ref_config]\nvocab_size = 259\neos_period = 0\ntick_delay_us = {args.tick_us}\n"
         )
     else:
-        workers = (
-            f'[[workers]]\nengine = "llamacpp"\nlanes = 8\ncontext_length = 1024\nthreads = {args.threads}\n'
-        )
+        workers = workers_toml("llamacpp", lanes=8, context_length=1024, threads=args.threads)
     daemons = {mode: Served(workers, mode) for mode in ("tick", "off")}
     try:
         rates: dict[str, list[float]] = {"tick": [], "off": []}
         itl: dict[str, list[float]] = {"tick": [], "off": []}
         for _ in range(args.rounds):
             for mode, d in daemons.items():
-                rate, gaps = asyncio.run(burst(d.socket, args.streams, args.tokens))
+                rate, gaps = asyncio.run(burst(d.sock, args.streams, args.tokens))
                 rates[mode].append(rate)
                 itl[mode].extend(gaps)
         kill = kill_to_next_token(daemons["tick"], args.tokens)

@@ -17,17 +17,15 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _daemon import BenchDaemon, workers_toml
 
-from basertd.client import AsyncClient, Client
+from basertd.client import AsyncClient
 from basertd.schema.abi import Finish, Sampling, SamplingFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, SamplingParams, TickPlan
 from basertd.server.request.tokenizer import GgufTokenizer
@@ -104,43 +102,16 @@ async def _concurrent(sock: Path, n: int, tokens: int) -> float:
     return sum(o.usage.completion_tokens for o in outs) / wall
 
 
-class DaemonUnderTest:
+class DaemonUnderTest(BenchDaemon):
     """A real ``basertd serve`` on the model (default configuration but the runtime directory)."""
 
     def __init__(self, model: str, threads: int) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp"))
-        cfg = self.base / "basertd.toml"
-        worker = f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nthreads = {threads}\n'
-        private = f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
-        cfg.write_text(private + worker + "[http]\nlisten = []\n")
-        self.sock = self.base / "rt" / "basertd.sock"
-        with open(self.base / "daemon.log", "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("basertd did not start")
-            try:
-                with Client(self.sock, timeout=5) as c:
-                    if c.health().status == "ok":
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
+        super().__init__(workers_toml(model=model, threads=threads))
         asyncio.run(_concurrent(self.sock, 1, 8))  # warm-up
 
     def rate(self, n: int, tokens: int) -> float:
         """Aggregate tokens/s of ``n`` concurrent greedy requests of ``tokens`` tokens."""
         return asyncio.run(_concurrent(self.sock, n, tokens))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(60)
-        shutil.rmtree(self.base, ignore_errors=True)
 
 
 def main() -> None:

@@ -17,18 +17,14 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+from _daemon import BenchDaemon, workers_toml
 
-from basertd.client import AsyncClient, Client
+from basertd.client import AsyncClient
 
 PROMPTS = [f"Story number {i}: once upon a time, in a land far away," for i in range(8)]
 
@@ -78,41 +74,11 @@ async def measure(kind: str, sock: Path, url: str, n: int, tokens: int) -> tuple
     return sum(o[0] for o in outs) / wall, statistics.median(o[1] for o in outs)
 
 
-class DaemonUnderTest:
-    def __init__(self, model: str, threads: int) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="brt-bench-", dir="/tmp"))
-        cfg = self.base / "basertd.toml"
-        worker = f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nthreads = {threads}\n'
-        http = '[http]\nlisten = ["127.0.0.1:0"]\n'
-        private = f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
-        cfg.write_text(private + worker + http)
-        self.sock = self.base / "rt" / "basertd.sock"
-        self.log = self.base / "daemon.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("basertd did not start")
-            try:
-                with Client(self.sock, timeout=5) as c:
-                    if c.health().status == "ok":
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        for line in self.log.read_text().splitlines():
-            if '"http_listening"' in line:
-                self.url = "http://" + json.loads(line)["addresses"][0]
+class DaemonUnderTest(BenchDaemon):
+    """A real ``basertd serve`` on the model, listening for HTTP on an ephemeral loopback port."""
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(60)
-        shutil.rmtree(self.base, ignore_errors=True)
+    def __init__(self, model: str, threads: int) -> None:
+        super().__init__(workers_toml(model=model, threads=threads), http=True)
 
 
 def main() -> None:

@@ -43,19 +43,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _daemon import BenchDaemon, workers_toml
 from bare_burst import BareBurst
 from bench_generate import DirectLane
 
@@ -98,38 +94,12 @@ def sized_text(c: Client, head: str, tokens: int, seed: int) -> str:
     return text
 
 
-class Served:
+class Served(BenchDaemon):
     """``basertd serve`` on ``model`` as a subprocess with 8 lanes of 2048 tokens."""
 
     def __init__(self, model: str, threads: int) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="brt-serving-", dir="/tmp"))
-        cfg = self.base / "basertd.toml"
-        cfg.write_text(
-            f'runtime_dir = "{self.base / "rt"}"\nstate_dir = "{self.base / "state"}"\n'
-            f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nlanes = 8\ncontext_length = 2048\n'
-            f"threads = {threads}\n[http]\nlisten = []\n"
-        )
-        self.sock = self.base / "rt" / "basertd.sock"
-        self.log = self.base / "daemon.log"
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "basertd.cli", "serve", "--config", str(cfg)], stdout=log, stderr=log
-            )
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"basertd did not start; its log is {self.log}")
-            try:
-                with Client(self.sock, timeout=5) as c:
-                    if c.health().status == "ok":
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-
-    def client(self) -> Client:
-        return Client(self.sock, timeout=600)
+        workers = workers_toml(model=model, lanes=8, context_length=2048, threads=threads)
+        super().__init__(workers, prefix="brt-serving-")
 
     def engine_stats(self) -> dict[str, int]:
         """The engine's counters once the daemon is idle (a worker answers a PING that arrives
@@ -142,27 +112,6 @@ class Served:
                     break
                 time.sleep(0.05)
             return dict(c.request(control.Workers()).workers[0].engine_stats)
-
-    def access(self) -> dict[str, dict]:
-        out = {}
-        for line in self.log.read_text(errors="replace").splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and ev.get("event") == "access":
-                out[ev["request_id"]] = ev
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.base, ignore_errors=True)
 
 
 # --- scenario 1 ---------------------------------------------------------------------------------
