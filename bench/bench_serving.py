@@ -11,7 +11,8 @@ own worker (one at a time, never beside the daemon's work). Scenarios:
    ``--tokens`` tokens each, greedy, ignore EOS), ``--rounds`` alternating rounds, medians.
    Baselines: the bare engine's one-lane rate (as bench_generate.py) and its 8-lane decode rate
    (the burst baseline's decode-only ticks). Targets: at least ``RATIO["tps1"]`` and
-   ``RATIO["tps8"]`` of them.
+   ``RATIO["tps8"]`` of them. The 8 streams' inter-token latency (gaps between Tokens frames,
+   p50 and p99, beside the bare engine's 8-lane step time); target p99 <= ``TARGETS["itl"]``.
 2. **burst** (``ttft``): ``--agents`` streaming batch requests with distinct ``--prompt-tokens``
    prompts (``--agent-tokens`` tokens each), then, ``--delay`` s later, one short interactive
    request. Measured: the agents' wall time (first send to last token), each agent's stall (the
@@ -58,8 +59,9 @@ from bench_generate import DirectLane
 from basertd.client import AsyncClient, Client
 from basertd.schema import control
 
-TARGETS = {"ttft": 0.3, "stall": 1.0, "prefills": 1.1}
-"""Absolute targets (latency bounds seconds; prefix prefills)."""
+TARGETS = {"ttft": 0.3, "stall": 1.0, "itl": 0.5, "prefills": 1.1}
+"""Absolute targets (latency bounds in seconds, "itl" the 8 streams' p99 gap = `max_itl_s`; prefix
+prefills)."""
 RATIO = {"tps1": 0.95, "tps8": 0.9, "burst": 1.15, "lone": 1.05}
 """Targets as ratios against the baselines measured in the same run: throughputs at least these
 fractions of the bare engine's, wall times / TTFTs at most these multiples of the bare engine's."""
@@ -117,18 +119,33 @@ class Served(BenchDaemon):
 # --- scenario 1 ---------------------------------------------------------------------------------
 
 
-async def aggregate(sock: Path, prompts: list[str], tokens: int) -> float:
+async def aggregate(sock: Path, prompts: list[str], tokens: int, gaps: list[float] | None = None) -> float:
+    """Aggregate tokens/s of one streaming greedy request per prompt; each gap (s) between two
+    consecutive Tokens frames of one stream is appended to ``gaps`` (the inter-token latency a
+    client sees)."""
+
+    async def one(c: AsyncClient, p: str) -> int:
+        s = await c.stream(p, max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        n, last = 0, None
+        async for t in s:
+            if t.ids:
+                now = time.perf_counter()
+                if last is not None and gaps is not None:
+                    gaps.append(now - last)
+                last = now
+                n += len(t.ids)
+        return n
+
     async with await AsyncClient.connect(sock) as c:
         t0 = time.perf_counter()
-        outs = await asyncio.gather(
-            *(c.generate(p, max_tokens=tokens, temperature=0.0, ignore_eos=True) for p in prompts)
-        )
+        counts = await asyncio.gather(*(one(c, p) for p in prompts))
         wall = time.perf_counter() - t0
-    return sum(o.usage.completion_tokens for o in outs) / wall
+    return sum(counts) / wall
 
 
 def throughput(served: Served, model: str, threads: int, rounds: int, tokens: int) -> dict:
     direct = DirectLane(model, threads)
+    gaps: list[float] = []
     try:
         direct.rate(8)
         asyncio.run(aggregate(served.sock, ["warm up"], 8))
@@ -139,13 +156,15 @@ def throughput(served: Served, model: str, threads: int, rounds: int, tokens: in
                 (
                     direct.rate(tokens),
                     asyncio.run(aggregate(served.sock, prompts[:1], tokens)),
-                    asyncio.run(aggregate(served.sock, prompts, tokens)),
+                    asyncio.run(aggregate(served.sock, prompts, tokens, gaps)),
                 )
             )
     finally:
         direct.close()
     base, one, eight = (statistics.median(col) for col in zip(*rows, strict=True))
-    return {"direct": base, "tps1": one, "tps8": eight, "rows": rows}
+    gaps.sort()
+    itl = {q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] for q in (0.5, 0.99)} if gaps else {}
+    return {"direct": base, "tps1": one, "tps8": eight, "rows": rows, "itl": itl}
 
 
 # --- scenario 2 ---------------------------------------------------------------------------------
@@ -361,6 +380,16 @@ def main() -> int:
             dec8 != dec8 or t["tps8"] >= RATIO["tps8"] * dec8,  # no baseline without the burst
             f"bare 8-lane decode {dec8:.1f} tok/s (ratio {t['tps8'] / dec8:.2f}); "
             f"median of {args.rounds} rounds: {', '.join(f'{r[2]:.0f}' for r in t['rows'])}",
+        )
+        itl = t["itl"]
+        step = 8 / dec8 if dec8 == dec8 else float("nan")
+        row(
+            "8 concurrent: inter-token latency p50",
+            itl.get(0.5, float("nan")) * 1e3,
+            "ms",
+            f"p99 <= {TARGETS['itl'] * 1e3:.0f} ms",
+            itl.get(0.99, float("inf")) <= TARGETS["itl"],
+            f"p99 {itl.get(0.99, float('nan')) * 1e3:.1f} ms; bare 8-lane decode step {step * 1e3:.1f} ms",
         )
     if "ttft" in results:
         r = results["ttft"]
