@@ -7,7 +7,7 @@ document with ``--json`` (before or after the verb). These two forms are stable:
 ``basertctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--seed S] [--qos CLASS]
 PROMPT`` streams the text to stdout, ``basertctl [--socket PATH] status [--json]`` prints the
 summary. ``--socket`` defaults to ``$BASERTD_SOCKET``, then the default socket path
-(``basertd.server.config.default_socket_path``).
+(``basertd.server.paths.default_socket_path``).
 
 Control verbs need root, the daemon's user or its operator group (peer credentials); ``generate``
 only needs access to the socket. A daemon that cannot be reached gives one line naming the socket
@@ -29,7 +29,7 @@ import msgspec
 from basertd.client import Client, ClientError, ConnectionLost
 from basertd.schema import control
 from basertd.schema.client import ErrorCode, QosClass
-from basertd.server.config import SOCKET_ENV, default_socket_path
+from basertd.server.paths import SOCKET_ENV, default_socket_path
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -614,8 +614,8 @@ def wal_check(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None
     """Read the log in STATE_DIR (default: the daemon's state directory) as a start would: exit 0
     when it is clean or only torn by a crash (the start drops the torn tail), 1 when it is corrupt
     (the start refuses; `basertd serve --wal-recover=truncate` drops it from the bad record on)."""
-    from basertd.server.config import resolve_state_dir
     from basertd.server.durability.wal_recover import check_log
+    from basertd.server.paths import resolve_state_dir
 
     path = state_dir or resolve_state_dir(None, create=False)
     try:

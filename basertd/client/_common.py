@@ -88,7 +88,7 @@ def resolve_socket(path: str | Path | None) -> Path:
     """``path``, or the default socket (``$BASERTD_SOCKET``, then the runtime directory's)."""
     if path is not None:
         return Path(path)
-    from basertd.server.config import default_socket_path
+    from basertd.server.paths import default_socket_path
 
     return default_socket_path()
 

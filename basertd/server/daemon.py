@@ -45,14 +45,7 @@ import structlog
 
 from basertd import __version__
 from basertd.schema.client import ErrorCode
-from basertd.server.config import (
-    Config,
-    ConfigError,
-    load_config,
-    resolve_runtime_dir,
-    resolve_state_dir,
-    socket_path,
-)
+from basertd.server.config import Config, ConfigError, load_config
 from basertd.server.durability.durable import Durability
 from basertd.server.durability.wal import Journal
 from basertd.server.durability.wal_recover import RecoverMode
@@ -76,6 +69,7 @@ from basertd.server.ops.cache_verbs import PolicyCacheControl
 from basertd.server.ops.control import CacheControl, ControlService
 from basertd.server.ops.reload import apply_reload
 from basertd.server.ops.runtime_files import remove_stale_worker_dirs
+from basertd.server.paths import resolve_runtime_dir, resolve_state_dir, socket_path
 from basertd.server.request.record import GenerationRequest
 from basertd.server.sched.loop import Scheduler
 from basertd.server.states import DaemonState, HealthStatus, SlotState

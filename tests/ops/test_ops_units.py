@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.config import SOCKET_NAME, SYSTEM_RUNTIME_DIR, OperatorsConfig, load_config
+from basertd.server.config import OperatorsConfig, load_config
 from basertd.server.fleet import WORKER_CLOSE_GRACE_S
+from basertd.server.paths import SOCKET_NAME, SYSTEM_RUNTIME_DIR
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 SHIPPED_EXEC = "/opt/basertd/bin/basertd"

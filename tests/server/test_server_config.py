@@ -1,4 +1,4 @@
-"""basertd.server.config: defaults, unknown keys, ranges, runtime directory rule."""
+"""basertd.server.config and basertd.server.paths: defaults, unknown keys, ranges, runtime directory rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server import config as cfg
+from basertd.server import paths as cfg
 from basertd.server.config import Config, ConfigError, load_config, parse_config
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.config import ConfigError, parse_config, resolve_state_dir
+from basertd.server.config import ConfigError, parse_config
 from basertd.server.durability.wal import Journal, RequestRecord
 from basertd.server.durability.wal_format import WAL_DIR, list_segments
+from basertd.server.paths import resolve_state_dir
 
 BIN = Path(sys.executable).parent
 
