@@ -29,7 +29,7 @@ from basertd.server.frontend.streams import GenerationStream, ResumedStream
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
 from basertd.server.states import HealthStatus
-from basertd.server.transport.http import port
+from basertd.server.transport.http import port, resume
 from basertd.server.transport.http.app import HttpServer
 
 MODEL = "fake-model"
@@ -319,6 +319,19 @@ def test_the_http_code_reads_the_front_end_only_through_the_port():
         text = path.read_text()
         for needle in (".fleet", ".scheduler", "frontend.admission", "frontend.streams", "stream.request"):
             assert needle not in text or path.name == "port.py", f"{path.relative_to(root)} reads {needle}"
+
+
+def test_the_releaser_closes_at_once_or_after_the_grace_for_a_resumable_stream():
+    async def main() -> tuple[bool, bool, bool, bool]:
+        releaser = resume.Releaser(0.01)
+        now, later = FakeStream("a", [], None), FakeStream("b", [], None)
+        await releaser.release([now], False)
+        await releaser.release([later], True)
+        closed_now, closed_at_once = now.closed, later.closed
+        await asyncio.sleep(0.1)
+        return closed_now, closed_at_once, later.closed, later.cancelled
+
+    assert asyncio.run(main()) == (True, False, True, True)
 
 
 # --- OpenAI --------------------------------------------------------------------------------------
