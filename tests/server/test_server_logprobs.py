@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from basertd.schema import client as api
@@ -14,8 +15,10 @@ from basertd.schema.tick import LaneLogprob
 from basertd.server.frontend.limits import check_generate, check_logit_bias
 from basertd.server.request.record import AdmissionError, GenerationRequest, sampler_for, token_logprobs
 from basertd.server.request.tokenizer import BytesTokenizer
-from basertd.server.transport.http import openai as oa
+from basertd.server.transport.http import body as http_body
 from basertd.server.transport.http.errors import HttpError
+from basertd.server.transport.http.openai import translate as oa_translate
+from basertd.server.transport.http.openai import wire as oa_wire
 
 TOK = BytesTokenizer()
 
@@ -148,16 +151,17 @@ def test_logit_bias_in_range_passes_and_ids_are_checked_against_the_vocabulary()
 
 def test_openai_field_forms():
     def comp(**kw):
-        return oa.decode(oa.msgspec.json.encode({"prompt": "x", **kw}), oa.CompletionRequest)
+        return http_body.decode(msgspec.json.encode({"prompt": "x", **kw}), oa_wire.CompletionRequest)
 
     def chat(**kw):
-        return oa.decode(oa.msgspec.json.encode({"messages": [], **kw}), oa.ChatRequest)
+        return http_body.decode(msgspec.json.encode({"messages": [], **kw}), oa_wire.ChatRequest)
 
-    assert oa.logprobs_of(comp()) is None and oa.logprobs_of(comp(logprobs=0)) == 0
+    assert oa_translate.logprobs_of(comp()) is None and oa_translate.logprobs_of(comp(logprobs=0)) == 0
     assert (
-        oa.logprobs_of(chat(logprobs=True)) == 0 and oa.logprobs_of(chat(logprobs=True, top_logprobs=5)) == 5
+        oa_translate.logprobs_of(chat(logprobs=True)) == 0
+        and oa_translate.logprobs_of(chat(logprobs=True, top_logprobs=5)) == 5
     )
-    assert oa.logprobs_of(chat(logprobs=False)) is None
+    assert oa_translate.logprobs_of(chat(logprobs=False)) is None
     for bad, field in [
         (comp(logprobs=21), "logprobs"),
         (comp(logprobs=-1), "logprobs"),
@@ -167,9 +171,9 @@ def test_openai_field_forms():
         (comp(logit_bias={"-5": 1}), "logit_bias"),
     ]:
         with pytest.raises(HttpError) as info:
-            oa.check_fields(bad)
+            oa_translate.check_fields(bad)
         assert info.value.status == 400 and info.value.param == field
-    assert oa.logit_bias_of(comp(logit_bias={"17": -100, " 3": 5.5})) == {17: -100.0, 3: 5.5}
+    assert oa_translate.logit_bias_of(comp(logit_bias={"17": -100, " 3": 5.5})) == {17: -100.0, 3: 5.5}
 
 
 def entries(text_ids: list[int]) -> list[api.TokenLogprob]:
@@ -182,7 +186,7 @@ def entries(text_ids: list[int]) -> list[api.TokenLogprob]:
 
 
 def test_completion_logprobs_object_keeps_offsets_across_a_split_character():
-    lp = oa.Logprobs(False, TOK.piece)
+    lp = oa_wire.Logprobs(False, TOK.piece)
     euro = ids("€")
     lp.add(entries(ids("a") + euro[:1]))
     first = lp.take()
@@ -195,7 +199,7 @@ def test_completion_logprobs_object_keeps_offsets_across_a_split_character():
 
 
 def test_chat_logprobs_object_gives_each_token_its_own_bytes():
-    lp = oa.Logprobs(True, TOK.piece)
+    lp = oa_wire.Logprobs(True, TOK.piece)
     euro = ids("€")
     lp.add(entries(euro))
     obj = lp.take()

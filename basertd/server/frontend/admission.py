@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -45,7 +46,7 @@ from basertd.server.frontend.limits import (
     check_prompt_bytes,
     check_prompt_tokens,
 )
-from basertd.server.frontend.streams import GenerationStream, QueueSink
+from basertd.server.frontend.streams import GenerationStream, QueueSink, ResumedStream
 from basertd.server.observe.metrics import Metrics
 from basertd.server.request.grammar import GrammarRequestError, spec_from_request
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
@@ -61,6 +62,18 @@ MAX_PENDING_TOKENIZE = 64
 INLINE_TOKENIZE_CHARS = 4096
 """Texts up to this many characters are tokenized on the event loop (tens of microseconds: cheaper
 than a thread hop); longer ones go to the pool."""
+
+
+@dataclass(frozen=True)
+class ChatTemplateInputs:
+    """What one worker's chat template is built from (``Frontend.template_inputs``; the fields of
+    ``basertd.server.transport.http.port.TemplateInputs``)."""
+
+    configured: str
+    own: str | None
+    default_model: bool
+    bos_token: str
+    eos_token: str
 
 
 class Frontend:
@@ -135,11 +148,53 @@ class Frontend:
 
         return await self._off_loop(run)
 
-    def template_tokenizer(self, model: str) -> tuple[int, Any]:
-        """``(worker_id, tokenizer)`` of the worker a request for ``model`` would go to (for chat
-        templates: BOS/EOS texts and the end-of-turn token)."""
-        wid = self.fleet.route(model)
-        return wid, self.fleet[wid].tokenizer
+    # --- views for the HTTP dialects (``basertd.server.transport.http.port.FrontendPort``) ------
+
+    def route(self, model: str) -> int:
+        """The worker a new request for ``model`` ("" = any) goes to now (``Fleet.route``). Raises
+        ``AdmissionError(NOT_FOUND)`` for a model no worker serves."""
+        return self.fleet.route(model)
+
+    def context_length(self, worker: int) -> int:
+        """``worker``'s context window in tokens (its scheduler's limits)."""
+        return self.fleet[worker].scheduler.limits.context_length
+
+    def model_name(self, worker: int) -> str:
+        """``worker``'s served model name."""
+        return self.fleet[worker].model_name
+
+    def template_inputs(self, worker: int) -> ChatTemplateInputs:
+        """What ``worker``'s chat template is built from: its ``chat_template`` key, the model's
+        own template (GGUF ``tokenizer.chat_template``), whether it serves the default model, and
+        its BOS / EOS texts."""
+        m = self.fleet[worker]
+        cfg, tok = m.config, m.tokenizer
+        meta = getattr(tok, "meta", None)
+        text_of = getattr(tok, "token_text", None)
+        return ChatTemplateInputs(
+            configured=cfg.chat_template,
+            own=meta("tokenizer.chat_template") if meta is not None else None,
+            default_model=cfg.engine == "llamacpp" and not cfg.model,
+            bos_token=text_of(getattr(tok, "bos_id", -1)) if text_of else "",
+            eos_token=text_of(getattr(tok, "eos_id", -1)) if text_of else "",
+        )
+
+    def models(self) -> list[api.ModelInfo]:
+        """One entry per served model name (``Fleet.models``)."""
+        return self.fleet.models()
+
+    def workers_ready(self) -> int:
+        """Workers that serve now."""
+        return self.fleet.ready_count
+
+    def metrics_exposition(self) -> str:
+        """The Prometheus text exposition of the daemon's registry."""
+        return self.metrics.exposition()
+
+    def default_piece(self, token_id: int) -> bytes:
+        """The bytes of ``token_id`` in the vocabulary of the worker a request for any model goes
+        to (a resumed stream's tokens: the request record is not at hand)."""
+        return self.fleet[self.fleet.route("")].tokenizer.piece(token_id)
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -225,6 +280,16 @@ class Frontend:
             raise AdmissionError(ErrorCode.NOT_FOUND, "durability is off: there is nothing to resume")
         tokenizer = self.fleet[self.fleet.route("")].tokenizer if len(self.fleet) else None
         return self.durability.resume(resume_id, after, sink, tokenizer)
+
+    def follow(self, resume_id: str, after: int) -> ResumedStream:
+        """The replies of ``resume_id`` after its first ``after`` tokens, then its live ones, as an
+        async iterator (``ResumedStream``). Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST,
+        SHUTTING_DOWN) from ``resume``."""
+        sink = QueueSink()
+        self.resume(resume_id, after, sink)
+        first = sink.queue.get_nowait()
+        assert isinstance(first, api.Accepted), first
+        return ResumedStream(sink, first, self.default_piece)
 
     async def stream(self, gen: api.Generate, *, api_name: str) -> GenerationStream:
         """Admit ``gen`` and return its outputs as an async iterator (``GenerationStream``).

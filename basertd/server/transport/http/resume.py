@@ -4,9 +4,9 @@ Every event of a streamed HTTP response carries ``id: <request id>:<tokens so fa
 lost the connection sends the same request again with the header ``Last-Event-ID: <id>:<n>`` (as a
 browser's ``EventSource`` does) and gets the events after its first ``n`` tokens, without the
 request being run again: the server maps the request id to the durable ``resume_id`` the front end
-gave it (``ResumeIndex``) and follows it with ``Frontend.resume(resume_id, n, sink)``
-(``basertd.server.durability.durable``): the durable tokens after ``n`` (their text as the live stream would
-have sent it), then the live stream, then the end.
+gave it (``ResumeIndex``) and follows it with ``FrontendPort.follow(resume_id, n)``
+(``basertd.server.durability.durable`` in the daemon): the durable tokens after ``n`` (their text
+as the live stream would have sent it), then the live stream, then the end.
 
 A disconnect normally cancels the request at once; with ``[http] resume_grace_s`` > 0 a streamed
 request whose client went away keeps running that many seconds for a reconnect (then is
@@ -23,10 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from basertd.schema import client as api
-from basertd.server.frontend.admission import Frontend
-from basertd.server.frontend.streams import GenerationStream, QueueSink
 from basertd.server.transport.http.errors import HttpError, bad_request
+from basertd.server.transport.http.port import StreamPort
 
 HEADER = "Last-Event-ID"
 MAX_ENTRIES = 65536
@@ -83,53 +81,29 @@ class ResumeIndex:
         return rid, entry, after
 
 
-class ResumedStream:
-    """The replies of a resumed request as an async iterator (like ``GenerationStream``): Tokens
-    after ``after``, then the live ones, ending after Done or Error. ``accepted`` is its Accepted.
-    ``aclose()`` stops following (the request itself runs on)."""
-
-    def __init__(self, sink: QueueSink, accepted: api.Accepted) -> None:
-        self._sink = sink
-        self.accepted = accepted
-        self._ended = False
-
-    def __aiter__(self) -> Any:
-        return self._iterate()
-
-    async def _iterate(self) -> Any:
-        while not self._ended:
-            msg = await self._sink.queue.get()
-            if isinstance(msg, (api.Done, api.Error)):
-                self._ended = True
-            yield msg
-
-    async def aclose(self) -> None:
-        self._ended = True
-        self._sink.close()
-
-    async def __aenter__(self) -> ResumedStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
-def follow(frontend: Frontend, resume_id: str, after: int) -> ResumedStream:
-    """Follow ``resume_id`` after ``after`` tokens. Raises ``AdmissionError`` (NOT_FOUND,
-    INVALID_REQUEST, SHUTTING_DOWN) from ``Frontend.resume``."""
-    sink = QueueSink()
-    frontend.resume(resume_id, after, sink)
-    first = sink.queue.get_nowait()
-    assert isinstance(first, api.Accepted), first
-    return ResumedStream(sink, first)
-
-
-async def close_later(stream: GenerationStream, grace_s: float) -> None:
+async def close_later(stream: StreamPort, grace_s: float) -> None:
     """Cancel ``stream``'s request ``grace_s`` after its client went away, unless it ended or a
     resumed stream follows it (then check again each ``grace_s`` until none does)."""
-    while grace_s > 0 and not stream.request.finished:
+    while grace_s > 0 and not stream.finished:
         await asyncio.sleep(grace_s)
-        subscribers = getattr(stream.request.sink, "subscribers", None) or []
-        if not any(not s.closed for s in subscribers):
+        if not stream.followed:
             break
     await stream.aclose()
+
+
+class Releaser:
+    """Closes the streams of finished or abandoned handlers; a resumable stream's request keeps
+    running ``grace_s`` seconds for a reconnect (``close_later``)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._closers: set[asyncio.Future[None]] = set()
+
+    async def release(self, streams: list[StreamPort], resumable: bool) -> None:
+        for s in streams:
+            if resumable and self.grace_s > 0:
+                task = asyncio.ensure_future(close_later(s, self.grace_s))
+                self._closers.add(task)
+                task.add_done_callback(self._closers.discard)
+            else:
+                await s.aclose()

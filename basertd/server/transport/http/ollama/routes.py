@@ -1,0 +1,205 @@
+"""Ollama's API over a ``FrontendPort``: ``POST /api/generate``, ``POST /api/chat``,
+``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``, ``GET /api/version`` and ``GET /``
+("Ollama is running").
+
+Generation requests become one ``Generate`` (``translate``); a request without a prompt (or
+messages) answers ``done_reason: "load"`` at once, as Ollama does. Replies: NDJSON lines
+(``application/x-ndjson``) by default, one object with ``stream: false``; the last has the closing
+fields (``wire.done_fields``). Model names: a served model's id, also with the ``:latest`` tag
+Ollama tools add. A failure is ``{"error": "<message>"}`` with the statuses of
+``errors.STATUS_OF``; after a stream began it is one line ``{"error": ...}``. ``pull`` / ``push`` /
+``create`` / ``delete`` / ``copy`` answer 501: basertd serves the models of its configuration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from basertd.schema import client as api
+from basertd.server.transport.http import body
+from basertd.server.transport.http.chat_template import ChatTemplateError
+from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.ollama import translate as tr
+from basertd.server.transport.http.ollama.wire import (
+    API_VERSION,
+    NDJSON,
+    ChatRequest,
+    Common,
+    GenerateRequest,
+    Options,
+    ShowRequest,
+    created_at,
+    done_fields,
+    error_body,
+    model_entries,
+)
+from basertd.server.transport.http.port import FrontendPort
+from basertd.server.transport.http.templates import Templates
+
+API_NAME = "ollama"
+UNSERVED_VERBS = ("pull", "push", "create", "delete", "copy")
+_encode = msgspec.json.Encoder().encode
+
+
+class OllamaApi:
+    """Ollama's endpoints over ``frontend`` (module docstring); ``templates`` renders chats."""
+
+    def __init__(self, frontend: FrontendPort, templates: Templates) -> None:
+        self.frontend = frontend
+        self.templates = templates
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/", self.root),
+            web.get("/api/version", self.version),
+            web.get("/api/tags", self.tags),
+            web.get("/api/ps", self.ps),
+            web.post("/api/show", self.show),
+            web.post("/api/generate", self.generate),
+            web.post("/api/chat", self.chat),
+            *(web.post(f"/api/{verb}", self.unserved) for verb in UNSERVED_VERBS if verb != "delete"),
+            web.delete("/api/delete", self.unserved),
+        ]
+
+    # --- models ----------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> str:
+        """The served model id of an Ollama model name (``name`` or ``name`` without
+        ``:latest``). Raises 404."""
+        ids = [m.id for m in self.frontend.models()]
+        for candidate in (name, name.removesuffix(":latest")):
+            if candidate in ids or candidate == "":
+                return candidate
+        raise HttpError(404, f"model '{name}' not found", param="model", code="model_not_found")
+
+    def _model_entries(self, running: bool) -> list[dict[str, Any]]:
+        return model_entries(self.frontend.models(), running)
+
+    async def root(self, request: web.Request) -> web.Response:
+        return web.Response(text="Ollama is running")
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": API_VERSION})
+
+    async def tags(self, request: web.Request) -> web.Response:
+        return web.json_response({"models": self._model_entries(False)})
+
+    async def ps(self, request: web.Request) -> web.Response:
+        return web.json_response({"models": self._model_entries(True)})
+
+    async def show(self, request: web.Request) -> web.Response:
+        req = body.decode(await body.read(request), ShowRequest)
+        model = self.resolve(req.model or req.name)
+        info = next(m for m in self.frontend.models() if m.id == model or model == "")
+        try:
+            _, template = self.templates.for_model(model)
+            source = template.source
+        except ChatTemplateError:
+            source = ""
+        return web.json_response(
+            {
+                "modelfile": f"# basertd serves {info.id} from its configuration\n",
+                "parameters": "",
+                "template": source,
+                "details": self._model_entries(False)[0]["details"],
+                "model_info": {"general.context_length": info.context_length, "vocab_size": info.vocab_size},
+                "capabilities": ["completion"],
+                "modified_at": created_at(),
+            }
+        )
+
+    async def unserved(self, request: web.Request) -> web.Response:
+        verb = request.path.rsplit("/", 1)[1]
+        raise HttpError(
+            501,
+            f"{verb} is not available: basertd serves the models of its configuration "
+            "(edit the config and reload to change them)",
+            code="not_implemented",
+        )
+
+    # --- generation ------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        req = body.decode(await body.read(request), GenerateRequest)
+        tr.refuse(req, ("images", "suffix", "template", "context", "think"))
+        model = self.resolve(req.model)
+        if not req.prompt:
+            loaded = {"response": "", "done": True, "done_reason": "load"}
+            return web.json_response(self._head(model) | loaded)
+        if req.raw:
+            text, add_special = req.prompt, True
+        else:
+            text, add_special = self._render(model, tr.generate_messages(req))
+        return await self._run(request, req, model, text, add_special, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = body.decode(await body.read(request), ChatRequest)
+        tr.refuse(req, ("tools", "think"))
+        model = self.resolve(req.model)
+        if not req.messages:
+            head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
+            return web.json_response(head | {"done": True, "done_reason": "load"})
+        text, add_special = self._render(model, tr.chat_messages(req))
+        return await self._run(request, req, model, text, add_special, chat=True)
+
+    def _render(self, model: str, messages: list[dict[str, Any]]) -> tuple[str, bool]:
+        try:
+            _, template = self.templates.for_model(model)
+            text = template.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+        return text, template.needs_bos(text)
+
+    def _head(self, model: str) -> dict[str, Any]:
+        name = model or self._model_entries(False)[0]["name"]
+        return {"model": name if ":" in name else f"{name}:latest", "created_at": created_at()}
+
+    async def _run(
+        self, request: web.Request, req: Common, model: str, text: str, add_special: bool, *, chat: bool
+    ) -> web.StreamResponse:
+        qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
+        response_format = tr.response_format_of(req.format)
+        prompt = await self.frontend.tokenize(model, text, add_special=add_special)
+        ctx = self.frontend.context_length(self.frontend.route(model))
+        max_tokens = tr.max_tokens_of(req.options or Options(), ctx, len(prompt))
+        gen = tr.generate_of(
+            req,
+            body.new_id(API_NAME),
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            qos=qos,
+            response_format=response_format,
+        )
+        head = self._head(model)
+
+        def piece(s: str) -> dict[str, Any]:  # each line stamped when written, as Ollama does
+            out = {"message": {"role": "assistant", "content": s}} if chat else {"response": s}
+            return head | {"created_at": created_at()} | out
+
+        async with await self.frontend.stream(gen, api_name=API_NAME) as out:
+            if not gen.stream:
+                parts, done = [], None
+                async for msg in out:
+                    if isinstance(msg, api.Tokens):
+                        parts.append(msg.text)
+                    elif isinstance(msg, api.Done):
+                        done = msg
+                    elif isinstance(msg, api.Error):
+                        raise from_code(msg.code, msg.message)
+                if done is None:
+                    raise HttpError(500, "the generation ended without a result", code="internal")
+                return web.json_response(piece("".join(parts)) | done_fields(done))
+            resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            async for msg in out:
+                if isinstance(msg, api.Tokens) and msg.text:
+                    await resp.write(_encode(piece(msg.text) | {"done": False}) + b"\n")
+                elif isinstance(msg, api.Done):
+                    await resp.write(_encode(piece("") | done_fields(msg)) + b"\n")
+                elif isinstance(msg, api.Error):
+                    await resp.write(_encode(error_body(from_code(msg.code, msg.message))) + b"\n")
+            return resp

@@ -1,0 +1,106 @@
+"""Ollama requests to the front end's ``Generate`` (DESIGN.md "Client API").
+
+``/api/chat`` renders ``messages`` with the worker's chat template; ``/api/generate`` renders
+``system`` + ``prompt`` as one user turn the same way, or sends ``prompt`` as is with
+``raw: true``. ``options``: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
+``num_predict`` (max tokens; -1 or absent: the rest of the context), ``stop``, ``repeat_penalty``,
+``presence_penalty``, ``frequency_penalty``, with Ollama's defaults; model-loading options
+(``num_ctx``, ``num_gpu``, ``num_thread``, ...) are ignored (the daemon's configuration decides
+them), as is ``keep_alive``; ``format`` ``"json"`` (any JSON object) or a JSON schema constrains
+the output (``basertd.server.request.grammar``; an invalid schema is a 400 with llguidance's
+message); ``images``, ``tools``, ``suffix``, ``template``, ``context`` and ``think`` are a 400
+naming the field. ``qos`` (or the header ``X-Basertd-QoS``) is our extension.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from basertd.schema import client as api
+from basertd.schema.client import QosClass
+from basertd.server.request.grammar import GrammarRequestError, spec_from_request
+from basertd.server.transport.http.errors import bad_request
+from basertd.server.transport.http.ollama.wire import ChatRequest, Common, GenerateRequest, Options
+
+
+def refuse(req: Common, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported by this server yet", name)
+
+
+def response_format_of(fmt: Any) -> dict[str, Any] | None:
+    """``Generate.response_format`` of Ollama's ``format``: ``"json"`` any JSON object, an
+    object a JSON schema, ``""`` / null nothing. Raises 400 for anything else."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if not isinstance(fmt, (dict, bool)):
+        raise bad_request('format must be "json" or a JSON schema object', "format")
+    rf = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    try:
+        spec_from_request(rf)
+    except GrammarRequestError as exc:
+        raise bad_request(f"format: {exc}", "format") from None
+    return rf
+
+
+def generate_messages(req: GenerateRequest) -> list[dict[str, Any]]:
+    """The chat-template messages of a non-raw ``/api/generate``: ``system`` (when given) and
+    ``prompt`` as one user turn."""
+    return ([{"role": "system", "content": req.system}] if req.system else []) + [
+        {"role": "user", "content": req.prompt}
+    ]
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The chat-template messages of ``/api/chat``. Raises 400 for images or tool calls."""
+    messages = req.messages or []
+    for i, m in enumerate(messages):
+        if m.images or m.tool_calls:
+            field = "images" if m.images else "tool_calls"
+            raise bad_request(f"messages[{i}].{field} is not supported yet", f"messages[{i}].{field}")
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def max_tokens_of(o: Options, context_length: int, prompt_len: int) -> int:
+    """``num_predict``, or the rest of the context for -1 / absent. Raises 400 for 0."""
+    if o.num_predict is None or o.num_predict < 0:
+        return max(1, context_length - prompt_len)
+    if o.num_predict == 0:
+        raise bad_request("options.num_predict must be > 0 (or -1: the rest of the context)", "options")
+    return o.num_predict
+
+
+def generate_of(
+    req: Common,
+    request_id: str,
+    *,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    qos: QosClass,
+    response_format: dict[str, Any] | None,
+) -> api.Generate:
+    """The ``Generate`` of a request with its rendered ``prompt`` tokens; a request streams unless
+    ``stream`` is false (the limits table checks the values at admission)."""
+    o = req.options or Options()
+    return api.Generate(
+        request_id=request_id,
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        temperature=0.8 if o.temperature is None else o.temperature,  # Ollama's defaults
+        top_p=0.9 if o.top_p is None else o.top_p,
+        top_k=40 if o.top_k is None else o.top_k,
+        min_p=o.min_p or 0.0,
+        repeat_penalty=1.0 if o.repeat_penalty is None else o.repeat_penalty,
+        presence_penalty=o.presence_penalty or 0.0,
+        frequency_penalty=o.frequency_penalty or 0.0,
+        seed=o.seed if o.seed is None or o.seed >= 0 else None,
+        stop=list(o.stop or []),
+        qos=qos,
+        stream=req.stream is None or req.stream,
+        model=model,
+        response_format=response_format,
+    )

@@ -1,0 +1,296 @@
+"""OpenAI's endpoints (and llama-server's / vLLM's tokenizer endpoints) over a ``FrontendPort``:
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (llama-server's and vLLM's
+field names both accepted).
+
+Each generation request becomes one ``Generate`` per prompt and choice (``translate``); the
+replies become OpenAI's objects (``wire.Shape``), a JSON body or SSE chunks (``sse``) ending with
+``data: [DONE]``. Every failure is an OpenAI error object (``errors``); after an SSE stream began
+it is one ``error`` event, then ``[DONE]``. A streamed request with one choice and no tools can be
+resumed with ``Last-Event-ID`` (``resume``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from basertd.schema import client as api
+from basertd.server.transport.http import body, resume, sse, tool_calls
+from basertd.server.transport.http.chat_template import ChatTemplateError
+from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.openai import translate as tr
+from basertd.server.transport.http.openai import wire
+from basertd.server.transport.http.port import FrontendPort, StreamPort
+from basertd.server.transport.http.templates import Templates
+
+API_NAME = "openai"
+
+
+class OpenAiApi:
+    """OpenAI's endpoints over ``frontend`` (module docstring); ``templates`` renders chats,
+    ``resumes`` remembers resumable streams, ``releaser`` closes streams when a handler ends."""
+
+    def __init__(
+        self,
+        frontend: FrontendPort,
+        templates: Templates,
+        resumes: resume.ResumeIndex,
+        releaser: resume.Releaser,
+    ) -> None:
+        self.frontend = frontend
+        self.templates = templates
+        self.resumes = resumes
+        self.releaser = releaser
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{id:.+}", self.model),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+        ]
+
+    # --- models and tokenizer --------------------------------------------------------------------
+
+    def _model_objects(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "basertd",
+                "max_model_len": m.context_length,
+            }
+            for m in self.frontend.models()
+        ]
+
+    async def models(self, request: web.Request) -> web.Response:
+        return body.json_response({"object": "list", "data": self._model_objects()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        wanted = request.match_info["id"]
+        for m in self._model_objects():
+            if m["id"] == wanted:
+                return body.json_response(m)
+        raise HttpError(404, f"model {wanted!r} is not served here", param="model", code="model_not_found")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = body.decode(await body.read(request), wire.TokenizeBody)
+        text = req.content if req.content is not None else req.prompt
+        if text is None:
+            raise bad_request("give content (or prompt)", "content")
+        add = req.add_special if req.add_special is not None else req.add_special_tokens
+        tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
+        ctx = self.frontend.context_length(self.frontend.route(req.model))
+        return body.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": ctx})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = body.decode(await body.read(request), wire.DetokenizeBody)
+        text = await self.frontend.detokenize(req.model, req.tokens)
+        return body.json_response({"content": text, "prompt": text})
+
+    # --- generation ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        if resume.HEADER in request.headers:
+            return await self._resume(request, chat=False)
+        req = body.decode(await body.read(request), wire.CompletionRequest)
+        tr.check_fields(req)
+        prompts = tr.prompts_of(req.prompt)
+        max_tokens = tr.COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        if resume.HEADER in request.headers:
+            return await self._resume(request, chat=True)
+        req = body.decode(await body.read(request), wire.ChatRequest)
+        tr.check_fields(req)
+        messages = tr.message_dicts(req.messages)
+        plan = tool_calls.plan_of(req.tools, req.tool_choice, req.parallel_tool_calls)
+        try:
+            wid, template = self.templates.for_model(req.model)
+            text = tool_calls.render(template, messages, plan)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages", code="chat_template") from None
+        prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.frontend.context_length(wid) - len(prompt))
+        return await self._generate(request, req, [(prompt, max_tokens)], chat=True, tools=plan)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        req: wire.Common,
+        prompts: list[tuple[str | list[int], int]],
+        *,
+        chat: bool,
+        tools: tool_calls.ToolPlan | None = None,
+    ) -> web.StreamResponse:
+        qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
+        stream = bool(req.stream)
+        if req.stream_options is not None and not stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        n = req.n or 1
+        rid = body.new_id("chatcmpl" if chat else "cmpl")
+        gens = [
+            tr.generate_of(
+                req,
+                f"{rid}-{i * n + j}",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                qos=qos,
+                stream=stream,
+                tool_spec=tools.spec if tools else None,
+            )
+            for i, (prompt, max_tokens) in enumerate(prompts)
+            for j in range(n)
+        ]
+        model_name = self.frontend.model_name(self.frontend.route(req.model))
+        shape = wire.Shape(chat, rid, model_name, tools)
+        streams: list[StreamPort] = []
+        resumable = False
+        try:
+            for gen in gens:
+                streams.append(await self.frontend.stream(gen, api_name=API_NAME))
+            if stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                if (
+                    len(streams) == 1 and streams[0].accepted is not None and tools is None
+                ):  # one id to resume
+                    state = {"response_id": rid, "model": model_name, "include_usage": include_usage}
+                    resume_id = streams[0].accepted.resume_id
+                    self.resumes.remember(gens[0].request_id, _kind(chat), state, resume_id)
+                    resumable = bool(resume_id)
+                return await self._sse(request, shape, streams, n, include_usage)
+            return await self._collect(shape, streams, n)
+        finally:
+            await self.releaser.release(streams, resumable)
+
+    async def _resume(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        """The rest of a stream after ``Last-Event-ID`` (``basertd.server.transport.http.resume``)."""
+        rid, entry, after = self.resumes.lookup(request.headers[resume.HEADER], _kind(chat))
+        shape = wire.Shape(chat, entry.state["response_id"], entry.state["model"])
+        async with self.frontend.follow(entry.resume_id, after) as followed:
+            return await self._sse(
+                request, shape, [followed], 1, entry.state["include_usage"], ids=[rid], after=after
+            )
+
+    async def _collect(self, shape: wire.Shape, streams: list[StreamPort], n: int) -> web.Response:
+        async def one(s: StreamPort) -> tuple[wire.Choice, api.Done]:
+            parts = []
+            lp = wire.Logprobs(shape.chat, s.piece)
+            async for msg in s:
+                if isinstance(msg, api.Tokens):
+                    parts.append(msg.text)
+                    lp.add(msg.logprobs)
+                elif isinstance(msg, api.Done):
+                    return ("".join(parts), wire.finish_reason(msg), lp.take()), msg
+                elif isinstance(msg, api.Error):
+                    raise from_code(msg.code, msg.message)
+            raise HttpError(500, "the generation ended without a result", code="internal")
+
+        results = await asyncio.gather(*(one(s) for s in streams))
+        choices = [choice for choice, _ in results]
+        return body.json_response(shape.full(choices, tr.usage([d for _, d in results], n)))
+
+    async def _sse(
+        self,
+        request: web.Request,
+        shape: wire.Shape,
+        streams: list[StreamPort],
+        n: int,
+        include_usage: bool,
+        *,
+        ids: list[str] | None = None,
+        after: int = 0,
+    ) -> web.StreamResponse:
+        """Stream ``streams`` as SSE; a resumed stream (``after`` > 0 tokens the client has) gets
+        no role chunk and its ids count on from ``after``."""
+        resp = web.StreamResponse(headers=sse.HEADERS)
+        await resp.prepare(request)
+        counts = [after] * len(streams)
+        ids = ids or [s.request_id for s in streams]
+        if shape.chat and after == 0:
+            first = b"".join(
+                sse.event(shape.chunk(i, "", role=True, include_usage=include_usage), f"{ids[i]}:0")
+                for i in range(len(streams))
+            )
+            await resp.write(first)
+        dones: list[api.Done | None] = [None] * len(streams)
+        lps = [wire.Logprobs(shape.chat, s.piece) for s in streams]
+        held = [shape.tool_stream() for _ in streams]  # tool calls wait until complete
+        async for i, msg in _merge(streams):
+            if isinstance(msg, api.Tokens):
+                counts[i] += len(msg.ids)
+                lps[i].add(msg.logprobs)
+                text = held[i].feed(msg.text) if held[i] is not None else msg.text  # type: ignore[union-attr]
+                if text:
+                    chunk = shape.chunk(i, text, include_usage=include_usage, logprobs=lps[i].take())
+                    await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
+            elif isinstance(msg, api.Done):
+                dones[i] = msg
+                finish, calls, rest = wire.finish_reason(msg), None, None
+                if held[i] is not None:
+                    calls, rest = held[i].finish()  # type: ignore[union-attr]
+                    if calls:
+                        finish = "tool_calls"
+                if calls or rest:
+                    chunk = shape.chunk(
+                        i, rest, include_usage=include_usage, logprobs=lps[i].take(), calls=calls
+                    )
+                    await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
+                chunk = shape.chunk(
+                    i,
+                    None if shape.chat else "",
+                    finish,
+                    include_usage=include_usage,
+                    logprobs=lps[i].take(),
+                )
+                await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
+            elif isinstance(msg, api.Error):
+                await resp.write(sse.event(from_code(msg.code, msg.message).body(), f"{ids[i]}:{counts[i]}"))
+                await resp.write(sse.DONE)
+                return resp
+            elif isinstance(msg, api.Queued):
+                await resp.write(f": queued at position {msg.position}\n\n".encode())
+        if include_usage:
+            usage = tr.usage([d for d in dones if d is not None], n)
+            await resp.write(sse.event(shape.usage_chunk(usage), f"{ids[0]}:{sum(counts)}"))
+        await resp.write(sse.DONE)
+        return resp
+
+
+async def _merge(streams: list[StreamPort]) -> AsyncIterator[tuple[int, Any]]:
+    """``(index, reply)`` of every stream as they arrive, until each has ended."""
+    if len(streams) == 1:
+        async for msg in streams[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: StreamPort) -> None:
+        async for msg in s:
+            queue.put_nowait((i, msg))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, msg = await queue.get()
+            if isinstance(msg, (api.Done, api.Error)):
+                remaining -= 1
+            yield i, msg
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _kind(chat: bool) -> str:
+    return "chat" if chat else "completions"
