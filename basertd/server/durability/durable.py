@@ -79,13 +79,20 @@ def new_resume_id() -> str:
     return "r-" + uuid.uuid4().hex
 
 
-def replay_text(tokenizer: Tokenizer, stop: list[str], ids: list[int], after: int) -> str:
+def replay_text(
+    tokenizer: Tokenizer, stop: list[str], ids: list[int], after: int, final: bool = False
+) -> str:
     """The text delta of ``ids[after:]`` as the live stream would have produced it after the first
-    ``after`` ids (UTF-8 never split; text from a matched stop string on withheld)."""
+    ``after`` ids (UTF-8 never split; text from a matched stop string on withheld). With ``final``
+    (the generation has ended) the held-back tail follows, as ``GenerationRequest.finish`` sends it:
+    an incomplete UTF-8 sequence as U+FFFD, a partial stop-string match as text."""
     detok = IncrementalDetokenizer(tokenizer)
     stops = StopMatcher(stop)
     stops.feed(detok.feed(ids[:after]))
-    return stops.feed(detok.feed(ids[after:]))[0]
+    text = stops.feed(detok.feed(ids[after:]))[0]
+    if final and not stops.stopped:
+        text += stops.feed(detok.flush())[0] + stops.flush()
+    return text
 
 
 class DurableSink:
@@ -406,7 +413,9 @@ class Durability:
             api.Accepted(request_id=resume_id, prompt_tokens=res.usage.prompt_tokens, resume_id=resume_id)
         )
         if len(res.tokens) > after:
-            text = replay_text(tokenizer, stop, res.tokens, after) if tokenizer is not None else ""
+            text = (
+                replay_text(tokenizer, stop, res.tokens, after, final=True) if tokenizer is not None else ""
+            )
             sink.send(api.Tokens(request_id=resume_id, ids=res.tokens[after:], text=text))
         if res.error_code:
             try:
