@@ -215,3 +215,32 @@ def test_auto_tool_grammar_gives_text_or_a_valid_call(make_engine):
             _check_call(calls[0])
         else:
             assert calls is None and (text == "" or not text[0].isspace())
+
+
+def _ref_chain(n: int) -> dict:
+    """A schema whose ``$ref``s form a chain ``n`` long (llguidance overflows its native stack on
+    ~2,500 of them, far below any size cap)."""
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def test_a_ref_chain_deeper_than_the_bound_is_a_typed_error_not_a_crash():
+    from basertd.server.request.schema_depth import MAX_REF_DEPTH, ref_depth
+
+    for n in (MAX_REF_DEPTH, 2_600, 20_000):
+        with pytest.raises(sg.GrammarRequestError, match="too deep") as ex:
+            sg.spec_from_request(
+                response_format={"type": "json_schema", "json_schema": {"schema": _ref_chain(n)}}
+            )
+        assert ex.value.code == ErrorCode.INVALID_REQUEST
+    with pytest.raises(sg.GrammarRequestError, match="too deep"):
+        sg.parse_tools([{"type": "function", "function": {"name": "f", "parameters": _ref_chain(3_000)}}])
+    # a chain well inside the bound compiles; recursion (a tree of itself) adds no depth
+    assert sg.schema_spec(_ref_chain(100)).kind == "json_schema"
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    assert ref_depth(tree) == 4 and sg.schema_spec(tree).kind == "json_schema"
+    assert ref_depth(_ref_chain(10)) == 13  # root, $defs, d0..d10
+    # JSON nested past the parser's recursion limit is a typed error too
+    with pytest.raises(sg.GrammarRequestError, match="not JSON"):
+        sg.validate_spec("json_schema", "[" * 100_000 + "]" * 100_000)

@@ -21,6 +21,8 @@ import openai
 import pytest
 from daemon_harness import Daemon
 
+from basertd.client import ClientError
+from basertd.schema.client import ErrorCode
 from basertd.server.request import grammar
 from basertd.server.transport.http import tool_calls
 from basertd.server.transport.http.chat_template import ChatTemplate, ChatTemplateError, load_template_text
@@ -519,3 +521,32 @@ def test_json_schema_chat_on_the_default_model(default_model):
     assert call.choices[0].finish_reason == "tool_calls"
     (tc,) = call.choices[0].message.tool_calls
     jsonschema.validate(json.loads(tc.function.arguments), PARAMS[tc.function.name])
+
+
+def test_a_2600_deep_ref_chain_is_a_400_on_every_api_and_the_daemon_keeps_serving(daemon, oai, claude):
+    """A ``$ref`` chain 2,600 long (91 KB of flat JSON) once killed the coordinator with SIGSEGV
+    inside llguidance; every door now answers it as a bad request."""
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(2_600)}
+    defs["d2600"] = {"type": "string"}
+    chain = {"$defs": defs, "$ref": "#/$defs/d0"}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": chain}}
+    with pytest.raises(openai.BadRequestError, match="too deep"):
+        oai.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=4, response_format=rf)
+    with pytest.raises(ollama.ResponseError) as err:
+        ollama.Client(host=daemon.http_url, timeout=60).chat(model="tiny-llama", messages=MSGS, format=chain)
+    assert err.value.status_code == 400 and "too deep" in str(err.value)
+    with pytest.raises(anthropic.BadRequestError, match="too deep"):
+        claude.messages.create(
+            model="tiny-llama",
+            messages=MSGS,
+            max_tokens=4,
+            tools=[{"name": "f", "input_schema": chain}],
+        )
+    with daemon.client() as c:
+        with pytest.raises(ClientError, match="too deep") as err:
+            c.generate("x", max_tokens=4, response_format=rf)
+        assert err.value.code == ErrorCode.INVALID_REQUEST
+        assert c.generate("x", max_tokens=2, temperature=0.0).usage.completion_tokens == 2
+    ok = oai.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert daemon.proc.poll() is None

@@ -31,6 +31,7 @@ import llguidance
 from basertd.json_bounds import bound_numbers
 from basertd.schema import link
 from basertd.schema.client import ErrorCode
+from basertd.server.request.schema_depth import MAX_REF_DEPTH, ref_depth
 
 KINDS = ("json_schema", "lark", "regex")
 """Spec kinds a GRAMMAR_CREATE carries."""
@@ -66,15 +67,20 @@ class GrammarSpec:
 
 def validate_spec(kind: str, text: str) -> GrammarSpec:
     """Compile ``text`` of ``kind`` with llguidance; the spec, or GrammarRequestError with the
-    library's message (unknown kind, schema text that is not a JSON object or boolean, a schema,
-    grammar or regex that does not compile)."""
+    library's message (unknown kind, schema text that is not a JSON object or boolean, a schema
+    deeper than ``MAX_REF_DEPTH`` levels once its ``$ref``s are followed (``schema_depth``), a
+    schema, grammar or regex that does not compile)."""
     if kind == "json_schema":
         try:
             schema = json.loads(text)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise GrammarRequestError(f"JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarRequestError("a JSON schema is an object or a boolean")
+        if ref_depth(schema) > MAX_REF_DEPTH:
+            raise GrammarRequestError(
+                f"JSON schema too deep: more than {MAX_REF_DEPTH} levels of nesting and $ref"
+            )
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as exc:
