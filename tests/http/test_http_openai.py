@@ -8,6 +8,8 @@ provoked without touching the other classes."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -312,3 +314,31 @@ def test_non_loopback_without_key_exits_2(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2 and "10.1.2.3:80" in r.stderr.decode()
+
+
+def test_a_reset_before_accepted_storm_leaves_no_lane_busy(daemon):
+    """24 streamed requests whose clients reset the connection right after sending, inside the
+    group-commit wait before Accepted: each is cancelled (none runs to its max_tokens for nobody)
+    and the lanes are free again at once."""
+    body = json.dumps({"prompt": "storm", "max_tokens": 480, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {daemon.http_url[7:]}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    host, port = daemon.http_url[7:].rsplit(":", 1)
+    before = len(daemon.log_events())
+    for _ in range(24):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+        s.sendall(head + body)
+        s.close()
+    wait_idle(daemon, timeout=3.0)  # 480 tokens of 5 ms ticks is 2.4 s a request, 4 lanes
+    access = [e for e in daemon.log_events()[before:] if e.get("event") == "access"]
+    assert all(e.get("completion_tokens", 0) < 480 for e in access), access
+    ok = httpx.post(
+        daemon.http_url + "/v1/completions",
+        json={"prompt": "probe", "max_tokens": 3, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=10,
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3

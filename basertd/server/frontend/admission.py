@@ -296,8 +296,15 @@ class Frontend:
         Raises ``AdmissionError`` like ``submit``."""
         sink = QueueSink()
         req = await self.submit(gen, sink, api_name=api_name)
-        # Accepted is the first reply; with durability it waits for its group commit
-        first = await sink.queue.get()
+        # Accepted is the first reply; with durability it waits for its group commit. A caller
+        # cancelled meanwhile (its client went away) holds no stream that could cancel the request
+        # later: cancel it here, or it runs to its end for nobody.
+        try:
+            first = await sink.queue.get()
+        except BaseException:
+            self.cancel(req, message="client disconnected before Accepted")
+            sink.close()
+            raise
         if isinstance(first, api.Accepted):
             return GenerationStream(self, req, sink, first)
         stream = GenerationStream(self, req, sink, None)
