@@ -5,12 +5,15 @@
 ``model`` (loading, vocabulary, model id), ``batch`` (the reused llama_batch), ``pool`` (the KV cell
 ledger), ``lane`` (per-lane cursors), ``sampling`` (vectorised samplers, counter-based RNG),
 ``validate`` (plan -> reject codes), ``prefix_cache`` (published prefixes, leases, sliding-window
-rules), ``state`` (sealed envelopes), ``ops`` (bare sequences, snapshot / restore), ``rings``
-(the engine's side of the BRTRING1 rings), ``engine`` (the tick), ``factory`` (``open_engine``,
-the worker registry's entry point).
+rules), ``cells`` (llama.cpp memory, the ledger and sequence ids, changed together), ``seeds``
+(matches, leases, publish, evict), ``state`` (sealed envelopes), ``ops`` (bare sequences,
+snapshot / restore), ``rings`` (the engine's side of the BRTRING1 rings), ``tick`` (one tick's
+state and lane work), ``rounds`` (decode rounds, batches, yield and abort), ``engine`` (the Engine
+surface), ``factory`` (``open_engine``, the worker registry's entry point).
 """
 
-from basertd.worker.engines.llamacpp.engine import KV_SPACE_ID, LlamaCppEngine
+from basertd.worker.engines.llamacpp.engine import LlamaCppEngine
 from basertd.worker.engines.llamacpp.factory import open_engine
+from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID
 
 __all__ = ["KV_SPACE_ID", "LlamaCppEngine", "open_engine"]
