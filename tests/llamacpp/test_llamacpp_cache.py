@@ -273,7 +273,7 @@ def test_a_pruned_entry_still_serves_its_full_length(swa):
     (entry,) = eng.cache.entries.values()
     for i in range(3):  # traffic that makes llama.cpp prune the entry's out-of-window cells
         host_row(coord, 2, make_prompt(21 + i, 200))
-    pmin, pmax = eng.pos_range(entry.seq)
+    pmin, pmax = eng.cells.pos_range(entry.seq)
     assert (pmin, pmax) == (96 - 32 + 1, 95)  # llama.cpp keeps exactly the window a query at 96 needs
     s = a + make_prompt(22, 21)[1:]
     assert candidates(eng, coord, s) == [96]
@@ -311,7 +311,7 @@ def test_match_withholds_prefixes_whose_window_is_gone(swa):
     for i in range(3):
         host_row(coord, 2, make_prompt(31 + i, 200))
     (entry,) = eng.cache.entries.values()
-    assert eng.pos_range(entry.seq)[0] > 48 - 32 + 1
+    assert eng.cells.pos_range(entry.seq)[0] > 48 - 32 + 1
     span = a[:48] + [7] * 30  # shares 48 tokens, but positions < 65 lost their window cells
     assert candidates(eng, coord, span) == []
     with pytest.raises(EngineError) as ex:

@@ -91,6 +91,7 @@ from basertd.worker.engines.base import (
     TokenizerSpec,
 )
 from basertd.worker.engines.llamacpp.cells import Cells
+from basertd.worker.engines.llamacpp.context import Sizes, open_context
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.model import LlamaModel
@@ -99,10 +100,12 @@ from basertd.worker.engines.llamacpp.prefix_cache import Lease, PrefixCache, win
 from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.rounds import Rounds
+from basertd.worker.engines.llamacpp.sampling import LogitBiases
 from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID, Seeds
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.tick import Tick, TickParts, new_stats
-from basertd.worker.engines.llamacpp.validate import SHED_REASON_POOL, validate_plan
+from basertd.worker.engines.llamacpp.validate import validate_plan
+from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL
 
 if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.hooks import LaneTestHooks
@@ -146,41 +149,33 @@ class LlamaCppEngine(Engine):
         yield_step_tokens: int | None = None,
         repack: bool = True,
     ) -> None:
-        if lanes < 1 or context_length < 2 or page_size_tokens < 1 or seed_lease_ticks < 0:
-            raise ValueError("lanes >= 1, context_length >= 2, page_size_tokens >= 1 required")
-        cache_sequences = max(4, lanes) if cache_sequences is None else cache_sequences
-        n_seq_max = lanes + cache_sequences + spare_sequences + 1  # + 1 scratch sequence
-        if n_seq_max > L.llama_max_parallel_sequences():
-            raise ValueError(f"{n_seq_max} sequences exceed llama.cpp's {L.llama_max_parallel_sequences()}")
-        pool_tokens = lanes * context_length if pool_tokens is None else pool_tokens
-        if pool_tokens < 1:
-            raise ValueError("pool_tokens must be >= 1")
-        # llama.cpp reserves graphs with one output per sequence: n_batch (clamped to n_ctx) must
-        # cover n_seq_max, or context creation hits a GGML_ASSERT. Cells are padded to 256 anyway.
-        n_batch = max(n_batch, lanes, n_seq_max)
+        sizes = Sizes.resolve(
+            lanes=lanes,
+            context_length=context_length,
+            page_size_tokens=page_size_tokens,
+            seed_lease_ticks=seed_lease_ticks,
+            cache_sequences=cache_sequences,
+            spare_sequences=spare_sequences,
+            pool_tokens=pool_tokens,
+            n_batch=n_batch,
+        )
         self.model = LlamaModel(model_path, n_gpu_layers=n_gpu_layers, repack=repack)
         try:
-            self.ctx, self._ctx_params = self.model.new_context(
-                pool_tokens=pool_tokens,
-                n_batch=n_batch,
+            c = open_context(
+                self.model,
+                sizes,
+                lanes=lanes,
                 n_ubatch=n_ubatch,
-                n_seq_max=n_seq_max,
                 n_threads=n_threads,
                 n_threads_batch=n_threads if n_threads_batch is None else n_threads_batch,
                 swa_full=swa_full,
+                yield_step_tokens=yield_step_tokens,
             )
         except EngineError:
             self.model.close()
             raise
-        # llama.cpp pads n_ctx up to a multiple of 256; the pool is what was asked for, which the
-        # ledger then enforces (never more than llama.cpp actually has).
-        self.n_cells = min(pool_tokens, int(L.llama_n_ctx(self.ctx)))
-        self.n_batch = int(L.llama_n_batch(self.ctx))
-        # One step = one llama_decode of at most step_rows rows: where a tick may yield.
-        step = int(L.llama_n_ubatch(self.ctx)) if yield_step_tokens is None else yield_step_tokens
-        if step < 1:
-            raise ValueError("yield_step_tokens must be >= 1")
-        self.step_rows = max(lanes, min(self.n_batch, step))  # a round's decode rows: one step
+        self.ctx, self._ctx_params = c.ctx, c.params
+        self.n_cells, self.n_batch, self.step_rows = c.n_cells, c.n_batch, c.step_rows
         self.max_lanes = lanes
         self.context_length = context_length
         self.page = page_size_tokens
@@ -194,17 +189,16 @@ class LlamaCppEngine(Engine):
         # size, so a respawned worker with another pool still restores.
         self.identity = compat_identity(self.model.model_id, "kv-f16", "unified", swa_full, L.__version__)
         self._stats = new_stats()
-        self.cells = Cells(self.ctx, self.n_cells, n_seq_max)
+        self.cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max)
         self.ledger = self.cells.ledger  # read by validation (``validate.EngineState``)
-        self.cache = PrefixCache(page_size_tokens, cache_sequences)
+        self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
         self.seeds = Seeds(self.cells, self.cache, self.model, seed_lease_ticks, self._stats)
         self.rings = EngineRings()
         self.lanes: dict[int, Lane] = {}
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
-        self.logit_biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.logit_biases = LogitBiases(self.n_vocab)
         self.grammars = GrammarSet(self.model, self.n_vocab, n_threads)
-        self._next_bias = 1
         new_handle = itertools.count(1).__next__  # sequence handles of lanes and bare sequences
         self.last_plan_seq: int | None = None
         self.ops = StateOps(
@@ -226,7 +220,7 @@ class LlamaCppEngine(Engine):
             self._stats,
             self.n_vocab,
             self.step_rows,
-            n_batch + lanes,
+            sizes.n_batch + lanes,
         )
         self._parts = TickParts(
             self.lanes,
@@ -351,10 +345,6 @@ class LlamaCppEngine(Engine):
         return True
 
     # ------------------------------------------------------------------ validation hooks
-
-    def pos_range(self, seq: int) -> tuple[int, int]:
-        """(pos_min, pos_max) llama.cpp reports for ``seq``; (-1, -1) when empty."""
-        return self.cells.pos_range(seq)
 
     def seed_source(self, lease: Lease) -> tuple[int, int, int, int]:
         """(seq id, length, pos_min, pos_max) of the sequence a lease serves from."""
@@ -535,16 +525,7 @@ class LlamaCppEngine(Engine):
 
     def logit_bias_create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
         """Register an additive logit bias; 0 when empty, mismatched or out of the vocabulary."""
-        ids = np.asarray(list(tokens), dtype=np.int64)
-        vals = np.asarray(list(values), dtype=np.float32)
-        if ids.size == 0 or ids.shape != vals.shape or ids.min() < 0 or ids.max() >= self.n_vocab:
-            return 0
-        if not np.all(np.isfinite(vals)):
-            return 0
-        h = self._next_bias
-        self._next_bias += 1
-        self.logit_biases[h] = (ids.astype(np.int32), vals)
-        return h
+        return self.logit_biases.create(tokens, values)
 
     def logit_bias_free(self, handle: int) -> None:
         """Free a bias handle (lanes keep their copy); ERR_UNKNOWN_HANDLE if absent."""

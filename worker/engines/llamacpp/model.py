@@ -178,46 +178,6 @@ class LlamaModel:
                 out += buf.raw[:n]
         return bytes(out)
 
-    def new_context(
-        self,
-        *,
-        pool_tokens: int,
-        n_batch: int,
-        n_ubatch: int,
-        n_seq_max: int,
-        n_threads: int,
-        n_threads_batch: int,
-        swa_full: bool,
-    ) -> tuple[L.llama_context_p, dict[str, int | bool]]:
-        """A ``llama_context`` with one unified KV cache of at least ``pool_tokens`` cells (n_ctx
-        padded to a multiple of 256, as llama.cpp pads it anyway) for ``n_seq_max`` sequences, and
-        the llama_context_params it was made with. EngineError(ERR_FATAL) when llama.cpp cannot
-        create it (the model stays open: the caller closes it)."""
-        cp = L.llama_context_default_params()
-        cp.n_ctx = max(-(-pool_tokens // 256) * 256, -(-n_batch // 256) * 256)
-        cp.n_batch = n_batch
-        cp.n_ubatch = min(n_ubatch, n_batch)
-        cp.n_seq_max = n_seq_max
-        cp.n_threads = n_threads
-        cp.n_threads_batch = n_threads_batch
-        cp.kv_unified = True
-        cp.swa_full = swa_full
-        cp.no_perf = True
-        ctx = L.llama_init_from_model(self.ptr, cp)
-        if not ctx:
-            raise EngineError(Status.ERR_FATAL, "llama.cpp cannot create the context")
-        params: dict[str, int | bool] = {
-            "n_ctx": cp.n_ctx,
-            "n_batch": n_batch,
-            "n_ubatch": cp.n_ubatch,
-            "n_seq_max": n_seq_max,
-            "n_threads": cp.n_threads,
-            "n_threads_batch": cp.n_threads_batch,
-            "kv_unified": True,
-            "swa_full": swa_full,
-        }
-        return ctx, params
-
     def close(self) -> None:
         """Free the weights. Idempotent."""
         if getattr(self, "ptr", None):

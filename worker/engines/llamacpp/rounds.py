@@ -33,7 +33,7 @@ from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.tick import Tick
-from basertd.worker.engines.llamacpp.validate import SHED_REASON_BUDGET, TickWork
+from basertd.worker.engines.llamacpp.work import SHED_REASON_BUDGET, TickWork
 
 MIN_ROUND_FEED = 64
 """A tick's prefill of at most this many rows is not spread over its decode rounds: it goes whole

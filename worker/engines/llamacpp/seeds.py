@@ -36,7 +36,7 @@ from basertd.worker.engines.llamacpp.prefix_cache import (
     prefix_servable,
     window_intact,
 )
-from basertd.worker.engines.llamacpp.validate import SHED_REASON_POOL, SHED_REASON_PUBLISH
+from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL, SHED_REASON_PUBLISH
 
 if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.model import LlamaModel

@@ -24,7 +24,7 @@ from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.seeds import Seeds
-from basertd.worker.engines.llamacpp.validate import AdmitWork, TickWork
+from basertd.worker.engines.llamacpp.work import AdmitWork, TickWork
 
 _U32 = (1 << 32) - 1
 
