@@ -188,52 +188,40 @@ class LlamaCppEngine(Engine):
         # the sliding-window cache layout and llama.cpp's state format (its version). Not the pool
         # size, so a respawned worker with another pool still restores.
         self.identity = compat_identity(self.model.model_id, "kv-f16", "unified", swa_full, L.__version__)
-        self._stats = new_stats()
-        self.cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max)
-        self.ledger = self.cells.ledger  # read by validation (``validate.EngineState``)
+        self._stats = stats = new_stats()
+        self.cells = cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max)
+        self.ledger = cells.ledger  # read by validation (``validate.EngineState``)
         self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
-        self.seeds = Seeds(self.cells, self.cache, self.model, seed_lease_ticks, self._stats)
+        self.seeds = seeds = Seeds(cells, self.cache, self.model, seed_lease_ticks, stats)
         self.rings = EngineRings()
         self.lanes: dict[int, Lane] = {}
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
         self.logit_biases = LogitBiases(self.n_vocab)
-        self.grammars = GrammarSet(self.model, self.n_vocab, n_threads)
-        new_handle = itertools.count(1).__next__  # sequence handles of lanes and bare sequences
+        self.grammars = grammars = GrammarSet(self.model, self.n_vocab, n_threads)
+        handle = itertools.count(1).__next__  # sequence handles of lanes and bare sequences
         self.last_plan_seq: int | None = None
+        live = self.lanes
         self.ops = StateOps(
-            self.cells,
-            self.seeds,
-            self.lanes,
-            self.locked,
-            new_handle,
-            self.model,
-            self.identity,
-            spare_sequences,
+            cells, seeds, live, self.locked, handle, self.model, self.identity, spare_sequences
         )
         self.rates = RateCurve()
+        batch_rows = sizes.n_batch + lanes
         self.rounds = Rounds(
-            self.cells,
-            self.lanes,
-            self.grammars,
-            self.rates,
-            self._stats,
-            self.n_vocab,
-            self.step_rows,
-            sizes.n_batch + lanes,
+            cells, live, grammars, self.rates, stats, self.n_vocab, self.step_rows, batch_rows
         )
         self._parts = TickParts(
-            self.lanes,
+            live,
             self.faulted,
-            self.cells,
-            self.seeds,
+            cells,
+            seeds,
             self.rings,
-            self.grammars,
+            grammars,
             self.logit_biases,
-            self._stats,
+            stats,
             self.model.eog_mask,
             context_length,
-            new_handle,
+            handle,
         )
         self.hooks: LaneTestHooks | None = None  # tests only (module docstring)
         self._closed = False
