@@ -21,18 +21,18 @@ STEP = 16
 def _arrive_at_step(eng, control, step, reason=YieldReason.URGENT_ADMIT):
     """Set the yield word right after the engine armed (or not) the abort for batch part
     ``step`` (0-based): the arrival lands while that ``llama_decode`` runs."""
-    orig = eng._arm_abort
+    orig = eng.rounds.arm_abort
 
-    def arm(start, sc):
-        orig(start, sc)
+    def arm(start, tick):
+        orig(start, tick)
         if start == step * STEP:
             control.request_yield(reason)
 
-    eng._arm_abort = arm
+    eng.rounds.arm_abort = arm
 
 
 def _kv_end(eng, tag):
-    return int(L.llama_memory_seq_pos_max(eng.mem, eng.lanes[tag].seq)) + 1
+    return int(L.llama_memory_seq_pos_max(eng.cells.mem, eng.lanes[tag].seq)) + 1
 
 
 def test_an_urgent_arrival_aborts_the_step_in_flight_and_the_lane_resumes_token_exact(make_engine, control):
@@ -62,7 +62,7 @@ def test_an_urgent_arrival_aborts_the_step_in_flight_and_the_lane_resumes_token_
     assert _kv_end(eng, 1) == 2 * STEP  # llama.cpp dropped the aborted step's cells
     assert eng.ledger.length(lane.seq) == 2 * STEP  # and the cell ledger agrees
     control.clear_yield()
-    eng._arm_abort = type(eng)._arm_abort.__get__(eng)
+    del eng.rounds.arm_abort  # the class's method again
     ev = coord.tick(
         prefills=[LanePrefill(lane_tag=1, token_offset=2 * STEP, token_count=100 - 2 * STEP)],
         decodes=[LaneDecode(lane_tag=1, max_new_tokens=8)],
@@ -104,7 +104,7 @@ def test_two_ticks_in_a_row_cannot_both_lose_their_first_step(make_engine, contr
     assert eng.stats()["yield_aborts_total"] == 1
     assert eng.lanes[1].kv_len == _kv_end(eng, 1) == STEP
     control.clear_yield()
-    eng._arm_abort = type(eng)._arm_abort.__get__(eng)
+    del eng.rounds.arm_abort  # the class's method again
     ev = coord.tick(prefills=[LanePrefill(lane_tag=1, token_offset=STEP, token_count=100 - STEP)])
     assert ev.tick_status == TickStatus.OK and eng.lanes[1].kv_len == 100
 

@@ -273,7 +273,7 @@ def test_a_pruned_entry_still_serves_its_full_length(swa):
     (entry,) = eng.cache.entries.values()
     for i in range(3):  # traffic that makes llama.cpp prune the entry's out-of-window cells
         host_row(coord, 2, make_prompt(21 + i, 200))
-    pmin, pmax = eng.pos_range(entry.seq)
+    pmin, pmax = eng.cells.pos_range(entry.seq)
     assert (pmin, pmax) == (96 - 32 + 1, 95)  # llama.cpp keeps exactly the window a query at 96 needs
     s = a + make_prompt(22, 21)[1:]
     assert candidates(eng, coord, s) == [96]
@@ -285,16 +285,15 @@ def test_a_pruned_entry_still_serves_its_full_length(swa):
 
     # Control: a copy one position short of the window, decoded at 95, is measurably wrong. This is
     # the shape a fully cached prompt would need, so the engine must not use it...
-    x = eng._take_seq()
-    L.llama_memory_seq_cp(eng.mem, entry.seq, x, 0, 95)
+    x = eng.cells.take_seq()
+    L.llama_memory_seq_cp(eng.cells.mem, entry.seq, x, 0, 95)
     b = L.llama_batch_init(1, 0, 1)
     b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0], b.n_tokens = a[95], 95, 1, 1, 1
     b.seq_id[0][0] = x
     assert L.llama_decode(eng.ctx, b) == 0
     broken = np.ctypeslib.as_array(L.llama_get_logits_ith(eng.ctx, 0), (eng.n_vocab,)).copy()
     L.llama_batch_free(b)
-    L.llama_memory_seq_rm(eng.mem, x, -1, -1)
-    eng._free_seqs.append(x)
+    eng.cells.free_seq(x)
     cold_a = host_row(coord, 5, a)
     assert np.abs(broken - cold_a).max() > 5 * LAYOUT_NOISE
 
@@ -312,7 +311,7 @@ def test_match_withholds_prefixes_whose_window_is_gone(swa):
     for i in range(3):
         host_row(coord, 2, make_prompt(31 + i, 200))
     (entry,) = eng.cache.entries.values()
-    assert eng.pos_range(entry.seq)[0] > 48 - 32 + 1
+    assert eng.cells.pos_range(entry.seq)[0] > 48 - 32 + 1
     span = a[:48] + [7] * 30  # shares 48 tokens, but positions < 65 lost their window cells
     assert candidates(eng, coord, span) == []
     with pytest.raises(EngineError) as ex:

@@ -38,13 +38,13 @@ plan_strategy = st.lists(st.lists(record, max_size=5), min_size=1, max_size=14)
 def check_bookkeeping(eng):
     """Every lane's KV as llama.cpp reports it equals the engine's cursors and ledger."""
     for lane in eng.lanes.values():
-        pmin, pmax = eng.pos_range(lane.seq)
+        pmin, pmax = eng.cells.pos_range(lane.seq)
         assert pmax == lane.kv_len - 1
         assert pmin == (0 if lane.kv_len else -1)
         assert eng.ledger.length(lane.seq) == lane.kv_len
         assert lane.kv_len <= lane.n_tokens <= eng.context_length
     for e in eng.cache.entries.values():
-        assert eng.pos_range(e.seq) == (0, e.length - 1) and eng.ledger.length(e.seq) == e.length
+        assert eng.cells.pos_range(e.seq) == (0, e.length - 1) and eng.ledger.length(e.seq) == e.length
     charged = sum(ln.pending_tokens for ln in eng.lanes.values())
     assert eng.ledger.used + charged <= eng.n_cells
 

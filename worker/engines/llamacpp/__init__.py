@@ -2,15 +2,19 @@
 (DESIGN.md "Engines"; ``../shared/reference/llamacpp-notes.md``).
 
 ``LlamaCppEngine`` implements ``basertd.worker.engines.base.Engine``. Modules, one concept each:
-``model`` (loading, vocabulary, model id), ``batch`` (the reused llama_batch), ``pool`` (the KV cell
-ledger), ``lane`` (per-lane cursors), ``sampling`` (vectorised samplers, counter-based RNG),
-``validate`` (plan -> reject codes), ``prefix_cache`` (published prefixes, leases, sliding-window
-rules), ``state`` (sealed envelopes), ``ops`` (bare sequences, snapshot / restore), ``rings``
-(the engine's side of the BRTRING1 rings), ``engine`` (the tick), ``factory`` (``open_engine``,
-the worker registry's entry point).
+``engine`` (the Engine surface, composing the rest), ``context`` (the llama_context and its
+sizes), ``cells`` (llama.cpp memory, the KV cell ledger of ``pool`` and sequence ids, changed
+together), ``seeds`` (matches, leases, publish, evict, over ``prefix_cache``: published prefixes,
+leases, sliding-window rules), ``ops`` (bare sequences, snapshot / restore), ``state`` (sealed
+envelopes), ``validate`` (plan -> reject codes) and ``work`` (the validated plan), ``tick`` (one
+tick's state and lane work), ``rounds`` (decode rounds, batches, yield and abort), ``batch`` (the
+reused llama_batch), ``model`` (loading, vocabulary, model id), ``lane`` (per-lane cursors),
+``sampling`` (vectorised samplers, counter-based RNG, logit biases), ``rings`` (the engine's side
+of the BRTRING1 rings), ``factory`` (``open_engine``, the worker registry's entry point).
 """
 
-from basertd.worker.engines.llamacpp.engine import KV_SPACE_ID, LlamaCppEngine
+from basertd.worker.engines.llamacpp.engine import LlamaCppEngine
 from basertd.worker.engines.llamacpp.factory import open_engine
+from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID
 
 __all__ = ["KV_SPACE_ID", "LlamaCppEngine", "open_engine"]

@@ -5,7 +5,7 @@ true the call returns 2 and the ubatch in flight is dropped from the KV cache (t
 before it stay). ``AbortWatch`` installs the C check ``brt_abort_check`` (``native/brt_control.c``)
 over the control segment's yield word (``basertd.shm.control``): it runs on llama.cpp's compute
 thread with no Python and no GIL, one relaxed 8-byte load per node. The engine arms it per step
-(``LlamaCppEngine._arm_abort`` says when a step may be cut), so an interactive arrival ends a long
+(``rounds.Rounds.arm_abort`` says when a step may be cut), so an interactive arrival ends a long
 prefill step at once instead of at its end.
 """
 

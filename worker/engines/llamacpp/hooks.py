@@ -11,7 +11,8 @@ from basertd.schema.abi import FaultCode, Finish, Status
 from basertd.worker.engines.base import EngineError
 
 if TYPE_CHECKING:
-    from basertd.worker.engines.llamacpp.engine import LlamaCppEngine, _TickScratch
+    from basertd.worker.engines.llamacpp.engine import LlamaCppEngine
+    from basertd.worker.engines.llamacpp.tick import Tick
 
 
 class LaneTestHooks:
@@ -49,19 +50,19 @@ class LaneTestHooks:
             raise EngineError(Status.REJECT_BOUNDS, f"finish {finish} is not EOS..ERROR")
         self._finishes[lane_tag] = finish
 
-    def apply(self, sc: _TickScratch) -> None:
-        """Apply what was armed since the last tick to the tick in flight (``sc``), then disarm."""
+    def apply(self, tick: Tick) -> None:
+        """Apply what was armed since the last tick to the tick in flight, then disarm."""
         eng = self.engine
         for tag, code in self._faults.items():
             lane = eng.lanes.get(tag)
             if lane is not None:
-                eng._fault(lane, code, 0, sc)
+                tick.fault(lane, code, 0)
         self._faults.clear()
         for tag, finish in self._finishes.items():
             lane = eng.lanes.get(tag)
             if lane is not None and not lane.finished:
                 lane.finish = Finish(finish)
                 lane.held_row = None
-                sc.note(tag)
-                sc.finish[tag] = lane.finish
+                tick.note(tag)
+                tick.finish[tag] = lane.finish
         self._finishes.clear()

@@ -3,11 +3,12 @@ lifecycle").
 
 A sequence handle names either a lane's sequence (``Engine.lane_sequence``) or a bare sequence this
 module owns (``create``, ``fork``, a restore target). Snapshots export ``[0, end)`` of a sequence
-with ``llama_state_seq_get_data`` (through the engine's scratch sequence when ``end`` is short of
-the sequence's length) and seal it (``state``); restores check the envelope at submission and load
+with ``llama_state_seq_get_data`` (through the scratch sequence, ``Cells.with_prefix``, when ``end``
+is short of the sequence's length) and seal it (``state``); restores check the envelope at submission and load
 with ``llama_state_seq_set_data`` into an empty bare sequence, whose cells are then private (a
 restore never re-shares cells with a resident prefix). A restored sequence re-enters through
-``adopt`` (a seed lease one admit consumes) or ``publish`` (a cache entry).
+``adopt`` (a seed lease one admit consumes, held by ``seeds.Seeds``) or ``publish`` (a cache
+entry). Every cell change goes through ``cells.Cells``.
 
 Ops are asynchronous in the ABI: submission validates and claims the sequence (plans naming its
 lane are TRANSFER_LOCKED, rule 49; a second op EBUSY, rule 98), the work runs at the start of the
@@ -18,8 +19,8 @@ as in the reference engine; ``poll`` only reports. Op handles are never reused (
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import llama_cpp as L
 import numpy as np
@@ -27,11 +28,12 @@ import numpy as np
 from basertd.schema.abi import ALL_SPACES, Encoding, OpState, Status
 from basertd.schema.tick import ENVELOPE_BYTES, OpComplete, OpStatus, TokenRange
 from basertd.worker.engines.base import EngineError
-from basertd.worker.engines.llamacpp.prefix_cache import Lease, prefix_digest, prefix_servable
+from basertd.worker.engines.llamacpp.cells import Cells
+from basertd.worker.engines.llamacpp.lane import Lane
+from basertd.worker.engines.llamacpp.model import LlamaModel
+from basertd.worker.engines.llamacpp.prefix_cache import prefix_digest, prefix_servable
+from basertd.worker.engines.llamacpp.seeds import Seeds
 from basertd.worker.engines.llamacpp.state import STATE_VERSION_TAG, open_sealed, seal
-
-if TYPE_CHECKING:
-    from basertd.worker.engines.llamacpp.engine import LlamaCppEngine
 
 _ZERO32 = bytes(32)
 
@@ -70,14 +72,36 @@ class Op:
 
 
 class StateOps:
-    """Bare sequences, adoption and state ops of one engine (see the module docstring)."""
+    """Bare sequences, adoption and state ops of one engine (see the module docstring).
+
+    ``lanes`` (tag -> Lane) and ``locked`` (sequence handles with an op in flight) are the
+    engine's own collections, shared; ``new_handle`` issues sequence handles (shared with lanes);
+    ``model`` gives the model id and vocabulary size; ``identity`` is the compat identity sealed
+    into exports; at most ``spare_sequences`` bare and adopted sequences exist at once."""
 
     version_tag = STATE_VERSION_TAG
 
-    def __init__(self, engine: LlamaCppEngine) -> None:
-        self.e = engine
+    def __init__(
+        self,
+        cells: Cells,
+        seeds: Seeds,
+        lanes: dict[int, Lane],
+        locked: set[int],
+        new_handle: Callable[[], int],
+        model: LlamaModel,
+        identity: bytes,
+        spare_sequences: int,
+    ) -> None:
+        self.cells = cells
+        self.seeds = seeds
+        self.lanes = lanes
+        self.locked = locked
+        self.new_handle = new_handle
+        self.model_id = model.model_id
+        self.n_vocab = model.n_vocab
+        self.identity = identity
+        self.spare_sequences = spare_sequences
         self.bare: dict[int, BareSeq] = {}
-        self.leased: dict[int, BareSeq] = {}  # adopted, waiting for their admit
         self.ops: dict[int, Op] = {}
         self._next_op = 1
         self._completions: list[OpComplete] = []
@@ -89,7 +113,7 @@ class StateOps:
         b = self.bare.get(handle)
         if b is not None:
             return b.seq, b
-        for lane in self.e.lanes.values():
+        for lane in self.lanes.values():
             if lane.handle == handle:
                 return lane.seq, None
         raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no sequence {handle}")
@@ -101,7 +125,7 @@ class StateOps:
         return b
 
     def _idle(self, handle: int) -> None:
-        if handle in self.e.locked:
+        if handle in self.locked:
             raise EngineError(Status.EBUSY, f"sequence {handle} has a state op in flight")
 
     def _space(self, space_id: int) -> None:
@@ -109,17 +133,13 @@ class StateOps:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no state space {space_id}")
 
     def _spare_left(self) -> bool:
-        return len(self.bare) + len(self.leased) < self.e.spare_sequences
-
-    def bare_seq(self, handle: int, *, leased: bool = False) -> int:
-        """llama seq id of a bare (or, with ``leased``, an adopted) sequence."""
-        return (self.leased if leased else self.bare)[handle].seq
+        return len(self.bare) + len(self.seeds.adopted) < self.spare_sequences
 
     def create(self) -> int:
         """A new empty bare sequence; EngineError(EBUSY) when the spare sequences are used up."""
         if not self._spare_left():
             raise EngineError(Status.EBUSY, "every spare sequence is in use")
-        b = BareSeq(self.e._new_handle(), self.e._take_seq())
+        b = BareSeq(self.new_handle(), self.cells.take_seq())
         self.bare[b.handle] = b
         return b.handle
 
@@ -129,7 +149,7 @@ class StateOps:
         b = self._bare(handle)
         self._idle(handle)
         del self.bare[handle]
-        self.e._release_seq(b.seq)
+        self.cells.free_seq(b.seq)
 
     def fork(self, parent: int) -> int:
         """A bare sequence sharing all of ``parent``'s cells (lane or bare; EBUSY during an op)."""
@@ -137,20 +157,18 @@ class StateOps:
         self._idle(parent)
         if not self._spare_left():
             raise EngineError(Status.EBUSY, "every spare sequence is in use")
-        child = BareSeq(self.e._new_handle(), self.e._take_seq())
-        n = self.e.ledger.length(seq)
+        child = BareSeq(self.new_handle(), self.cells.take_seq())
+        n = self.cells.length(seq)
         if n:
-            L.llama_memory_seq_cp(self.e.mem, seq, child.seq, 0, n)
-            self.e.ledger.share(seq, child.seq, n)
+            self.cells.copy(seq, child.seq, n)
         if b is not None:
             child.provenance, child.taint, child.pending = b.provenance, b.taint, b.pending
         else:
-            lane = next(ln for ln in self.e.lanes.values() if ln.handle == parent)
+            lane = next(ln for ln in self.lanes.values() if ln.handle == parent)
             child.pending = lane.pending_tokens
-            child.provenance = prefix_digest(self.e.model.model_id, lane.tokens[: n + child.pending])
+            child.provenance = prefix_digest(self.model_id, lane.tokens[: n + child.pending])
             child.taint = lane.taint
         self.bare[child.handle] = child
-        self.e._evictable_dirty = True
         return child.handle
 
     def publish(self, handle: int, tokens: np.ndarray) -> None:
@@ -161,19 +179,19 @@ class StateOps:
         sub-page sequence publishes nothing and is still consumed."""
         b = self._bare(handle)
         self._idle(handle)
-        kv = self.e.ledger.length(b.seq)
+        kv = self.cells.length(b.seq)
         n = kv + b.pending
         if tokens.ndim != 1 or tokens.shape[0] > n:
             raise EngineError(
                 Status.ERR_OUT_OF_BOUNDARY, f"{tokens.shape[0]} tokens over a {n}-token sequence"
             )
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.e.n_vocab):
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
             raise EngineError(Status.REJECT_BOUNDS, "token outside the vocabulary")
-        full = len(self.e.cache.entries) >= self.e.cache.max_entries
-        if full and tokens.shape[0] >= self.e.page:
+        cache = self.seeds.cache
+        if len(cache.entries) >= cache.max_entries and tokens.shape[0] >= cache.page:
             raise EngineError(Status.EBUSY, "the prefix cache is full; evict first")
         del self.bare[handle]
-        self.e._publish(b.seq, tokens.astype(np.int32), min(tokens.shape[0], kv), b.taint, None, None)
+        self.seeds.publish(b.seq, tokens.astype(np.int32), min(tokens.shape[0], kv), b.taint, None, None)
 
     # ------------------------------------------------------------------ adoption
 
@@ -185,32 +203,13 @@ class StateOps:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"{handle} is not a bare sequence of this engine")
         self._idle(handle)
         b = self.bare[handle]
-        n = self.e.ledger.length(b.seq) + b.pending
+        n = self.cells.length(b.seq) + b.pending
         if span.shape[0] == 0 or span.shape[0] != n:
             raise EngineError(
                 Status.ERR_SEED_UNSERVABLE, f"span of {span.shape[0]} over a {n}-token sequence"
             )
         del self.bare[handle]
-        self.leased[handle] = b
-        lease = self.e.cache.new_lease(
-            span.copy(),
-            0,
-            self.e.tick_index + self.e.seed_ttl,
-            adopted=handle,
-            taint=b.taint,
-            pending=b.pending,
-        )
-        return lease.handle
-
-    def take_adopted(self, lease: Lease) -> int:
-        """An admit consumes an adopted lease: the lane takes over the sequence id."""
-        return self.leased.pop(lease.adopted).seq
-
-    def free_adopted(self, lease: Lease) -> None:
-        """An adopted lease expired or was released: its sequence is freed."""
-        b = self.leased.pop(lease.adopted, None)
-        if b is not None:
-            self.e._release_seq(b.seq)
+        return self.seeds.adopt(b, span)
 
     # ------------------------------------------------------------------ exports
 
@@ -219,7 +218,7 @@ class StateOps:
         seq, _ = self._resolve(handle)
         if encoding != Encoding.LOSSLESS:
             raise EngineError(Status.ERR_OP_UNSUPPORTED, "only lossless KV exports")
-        valid = self.e.ledger.length(seq)
+        valid = self.cells.length(seq)
         if rng.start > rng.end or rng.end > valid or rng.end == 0:
             raise EngineError(
                 Status.REJECT_BOUNDS, f"range [{rng.start}, {rng.end}) of a {valid}-token sequence"
@@ -232,22 +231,11 @@ class StateOps:
         b = self.bare.get(handle)
         if b is not None:
             return b.gen
-        return next(ln.content_gen for ln in self.e.lanes.values() if ln.handle == handle)
-
-    def _with_prefix(self, seq: int, end: int, fn):
-        """Run ``fn(seq_id)`` on ``seq`` itself when it holds exactly ``end`` tokens, else on the
-        scratch sequence holding a shared copy of its first ``end`` cells."""
-        if self.e.ledger.length(seq) == end:
-            return fn(seq)
-        scratch = self.e.scratch_seq
-        L.llama_memory_seq_cp(self.e.mem, seq, scratch, 0, end)
-        try:
-            return fn(scratch)
-        finally:
-            L.llama_memory_seq_rm(self.e.mem, scratch, -1, -1)
+        return next(ln.content_gen for ln in self.lanes.values() if ln.handle == handle)
 
     def _state_size(self, seq: int, end: int) -> int:
-        return int(self._with_prefix(seq, end, lambda s: L.llama_state_seq_get_size(self.e.ctx, s)))
+        ctx = self.cells.ctx
+        return int(self.cells.with_prefix(seq, end, lambda s: L.llama_state_seq_get_size(ctx, s)))
 
     def export_size(self, handle: int, space_id: int, rng: TokenRange, encoding: int) -> tuple[int, int]:
         """``(ENVELOPE_BYTES + payload bytes, sizing_gen)`` of a lossless export of
@@ -278,9 +266,9 @@ class StateOps:
         self._space(space_id)
         b = self._bare(handle)
         self._idle(handle)
-        if self.e.ledger.length(b.seq):
+        if self.cells.length(b.seq):
             raise EngineError(Status.EBUSY, "restore targets must be empty")
-        env, payload = open_sealed(data, identity=self.e.identity)
+        env, payload = open_sealed(data, identity=self.identity)
         op = Op(0, "restore", handle, end=env.range.end, payload=bytes(payload), total=len(data))
         op.provenance, op.taint = env.provenance_digest, env.taint_bits
         return self._submit(op)
@@ -289,7 +277,7 @@ class StateOps:
         op.op = self._next_op
         self._next_op += 1
         self.ops[op.op] = op
-        self.e.locked.add(op.handle)
+        self.locked.add(op.handle)
         return op.op
 
     def check_target(self, handle: int, space_id: int) -> None:
@@ -304,10 +292,11 @@ class StateOps:
         could serve with its sliding window intact, 0 when none (ABI rule 111)."""
         self._space(space_id)
         seq, _ = self._resolve(handle)
-        q = (min(cap, self.e.ledger.length(seq)) // self.e.page) * self.e.page
-        pmin, pmax = self.e.pos_range(seq)
+        page = self.seeds.page
+        q = (min(cap, self.cells.length(seq)) // page) * page
+        pmin, pmax = self.cells.pos_range(seq)
         # Servability only gets harder for shorter prefixes: the longest page multiple or nothing.
-        return q if q > 0 and prefix_servable(pmin, pmax, q, self.e.n_swa) else 0
+        return q if q > 0 and prefix_servable(pmin, pmax, q, self.seeds.n_swa) else 0
 
     def trim(self, handle: int, space_id: int, new_len: int) -> None:
         """Trim a bare sequence to ``new_len`` tokens (any length for paged KV, ABI rule 109):
@@ -317,14 +306,12 @@ class StateOps:
         if b is None:
             raise EngineError(Status.EBUSY, "a lane's sequence is trimmed by its plan, not here")
         self._idle(handle)
-        kv = self.e.ledger.length(seq)
+        kv = self.cells.length(seq)
         if not 0 <= new_len <= kv + b.pending:
             raise EngineError(Status.REJECT_BOUNDS, f"trim to {new_len} past the valid length")
         b.pending = max(0, new_len - kv)
-        L.llama_memory_seq_rm(self.e.mem, seq, new_len, -1)
-        self.e.ledger.truncate(seq, min(new_len, kv))
+        self.cells.truncate(seq, new_len)  # past the KV (a pending token): no cell changes
         b.gen += 1
-        self.e._evictable_dirty = True
 
     # ------------------------------------------------------------------ execution
 
@@ -335,7 +322,7 @@ class StateOps:
             else:
                 self._run_restore(op)
         finally:
-            self.e.locked.discard(op.handle)
+            self.locked.discard(op.handle)
             op.payload = b""
             self._completions.append(
                 OpComplete(op=op.op, state=op.state, error=op.error, bytes_moved=op.bytes_moved)
@@ -344,43 +331,39 @@ class StateOps:
     def _run_snapshot(self, op: Op) -> None:
         seq, b = self._resolve(op.handle)
 
+        ctx = self.cells.ctx
+
         def export(s: int) -> bytes:
-            size = int(L.llama_state_seq_get_size(self.e.ctx, s))
+            size = int(L.llama_state_seq_get_size(ctx, s))
             buf = (ctypes.c_uint8 * size)()
-            n = int(L.llama_state_seq_get_data(self.e.ctx, buf, size, s))
+            n = int(L.llama_state_seq_get_data(ctx, buf, size, s))
             return bytes(buf)[:n]
 
-        payload = self._with_prefix(seq, op.end, export)
+        payload = self.cells.with_prefix(seq, op.end, export)
         if b is not None:
             prov, taint = b.provenance, b.taint
         else:
-            lane = next(ln for ln in self.e.lanes.values() if ln.handle == op.handle)
-            prov, taint = prefix_digest(self.e.model.model_id, lane.tokens[: op.end]), lane.taint
+            lane = next(ln for ln in self.lanes.values() if ln.handle == op.handle)
+            prov, taint = prefix_digest(self.model_id, lane.tokens[: op.end]), lane.taint
         if not payload:
             op.state, op.error = OpState.FAILED, int(Status.ERR_FATAL) & 0xFFFFFFFF
             return
-        op.output = seal(payload, identity=self.e.identity, provenance=prov, taint=taint, n_tokens=op.end)
+        op.output = seal(payload, identity=self.identity, provenance=prov, taint=taint, n_tokens=op.end)
         op.state = OpState.DONE
         op.bytes_moved = len(op.output)
 
     def _run_restore(self, op: Op) -> None:
         b = self.bare[op.handle]
-        if op.end > self.e.ledger.free:
+        if op.end > self.cells.free:
             op.state, op.error = OpState.FAILED, int(Status.NEEDS_REPLAN) & 0xFFFFFFFF
             return
-        src = (ctypes.c_uint8 * len(op.payload)).from_buffer_copy(op.payload)
-        n = int(L.llama_state_seq_set_data(self.e.ctx, src, len(op.payload), b.seq))
-        _, pmax = self.e.pos_range(b.seq)
-        if n == 0 or pmax != op.end - 1:
-            L.llama_memory_seq_rm(self.e.mem, b.seq, -1, -1)
+        if not self.cells.load(b.seq, op.payload, op.end):
             op.state, op.error = OpState.FAILED, int(Status.ERR_ENVELOPE_MISMATCH) & 0xFFFFFFFF
             return
-        self.e.ledger.append(b.seq, op.end)
         b.provenance, b.taint = op.provenance, op.taint
         b.gen += 1
         op.state = OpState.DONE
         op.bytes_moved = op.total
-        self.e._evictable_dirty = True
 
     def run_pending(self) -> None:
         """Complete every running op (called at the start of a tick, after its validation)."""
@@ -405,7 +388,7 @@ class StateOps:
         if op.state == OpState.RUNNING:
             op.state = OpState.CANCELLED
             op.payload = b""
-            self.e.locked.discard(op.handle)
+            self.locked.discard(op.handle)
             self._completions.append(OpComplete(op=op.op, state=op.state, bytes_moved=0))
 
     def output(self, op_handle: int) -> bytes:

@@ -235,3 +235,26 @@ def logprobs(row: np.ndarray, token: int, n_top: int) -> tuple[float, np.ndarray
     part = np.argpartition(row, vocab - n_top)[vocab - n_top :] if n_top < vocab else np.arange(vocab)
     order = part[np.lexsort((part, -row[part]))]
     return lp, order.astype(np.uint32), (row[order].astype(np.float64) - lse).astype(np.float32)
+
+
+class LogitBiases(dict[int, tuple[np.ndarray, np.ndarray]]):
+    """Registered additive logit biases by handle: (token ids int32, values float32), copied into
+    each admitted lane's ``SamplerConfig``. Handles start at 1 and are never reused."""
+
+    def __init__(self, n_vocab: int) -> None:
+        super().__init__()
+        self.n_vocab = n_vocab
+        self._next = 1
+
+    def create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
+        """A handle for the bias, or 0 when empty, mismatched, out of the vocabulary or not finite."""
+        ids = np.asarray(list(tokens), dtype=np.int64)
+        vals = np.asarray(list(values), dtype=np.float32)
+        if ids.size == 0 or ids.shape != vals.shape or ids.min() < 0 or ids.max() >= self.n_vocab:
+            return 0
+        if not np.all(np.isfinite(vals)):
+            return 0
+        h = self._next
+        self._next += 1
+        self[h] = (ids.astype(np.int32), vals)
+        return h

@@ -43,7 +43,6 @@ unless allow_approximate (ABI rules 14, 119, 122); records naming such a lane ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -56,17 +55,7 @@ from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.pool import CellLedger
 from basertd.worker.engines.llamacpp.prefix_cache import CacheEntry, Lease, PrefixCache, common_prefix
 from basertd.worker.engines.llamacpp.rings import EngineRings
-
-GRANTED_CLASS = Exactness.DISTRIBUTION_EXACT
-"""What a plain lane of this engine is: it samples the model's distribution, but batch composition
-changes llama.cpp's floating-point results, so it is not path-invariant."""
-
-SHED_REASON_BUDGET = 1
-"""ShedEntry.reason of a prefill chunk cut by prefill_token_budget."""
-SHED_REASON_POOL = 2
-"""ShedEntry.reason of a cache eviction that made room for the tick's KV."""
-SHED_REASON_PUBLISH = 3
-"""ShedEntry.reason of a cache eviction that made room for a published prefix."""
+from basertd.worker.engines.llamacpp.work import GRANTED_CLASS, SHED_REASON_BUDGET, AdmitWork, TickWork
 
 MAX_LOGPROBS_BYTE = 21  # 1 + MAX_TOP_LOGPROBS
 
@@ -100,43 +89,6 @@ class EngineState(Protocol):
 
 def _reject(status: Status, msg: str) -> PlanRejected:
     return PlanRejected(status, msg)
-
-
-@dataclass
-class AdmitWork:
-    """A validated admit. ``cert_reject`` set means the admit is REJECTED in admit_results.
-
-    Seed shape: ``share_len`` cells taken from the lease's source (0 cold), ``kv_len`` /
-    ``prefilled`` / ``produced`` the lane's starting cursors, ``cold_fallback`` when the source's
-    window was lost and the lane prefills from 0 internally."""
-
-    rec: LaneAdmit
-    prompt: np.ndarray
-    prefill_end: int = 0
-    lease: Lease | None = None
-    share_len: int = 0
-    kv_len: int = 0
-    prefilled: int = 0
-    produced: int = 0
-    cold_fallback: bool = False
-    cert_reject: bool = False
-    granted: int = GRANTED_CLASS
-
-
-@dataclass
-class TickWork:
-    """Everything a valid plan asks for, resolved against engine state."""
-
-    plan: TickPlan
-    retires: list[tuple[int, bool]] = field(default_factory=list)  # (tag, publish)
-    commits: list[tuple[int, int]] = field(default_factory=list)  # (tag, token)
-    admits: list[AdmitWork] = field(default_factory=list)
-    prefills: list[tuple[int, int]] = field(default_factory=list)  # (tag, effective count)
-    decodes: list[tuple[int, int]] = field(default_factory=list)  # (tag, max_new_tokens)
-    evict: list[CacheEntry] = field(default_factory=list)
-    shed: list[ShedEntry] = field(default_factory=list)
-    chunks_dropped: int = 0
-    cells_needed: int = 0
 
 
 def _dupes(tags: list[int]) -> int | None:

@@ -1,0 +1,309 @@
+"""``Seeds``: the llama.cpp engine's prefix seeds (ABI section G) over ``prefix_cache`` and
+``cells``: matches, seed leases (acquire, release, adopt, expiry), seating an admit on its lease,
+publishing a retired sequence and evicting entries.
+
+Leases live ``seed_lease_ticks`` ticks past the tick count at which they were taken (rule 84);
+``end_tick`` advances that count. An adopted sequence (``adopt``, rule 86) is held here until its
+admit takes it over or its lease goes, which frees it. Sliding-window rules are
+``prefix_cache.prefix_servable`` / ``window_intact`` over ``Cells.pos_range``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from basertd.schema.abi import DeterminismClass, ShedKind, Status, Tier
+from basertd.schema.tick import (
+    CacheKey,
+    MatchCandidate,
+    MatchResult,
+    ShedEntry,
+    ShedPolicy,
+    ShedReport,
+    SpaceMatch,
+)
+from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.llamacpp.cells import Cells
+from basertd.worker.engines.llamacpp.prefix_cache import (
+    CacheEntry,
+    Lease,
+    PrefixCache,
+    common_prefix,
+    prefix_digest,
+    prefix_servable,
+    window_intact,
+)
+from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL, SHED_REASON_PUBLISH
+
+if TYPE_CHECKING:
+    from basertd.worker.engines.llamacpp.model import LlamaModel
+    from basertd.worker.engines.llamacpp.ops import BareSeq
+
+KV_SPACE_ID = 0
+"""space_id of the engine's one state space (PAGED_TOKEN_KV)."""
+
+
+class Seeds:
+    """Published prefixes and seed leases of one engine over ``cells``, for ``model`` (its id,
+    sliding window and KV bytes per token): ``seed_ttl`` is the lease TTL in ticks, ``stats`` the
+    engine's counters (``evictions_total``, ``cached_tokens_total``, ``cold_fallbacks_total`` are
+    counted here)."""
+
+    def __init__(
+        self, cells: Cells, cache: PrefixCache, model: LlamaModel, seed_ttl: int, stats: dict[str, int]
+    ) -> None:
+        self.cells = cells
+        self.cache = cache
+        self.page = cache.page
+        self.model_id = model.model_id
+        self.n_swa = model.n_swa
+        self.bytes_per_token = model.kv_bytes_per_token
+        self.seed_ttl = seed_ttl
+        self.stats = stats
+        self.tick_index = 0  # accepted ticks so far: the lease clock
+        self.adopted: dict[int, BareSeq] = {}  # bare handle -> adopted sequence awaiting its admit
+        self._evictable = 0
+        self._evictable_at: int | None = None  # cells.version it was computed at (None: pins moved)
+
+    # ------------------------------------------------------------------ matches
+
+    def servable_len(self, entry: CacheEntry, limit: int) -> int:
+        """Longest page multiple <= ``limit`` of ``entry`` that can seed a lane (0 if none)."""
+        q = (min(limit, entry.length) // self.page) * self.page
+        if q == 0:
+            return 0
+        pmin, pmax = self.cells.pos_range(entry.seq)
+        return q if prefix_servable(pmin, pmax, q, self.n_swa) else 0
+
+    def match(self, toks: np.ndarray) -> MatchResult:
+        """Cached prefixes of ``toks`` that can seed a lane, longest first, one per (length,
+        taint), each a page multiple (ABI rules 87, 88)."""
+        seen: set[tuple[int, int]] = set()
+        cands: list[MatchCandidate] = []
+        for e in self.cache.entries.values():
+            q = self.servable_len(e, common_prefix(e.tokens, toks))
+            if q and (q, e.taint) not in seen:
+                seen.add((q, e.taint))
+                cands.append(
+                    MatchCandidate(
+                        prefix_len=q,
+                        provenance_digest=prefix_digest(self.model_id, toks[:q]),
+                        taint_bits=e.taint,
+                        resident_tier=Tier.GPU,
+                    )
+                )
+        cands.sort(key=lambda c: -c.prefix_len)
+        return MatchResult(spaces=[SpaceMatch(space_id=KV_SPACE_ID, candidates=cands)])
+
+    # ------------------------------------------------------------------ leases
+
+    def acquire(self, toks: np.ndarray, prefix_len: int, determinism_class: int) -> int:
+        """Pin the entry serving ``toks[:prefix_len]`` and return a seed handle (ABI rules
+        75-83); the errors are ``Engine.seed_acquire``'s."""
+        if prefix_len <= 0 or prefix_len > toks.shape[0]:
+            raise EngineError(Status.REJECT_BOUNDS, f"prefix_len {prefix_len} outside 1..{toks.shape[0]}")
+        if prefix_len % self.page:
+            raise EngineError(Status.ERR_SEED_UNSERVABLE, f"{prefix_len} is not a multiple of {self.page}")
+        prefix = toks[:prefix_len].copy()
+        best: CacheEntry | None = None
+        for e in self.cache.entries.values():
+            if determinism_class == DeterminismClass.DETERMINISTIC and e.taint:
+                continue
+            if e.length < prefix_len or common_prefix(e.tokens, prefix) < prefix_len:
+                continue
+            if self.servable_len(e, prefix_len) != prefix_len:
+                continue
+            if best is None or (e.taint, -e.lru) < (best.taint, -best.lru):
+                best = e
+        if best is None:
+            raise EngineError(Status.ERR_SEED_UNSERVABLE, "no cached prefix serves this seed")
+        best.pins += 1
+        self.cache.touch(best)
+        self._evictable_at = None
+        lease = self.cache.new_lease(
+            prefix,
+            determinism_class,
+            self.tick_index + self.seed_ttl,
+            entry_id=best.entry_id,
+            taint=best.taint,
+        )
+        return lease.handle
+
+    def adopt(self, bare: BareSeq, span: np.ndarray) -> int:
+        """Lease the bare sequence ``bare`` (already checked and taken from the bare set by
+        ``StateOps.adopt``) as the seed of one admit whose prompt starts with ``span``."""
+        self.adopted[bare.handle] = bare
+        lease = self.cache.new_lease(
+            span.copy(),
+            0,
+            self.tick_index + self.seed_ttl,
+            adopted=bare.handle,
+            taint=bare.taint,
+            pending=bare.pending,
+        )
+        return lease.handle
+
+    def release(self, seed_handle: int) -> None:
+        """Release an unconsumed lease; EngineError(ERR_UNKNOWN_HANDLE) for an unknown, consumed
+        or expired handle (ABI rule 81)."""
+        lease = self.cache.leases.get(seed_handle)
+        if lease is None:
+            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no seed {seed_handle}")
+        self._drop_lease(lease)
+
+    def _drop_lease(self, lease: Lease) -> None:
+        self.cache.leases.pop(lease.handle, None)
+        if lease.adopted:
+            b = self.adopted.pop(lease.adopted, None)
+            if b is not None:
+                self.cells.free_seq(b.seq)
+        else:
+            e = self.cache.entries.get(lease.entry_id)
+            if e is not None:
+                e.pins -= 1
+        self._evictable_at = None
+
+    def end_tick(self) -> None:
+        """An accepted tick ended: the lease clock advances and expired leases go."""
+        self.tick_index += 1
+        for lease in self.cache.expired(self.tick_index):
+            self._drop_lease(lease)
+
+    def source(self, lease: Lease) -> tuple[int, int, int, int]:
+        """(seq id, length, pos_min, pos_max) of the sequence a lease serves from."""
+        seq = self.adopted[lease.adopted].seq if lease.adopted else self.cache.entries[lease.entry_id].seq
+        pmin, pmax = self.cells.pos_range(seq)
+        return seq, self.cells.length(seq), pmin, pmax
+
+    def seat(self, lease: Lease, share_len: int, cold: bool) -> tuple[int, int, bool]:
+        """An admit consumes ``lease``: ``(seq id, taint, cold)`` of the lane's sequence holding
+        the lease's first ``share_len`` cells, or nothing when ``cold`` (the validated shape, or a
+        window found broken after sharing: the lane then prefills from 0)."""
+        seq = self.adopted.pop(lease.adopted).seq if lease.adopted else self.cells.take_seq()
+        self.cache.leases.pop(lease.handle, None)
+        if lease.adopted:
+            if not cold:
+                self.cells.truncate(seq, share_len)
+        else:
+            entry = self.cache.entries[lease.entry_id]
+            entry.pins -= 1
+            self.cache.touch(entry)
+            if not cold and share_len:
+                self.cells.copy(entry.seq, seq, share_len)
+        if not cold and share_len and not window_intact(*self.cells.pos_range(seq), share_len, self.n_swa):
+            cold = True  # the shared window is not what it should be: never trust it
+        if cold:
+            self.cells.clear(seq)
+            self.stats["cold_fallbacks_total"] += 1
+        else:
+            self.stats["cached_tokens_total"] += share_len
+        self._evictable_at = None
+        return seq, lease.taint, cold
+
+    # ------------------------------------------------------------------ publish and evict
+
+    def publish(
+        self,
+        seq: int,
+        tokens: np.ndarray,
+        kv_len: int,
+        taint: int,
+        policy: ShedPolicy | None,
+        shed: ShedReport | None,
+    ) -> bool:
+        """Hand ``seq`` to the prefix cache under ``tokens[:whole pages of kv_len]``; the sequence
+        is consumed either way (kept as the entry, or freed when nothing is published). A full
+        cache first evicts what ``policy`` allows (reported in ``shed`` inside a tick). Returns
+        True when an entry now serves those tokens (ABI rules 90, 91)."""
+        n = (kv_len // self.page) * self.page
+        if n == 0:
+            self.cells.free_seq(seq)
+            return False
+        toks = np.array(tokens[:n], dtype=np.int32)
+        digest = prefix_digest(self.model_id, toks)
+        same = self.cache.find_identical(digest, taint)
+        if same is not None:
+            self.cache.touch(same)
+            self.cells.free_seq(seq)
+            return True
+        self.cells.truncate(seq, n)
+        pmin, pmax = self.cells.pos_range(seq)
+        if not prefix_servable(pmin, pmax, n, self.n_swa):
+            self.cells.free_seq(seq)  # its window is already gone: it could never seed a lane
+            return False
+        if len(self.cache.entries) >= self.cache.max_entries:
+            victim = self._publish_victim(policy)
+            if victim is None:
+                self.cells.free_seq(seq)
+                return False
+            self.evict(victim, shed, SHED_REASON_PUBLISH)
+        self.cache.add(seq, toks, digest, taint)
+        self._evictable_at = None
+        return True
+
+    def _publish_victim(self, policy: ShedPolicy | None) -> CacheEntry | None:
+        if policy is None:
+            return None
+        cands = self.cache.eviction_order(policy.evictable_cache_classes)
+        if not cands:
+            return None
+        ledger = self.cells.ledger
+        total = ledger.freed_by([(e.seq, 0) for e in self.cache.entries.values()])
+        cap = min(policy.max_evict_bytes, max(0, total * self.bytes_per_token - policy.protected_quota_bytes))
+        for e in cands:
+            if ledger.exclusive(e.seq) * self.bytes_per_token <= cap:
+                return e
+        return None
+
+    def evict(self, entry: CacheEntry, shed: ShedReport | None, reason: int) -> int:
+        """Drop a cache entry; returns the bytes freed and, inside a tick (``shed``), reports a
+        CACHE_EVICTION shed entry (ABI rule 58)."""
+        freed = self.cells.ledger.exclusive(entry.seq) * self.bytes_per_token
+        self.cache.remove(entry)
+        self.cells.free_seq(entry.seq)
+        self.stats["evictions_total"] += 1
+        if shed is not None:
+            shed.entries.append(
+                ShedEntry(
+                    lane_tag=0, kind=ShedKind.CACHE_EVICTION, reason=reason, bytes=freed, tokens=entry.length
+                )
+            )
+            shed.evictions_performed += 1
+            shed.bytes_evicted += freed
+        return freed
+
+    def evict_bytes(self, policy: ShedPolicy, bytes_target: int) -> int:
+        """Evict unpinned entries of the policy's classes, least recently used first, freeing at
+        most min(bytes_target, max_evict_bytes, cached bytes - protected_quota_bytes); returns the
+        bytes freed (ABI rule 89)."""
+        ledger = self.cells.ledger
+        total = ledger.freed_by([(e.seq, 0) for e in self.cache.entries.values()]) * self.bytes_per_token
+        cap = min(bytes_target, policy.max_evict_bytes, max(0, total - policy.protected_quota_bytes))
+        freed = 0
+        for e in self.cache.eviction_order(policy.evictable_cache_classes):
+            gain = ledger.exclusive(e.seq) * self.bytes_per_token
+            if freed + gain > cap:
+                continue
+            freed += self.evict(e, None, SHED_REASON_POOL)
+        return freed
+
+    def evict_keys(self, keys: Sequence[CacheKey], identity: bytes) -> None:
+        """Drop the unpinned entries named by (compat identity, provenance digest); keys of another
+        identity, naming nothing, or naming pinned entries, are left alone."""
+        for k in keys:
+            if k.compat_key != identity:
+                continue
+            for e in list(self.cache.entries.values()):
+                if e.digest == k.provenance_digest and e.pins == 0:
+                    self.evict(e, None, SHED_REASON_POOL)
+
+    def evictable_bytes(self) -> int:
+        """Bytes evicting every unpinned entry would free (recomputed only after a change)."""
+        if self._evictable_at != self.cells.version:
+            unpinned = [(e.seq, 0) for e in self.cache.entries.values() if e.pins == 0]
+            self._evictable = self.cells.ledger.freed_by(unpinned) * self.bytes_per_token
+            self._evictable_at = self.cells.version
+        return self._evictable
