@@ -14,38 +14,14 @@ the cell ledger and sequence ids, changed together), ``seeds.Seeds`` (matches, l
 evict), ``ops.StateOps`` (bare sequences, snapshot / restore), ``tick.Tick`` (one tick's state and
 lane work), ``rounds.Rounds`` (decode rounds, batches, yield and abort) and ``validate``.
 
-Semantics this engine fixes where the ABI leaves a choice:
-
-- ``prefill_token_budget`` and ``max_decode_lanes`` are literal: 0 means none.
-- A lane stops with EOS on any end-of-generation token unless IGNORE_EOS (rule 68), with LENGTH when
-  it holds ``context_length`` tokens; retiring a lane that has not stopped emits CANCELLED; a lane
-  fault emits ERROR with a fault record (rules 60-62).
-- HOST commits are not echoed in emits: a HOST lane's emits carry n_tokens 0 and the logits row
-  (rule 65); a committed end-of-generation token finishes the lane with an EOS emit.
-- Internal work the coordinator did not plan (the cold prefill after a lost sliding window, the
-  re-decode of a fully cached prompt's last token) is not charged to the prefill budget.
-- KV feasibility is checked against a cell ledger (``pool``) that mirrors llama.cpp's cells and
-  sharing exactly; every committed token is charged a cell when committed (its KV follows at the
-  next decode unit). NEEDS_REPLAN when retires and the shed envelope's evictions cannot make room
-  (rules 50-52). Lanes are never shed; a decode grant of 0 is ILLEGAL_COMBINATION and grants that
-  could overflow the emit ring are BOUNDS, as in the reference engine.
-- A lane's sequence holds the KV of every committed token but the last sampled one (computed by the
-  next decode); forks of a lane carry that token as pending, so lengths agree with the reference
-  engine's committed count.
-- Publishing when ``cache_sequences`` entries exist first evicts the least recently used unpinned
-  entry the plan's shed envelope allows; if none, the retire publishes nothing.
-- State ops complete at the start of the next accepted tick and are reported in its
-  op_completions, as in the reference engine.
+Where the ABI leaves a choice, this engine's semantics are documented where they are made: lane
+stops, HOST commits and the pending last token in ``tick``; budgets, internal work and KV
+feasibility in ``validate``; publishing into a full cache in ``seeds``; state-op timing in
+``ops``; the yield inside a tick in ``rounds``.
 
 Output depends on batch composition and, through the order of llama.cpp's sums over KV cells, on
 where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
 loop from an empty cache, and elsewhere allow divergence only at a near-tie of the reference).
-
-Yield inside a tick (``basertd.shm.control``): the tick's work is split into steps, one
-``llama_decode`` of at most ``yield_step_tokens`` rows each (default n_ubatch); once the yield
-word is set the tick ends with what it has done, the prefill that did not run reported as a
-budget-shed chunk (ABI rules 56, 57), and an urgent yield cuts the step in flight through
-llama.cpp's abort callback (``rounds``).
 
 Capabilities (``base.Capability``): everything but HOST_TIER (no host tier for llama.cpp KV:
 demote and promote answer ERR_OP_UNSUPPORTED after the checks every op makes).

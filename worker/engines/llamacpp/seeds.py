@@ -6,6 +6,9 @@ Leases live ``seed_lease_ticks`` ticks past the tick count at which they were ta
 ``end_tick`` advances that count. An adopted sequence (``adopt``, rule 86) is held here until its
 admit takes it over or its lease goes, which frees it. Sliding-window rules are
 ``prefix_cache.prefix_servable`` / ``window_intact`` over ``Cells.pos_range``.
+
+Publishing when ``cache_sequences`` entries exist first evicts the least recently used unpinned
+  entry the plan's shed envelope allows; if none, the retire publishes nothing.
 """
 
 from __future__ import annotations

@@ -5,6 +5,17 @@ tick accumulates (grants left, tokens and logits rows per lane, finishes, faults
 yield bookkeeping ``rounds`` reads) and does the lane work around the decode rounds: retires,
 commits and admits before them, each decode unit (``units``: rules 67, 72) inside them, the emit
 records after them. Faults stop one lane and the tick goes on (rules 60-62).
+
+Semantics this engine fixes where the ABI leaves a choice:
+
+- A lane stops with EOS on any end-of-generation token unless IGNORE_EOS (rule 68), with LENGTH when
+  it holds ``context_length`` tokens; retiring a lane that has not stopped emits CANCELLED; a lane
+  fault emits ERROR with a fault record (rules 60-62).
+- HOST commits are not echoed in emits: a HOST lane's emits carry n_tokens 0 and the logits row
+  (rule 65); a committed end-of-generation token finishes the lane with an EOS emit.
+- A lane's sequence holds the KV of every committed token but the last sampled one (computed by the
+  next decode); forks of a lane carry that token as pending, so lengths agree with the reference
+  engine's committed count.
 """
 
 from __future__ import annotations

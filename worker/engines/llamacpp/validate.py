@@ -39,6 +39,17 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
 Admits that no certificate serves (a required_cert_id, or minimum_exactness above what this engine
 grants) are not a plan rejection: they are REJECTED with REJECT_CERT_UNMATCHED in admit_results
 unless allow_approximate (ABI rules 14, 119, 122); records naming such a lane are then ignored.
+
+Semantics this engine fixes where the ABI leaves a choice:
+
+- ``prefill_token_budget`` and ``max_decode_lanes`` are literal: 0 means none.
+- Internal work the coordinator did not plan (the cold prefill after a lost sliding window, the
+  re-decode of a fully cached prompt's last token) is not charged to the prefill budget.
+- KV feasibility is checked against a cell ledger (``pool``) that mirrors llama.cpp's cells and
+  sharing exactly; every committed token is charged a cell when committed (its KV follows at the
+  next decode unit). NEEDS_REPLAN when retires and the shed envelope's evictions cannot make room
+  (rules 50-52). Lanes are never shed; a decode grant of 0 is ILLEGAL_COMBINATION and grants that
+  could overflow the emit ring are BOUNDS, as in the reference engine.
 """
 
 from __future__ import annotations
