@@ -236,6 +236,26 @@ def test_partial_emits_stream_and_the_terminal_emit_delivers_only_the_rest():
     assert core.lanes[tag].emitted == [70, 71, 72] and core.decode_tokens_total == 3
 
 
+def test_the_core_returns_one_delivery_per_request_and_sends_nothing_itself():
+    core = make_core()
+    a, sa = make_req("aaaa", max_tokens=10)
+    b, sb = make_req("bbbb", max_tokens=2)
+    core.submit(a)
+    core.submit(b)
+    plan = tick(core)
+    ta, tb = (tag for tag, _ in plan.draft.admitted)
+    plan, _ = launch(core)
+    ev, read = events(plan, emits={ta: ([70, 71], Finish.NONE), tb: ([72, 73], Finish.NONE)})
+    applied = core.apply(plan, Accepted(ev, read), 123.0)
+    assert sa.sent == [] and sb.sent == []  # nothing reaches a sink until the loop hands it over
+    by_req = {d.request.key: d for d in applied.deliveries}
+    assert len(applied.deliveries) == 2 and set(by_req) == {a.key, b.key}
+    assert [type(m) for m in by_req[b.key].messages] == [api.Tokens, api.Done]  # tokens, then Done
+    assert a.t_first_token == 123.0 and b.t_finished == 123.0  # the loop's clock, not the core's
+    send(applied.deliveries)
+    assert sa.ids() == [70, 71] and sb.ids() == [72, 73] and sb.end().finish_reason == "length"
+
+
 def test_max_tokens_is_exact_and_finishes_length():
     core = make_core()
     req, sink = make_req("abcd", max_tokens=2)

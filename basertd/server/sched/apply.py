@@ -76,11 +76,11 @@ def on_emit(st: SchedulerState, lane_tag: int, tokens: list[int], now: float) ->
     return d if d.messages else None
 
 
-def _retired(st: SchedulerState, lane: Lane, publish: bool, preempted: bool) -> None:
+def _retired(st: SchedulerState, lane: Lane, publish: bool, preempted: bool, now: float) -> None:
     """``lane`` was retired by an accepted plan: index what it published, requeue its request
     when it was preempted or checkpointed."""
     if publish and lane.kv_tokens >= st.cache_policy.page:
-        st.cache_policy.published(lane.published_tokens(), lane.kv_tokens, lane.hashes)
+        st.cache_policy.published(lane.published_tokens(), lane.kv_tokens, lane.hashes, now)
     req = lane.request
     st.grammars.drop(req)
     if not (preempted or lane.requeue) or req.finished:
@@ -148,7 +148,7 @@ def apply_accepted(st: SchedulerState, plan: Plan, tick: Accepted, now: float, o
     retired.sort(key=lambda r: -(r[2].request.t_received if r[2] is not None else 0.0))
     for tag, publish, lane in retired:
         if lane is not None:
-            _retired(st, lane, publish, tag in preempted)
+            _retired(st, lane, publish, tag in preempted, now)
 
     results = {r.lane_tag: r for r in events.admit_results}
     for tag, cand in draft.admitted:

@@ -27,9 +27,9 @@ A worker that dies (or breaks the link) preempts its lanes: each request goes ba
 its class with its prompt and delivered tokens and resumes on the respawned worker
 (``basertd.server.workers.slot``) with ``decode_replay`` exactly as after a preemption (ABI rules
 71-73), so its client sees a pause, never an error or a repeated token; a poison request fails
-after ``max_crash_resumes`` crashes in a row (``core.apply`` with ``Lost``). The lanes resume on a live
-worker serving the same model when there is one (``peers``). A worker the progress watchdog
-restarts is not a crash: its running work is what stalled, and fails ``WORKER_FAILED``
+after ``max_crash_resumes`` crashes in a row (``core.apply`` with ``Lost``). The lanes resume on
+a live worker serving the same model when there is one (``peers``). A worker the progress
+watchdog restarts is not a crash: its running work is what stalled, and fails ``WORKER_FAILED``
 (``basertd.server.sched.watchdog``).
 """
 
