@@ -1,11 +1,12 @@
 """The scheduling state of one worker (DESIGN.md "Scheduling"): plain data, no I/O.
 
-``SchedulerState`` is what the synchronous scheduler core (``basertd.server.sched.core``) and
-its plan drafting (``basertd.server.sched.draft``) read and change: the live lanes, the
-per-class queues, the worker's limits and the configuration, the lane-tag and plan counters, the
-adaptive tick rates, the re-planning caps after a rejected plan, the seed leases to release and
-the grammar handles to free, and the counters operators read. The async per-worker loop
-(``basertd.server.sched.loop``) owns one core and drives it; nothing here awaits.
+``SchedulerState`` is what the synchronous scheduler core (``basertd.server.sched.core``), its
+plan drafting (``basertd.server.sched.draft``) and its tick applying
+(``basertd.server.sched.apply``) read and change: the live lanes, the per-class queues, the
+worker's limits and the configuration, the lane-tag and plan counters, the adaptive tick rates,
+the re-planning caps after a rejected plan, the seed leases to release and the grammar handles to
+free, and the counters operators read. The async per-worker loop (``basertd.server.sched.loop``)
+owns one core and drives it; nothing here awaits, sends to a sink or reads a clock.
 """
 
 from __future__ import annotations
