@@ -143,7 +143,7 @@ def test_an_interactive_candidate_preempts_and_gets_its_first_token_in_the_same_
     lanes = [view(1, 1), view(2, 1)]  # both lanes decode batch requests
     d = build_plan(lanes, [cand(7)], limits(), next_tag=3)
     assert d.preempted == [2] and (2, True) in d.retires  # the youngest, publishing its KV
-    assert [(t, c.key) for t, c in d.admits] == [(3, 7)]
+    assert [(t, c.key) for t, c in d.admitted] == [(3, 7)]
     assert d.prefills == [(3, 0, 20)]  # whole, past the small shared budget of 8
     assert (3, 4) in d.decodes and (1, 4) in d.decodes and all(t != 2 for t, _ in d.decodes)
 
@@ -151,16 +151,16 @@ def test_an_interactive_candidate_preempts_and_gets_its_first_token_in_the_same_
 def test_no_preemption_for_batch_candidates_when_disabled_or_when_it_would_not_help():
     lanes = [view(1, 1), view(2, 1)]
     assert not build_plan(lanes, [cand(7, rank=1)], limits(), next_tag=3).preempted
-    assert not build_plan(lanes, [cand(7)], limits(preempt=False), next_tag=3).admits
+    assert not build_plan(lanes, [cand(7)], limits(preempt=False), next_tag=3).admitted
     # the KV reservation would not fit even with both victims gone: nobody is preempted
     d = build_plan(lanes, [cand(7, prompt_len=20_000)], limits(), next_tag=3)
-    assert not d.preempted and not d.admits and not d.retires
+    assert not d.preempted and not d.admitted and not d.retires
 
 
 def test_preemption_frees_kv_too():
     lanes = [view(1, 2, reserved=900)]
     d = build_plan(lanes, [cand(7, prompt_len=500, max_tokens=100)], limits(max_lanes=4, kv_tokens=1000), 2)
-    assert d.preempted == [1] and len(d.admits) == 1
+    assert d.preempted == [1] and len(d.admitted) == 1
 
 
 def test_a_capped_class_is_skipped_without_blocking_the_others():
@@ -170,7 +170,7 @@ def test_a_capped_class_is_skipped_without_blocking_the_others():
         limits(max_lanes=3, lane_caps=LaneCaps((0, 0, 1))),
         next_tag=2,
     )
-    assert [c.key for _, c in d.admits] == [8]
+    assert [c.key for _, c in d.admitted] == [8]
 
 
 def test_a_resumed_request_replays_its_tokens_through_decode_units():

@@ -1,7 +1,9 @@
 """The synchronous scheduler core in-process (DESIGN.md "Scheduling"): no processes, no rings, no
-link. Requests with a list sink are submitted, plans drafted and launched, and synthetic
-``TickEvents`` applied; the tests assert what reaches the sinks and what the core hands back to
-its loop (seed leases to release, grammar handles to free, requests to resume, restarts).
+link. Requests with a list sink are submitted, plans drafted and launched, and synthetic tick
+outcomes applied through the loop's verbs (``hint_requests``, ``draft``, ``launch``, ``on_emit``,
+``apply``, ``cancel``); the deliveries they return are handed to the sinks as the loop does, and
+the tests assert what reaches the sinks and what the core hands back to its loop (seed leases to
+release, grammar handles to free, requests to resume, restarts).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from basertd.server.request.record import AdmissionError, GenerationRequest, Req
 from basertd.server.request.tokenizer import BytesTokenizer
 from basertd.server.sched.core import SchedulerCore
 from basertd.server.sched.draft import Plan, Resolved
+from basertd.server.sched.outcome import Accepted, Applied, Delivery, Lost, Outcome, Rejected
 from basertd.server.workers.limits import WorkerLimits
 from basertd.shm import YieldReason
 
@@ -87,7 +90,7 @@ def launch(core: SchedulerCore, resolved: dict[int, Resolved] | None = None) -> 
     now = time.monotonic()
     core.hint_requests(now)
     plan = core.draft(now, resolved)
-    refs = {cand.key: TokenRef(ring_id=1, index=i) for i, (_, cand) in enumerate(plan.draft.admits)}
+    refs = {cand.key: TokenRef(ring_id=1, index=i) for i, (_, cand) in enumerate(plan.draft.admitted)}
     refs.update(plan.refs)
     return plan, core.launch(plan, refs, {}, now)
 
@@ -103,7 +106,7 @@ def events(
     """Synthetic events of ``plan``'s tick and the emitted tokens the loop would have read."""
     refused = refused or {}
     results = []
-    for tag, _ in plan.draft.admits:
+    for tag, _ in plan.draft.admitted:
         if tag in refused:
             code = int(refused[tag]) & 0xFFFFFFFF
             results.append(AdmitResult(lane_tag=tag, status=int(AdmitStatus.REJECTED), reject_code=code))
@@ -127,16 +130,42 @@ def events(
     return ev, read
 
 
+def send(deliveries: list[Delivery]) -> None:
+    """Hand the core's deliveries to the sinks, as the loop does."""
+    for d in deliveries:
+        d.send()
+
+
+def apply(core: SchedulerCore, plan: Plan | None, outcome: Outcome) -> Applied:
+    """Apply a tick's outcome as the loop does; its deliveries reach the sinks."""
+    applied = core.apply(plan, outcome, time.monotonic())
+    send(applied.deliveries)
+    return applied
+
+
+def accept(core: SchedulerCore, plan: Plan, ev: TickEvents, read: dict[int, list[int] | None]) -> None:
+    apply(core, plan, Accepted(ev, read))
+
+
+def on_emit(core: SchedulerCore, tag: int, tokens: list[int]) -> None:
+    d = core.on_emit(tag, tokens, time.monotonic())
+    send([d] if d is not None else [])
+
+
+def cancel(core: SchedulerCore, req: GenerationRequest) -> YieldReason | None:
+    why, out = core.cancel(req, time.monotonic())
+    send(out)
+    return why
+
+
 def tick(core: SchedulerCore, resolved=None, **kw) -> Plan:
     plan, _ = launch(core, resolved)
-    ev, read = events(plan, **kw)
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, *events(plan, **kw))
     return plan
 
 
 def only_tag(plan: Plan) -> int:
-    (tag, _), *_ = plan.draft.admits
+    (tag, _), *_ = plan.draft.admitted
     return tag
 
 
@@ -160,15 +189,14 @@ def test_a_queued_cancel_drops_the_request_and_a_running_one_yields_the_tick():
     a, sa = make_req("aaaa")
     b, _ = make_req("bbbb")
     core.submit(a)
-    assert core.cancel(a) is None
+    assert cancel(core, a) is None
     assert len(core.queues) == 0 and isinstance(sa.end(), api.Error)
     assert sa.end().code == ErrorCode.CANCELLED
     core.submit(b)
     plan, _ = launch(core)
-    assert core.cancel(b) is YieldReason.CANCEL  # its lane is in the tick in flight
+    assert cancel(core, b) is YieldReason.CANCEL  # its lane is in the tick in flight
     ev, read = events(plan, emits={only_tag(plan): ([65], Finish.NONE)})
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, ev, read)
     nxt, _ = launch(core)
     assert nxt.draft.retires == [(only_tag(plan), False)]
 
@@ -189,8 +217,7 @@ def test_tokens_reach_the_sink_in_order_and_eos_finishes_and_retires_with_publis
     assert isinstance(sink.end(), api.Done) and sink.end().finish_reason == "eos"
     retire, _ = launch(core)
     assert retire.draft.retires == [(tag, True)]
-    core.landed()
-    core.apply(retire, *events(retire))
+    accept(core, retire, *events(retire))
     assert tag not in core.lanes and core.requests_done == 1
 
 
@@ -200,14 +227,33 @@ def test_partial_emits_stream_and_the_terminal_emit_delivers_only_the_rest():
     core.submit(req)
     tag = only_tag(tick(core))
     plan, _ = launch(core)
-    core.on_emit(tag, [70])
-    core.on_emit(tag, [71])
+    on_emit(core, tag, [70])
+    on_emit(core, tag, [71])
     assert sink.ids() == [70, 71]  # streamed while the tick runs
     ev, read = events(plan, emits={tag: ([70, 71, 72], Finish.NONE)})
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, ev, read)
     assert sink.ids() == [70, 71, 72]
     assert core.lanes[tag].emitted == [70, 71, 72] and core.decode_tokens_total == 3
+
+
+def test_the_core_returns_one_delivery_per_request_and_sends_nothing_itself():
+    core = make_core()
+    a, sa = make_req("aaaa", max_tokens=10)
+    b, sb = make_req("bbbb", max_tokens=2)
+    core.submit(a)
+    core.submit(b)
+    plan = tick(core)
+    ta, tb = (tag for tag, _ in plan.draft.admitted)
+    plan, _ = launch(core)
+    ev, read = events(plan, emits={ta: ([70, 71], Finish.NONE), tb: ([72, 73], Finish.NONE)})
+    applied = core.apply(plan, Accepted(ev, read), 123.0)
+    assert sa.sent == [] and sb.sent == []  # nothing reaches a sink until the loop hands it over
+    by_req = {d.request.key: d for d in applied.deliveries}
+    assert len(applied.deliveries) == 2 and set(by_req) == {a.key, b.key}
+    assert [type(m) for m in by_req[b.key].messages] == [api.Tokens, api.Done]  # tokens, then Done
+    assert a.t_first_token == 123.0 and b.t_finished == 123.0  # the loop's clock, not the core's
+    send(applied.deliveries)
+    assert sa.ids() == [70, 71] and sb.ids() == [72, 73] and sb.end().finish_reason == "length"
 
 
 def test_max_tokens_is_exact_and_finishes_length():
@@ -226,8 +272,7 @@ def test_unreadable_emitted_tokens_fail_the_request():
     tag = only_tag(tick(core))
     plan, _ = launch(core)
     ev, _ = events(plan, emits={tag: ([1, 2], Finish.NONE)})
-    core.landed()
-    core.apply(plan, ev, {tag: None})
+    accept(core, plan, ev, {tag: None})
     assert sink.end().code == ErrorCode.INTERNAL and core.lanes[tag].retire
 
 
@@ -242,8 +287,7 @@ def test_a_refused_admit_fails_the_request_and_frees_its_grammar_handle_and_seed
     plan, tick_plan = launch(core)
     assert tick_plan.admits[0].grammar_handle == 42
     ev, read = events(plan, refused={only_tag(plan): Status.REJECT_BOUNDS})
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, ev, read)
     assert sink.end().code == ErrorCode.INVALID_REQUEST and "REJECT_BOUNDS" in sink.end().message
     assert core.lanes == {} and core.grammars.pending_free == [42] and req.grammar_handle == 0
 
@@ -256,8 +300,7 @@ def test_a_transiently_refused_admit_is_requeued_at_the_head_of_its_class():
     plan, _ = launch(core)
     core.submit(b)
     ev, read = events(plan, refused={only_tag(plan): Status.NEEDS_REPLAN})
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, ev, read)
     assert list(core.queues) == [a, b] and a.state is RequestState.QUEUED and sa.end() is None
     assert a.admissions == 0
 
@@ -301,8 +344,7 @@ def test_an_interactive_request_preempts_a_batch_lane_which_resumes_with_decode_
     assert [a.lane_tag for a in tick_plan.admits] == [only_tag(plan)]
     itag = only_tag(plan)
     ev, read = events(plan, emits={itag: ([105], Finish.NONE)})
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, ev, read)
     assert batch.state is RequestState.QUEUED and list(core.queues) == [batch]
     assert batch.preemptions == 1 and core.preemptions == 1 and bsink.end() is None
     tick(core, emits={itag: ([106], Finish.NONE)})
@@ -334,15 +376,14 @@ def test_a_rejected_plan_changes_nothing_and_plans_again_smaller():
     seed = Seed(handle=77, length=0, expires_after=5)
     plan, _ = launch(core)
     plan.seeds[reqs[1].key] = seed
-    assert len(plan.draft.admits) == 4 and len(core.lanes) == 4
-    core.landed()
-    assert core.rejected(plan, Status.NEEDS_REPLAN, "no room") is None
+    assert len(plan.draft.admitted) == 4 and len(core.lanes) == 4
+    assert apply(core, plan, Rejected(Status.NEEDS_REPLAN, "no room")).restart is None
     assert core.lanes == {} and list(core.queues) == reqs  # back at the head, in order
     assert all(r.state is RequestState.QUEUED and r.t_admitted is None for r in reqs)
     assert core.to_release == [77] and core.grammars.pending_free == [9]
     assert core.plans_rejected == 1 and core.max_admits == 2
     nxt, _ = launch(core)
-    assert len(nxt.draft.admits) == 2
+    assert len(nxt.draft.admitted) == 2
 
 
 def test_plans_rejected_again_and_again_restart_the_worker():
@@ -351,8 +392,7 @@ def test_plans_rejected_again_and_again_restart_the_worker():
     reasons = []
     for _ in range(8):
         plan, _ = launch(core)
-        core.landed()
-        reasons.append(core.rejected(plan, Status.REJECT_BAD_STRUCT, "bad"))
+        reasons.append(apply(core, plan, Rejected(Status.REJECT_BAD_STRUCT, "bad")).restart)
         if reasons[-1]:
             break
     assert reasons[-1] is not None and "rejected" in reasons[-1]
@@ -368,14 +408,14 @@ def test_a_lost_worker_requeues_its_lanes_for_resume_with_decode_replay():
     core.submit(a)
     core.submit(b)
     plan = tick(core)
-    ta, tb = (tag for tag, _ in plan.draft.admits)
+    ta, tb = (tag for tag, _ in plan.draft.admitted)
     tick(core, emits={ta: ([65, 66], Finish.NONE), tb: ([67], Finish.NONE)})
     a.grammar_handle = 5
-    lost = core.worker_lost("worker died")
+    lost = apply(core, None, Lost("worker died"))
     assert core.lanes == {} and lost.failed == [] and core.crash_resumes == 2
     assert {r.key for r in lost.resume} == {a.key, b.key} and a.grammar_handle == 0
     for req in lost.resume:
-        core.queues.push_front(req)
+        core.requeue(req)
     assert next(iter(core.queues)) is a  # the oldest at the head
     _, tick_plan = launch(core)
     replay = {adm.decode_replay for adm in tick_plan.admits}
@@ -388,10 +428,9 @@ def test_a_poison_request_fails_after_max_crash_resumes_without_a_token():
     core.submit(req)
     for crash in range(2):
         launch(core)
-        core.landed()
-        lost = core.worker_lost(f"crash {crash}")
+        lost = apply(core, None, Lost(f"crash {crash}"))
         for r in lost.resume:
-            core.queues.push_front(r)
+            core.requeue(r)
     assert lost.failed == [req.key] and sink.end().code == ErrorCode.WORKER_FAILED
     assert len(core.queues) == 0
 
@@ -402,11 +441,10 @@ def test_requests_one_crash_from_failing_run_one_at_a_time():
     for r in reqs:
         core.submit(r)
     launch(core)
-    core.landed()
-    for r in core.worker_lost("crash").resume:
-        core.queues.push_front(r)
+    for r in apply(core, None, Lost("crash")).resume:
+        core.requeue(r)
     plan, _ = launch(core)
-    assert len(plan.draft.admits) == 1  # on probation: one per plan until a token is delivered
+    assert len(plan.draft.admitted) == 1  # on probation: one per plan until a token is delivered
 
 
 def test_a_stalled_worker_fails_its_running_work_instead_of_resuming_it():
@@ -414,7 +452,7 @@ def test_a_stalled_worker_fails_its_running_work_instead_of_resuming_it():
     req, sink = make_req("slow")
     core.submit(req)
     launch(core)
-    lost = core.worker_lost("restarted", stalled="no tick for 60 s")
+    lost = apply(core, None, Lost("restarted", stalled="no tick for 60 s"))
     assert lost.resume == [] and sink.end().code == ErrorCode.WORKER_FAILED
 
 
@@ -432,7 +470,7 @@ def test_hints_are_resolved_once_and_the_plan_uses_the_acquired_seed():
     assert hinted == [req]
     ref = TokenRef(ring_id=1, index=3, count=len(req.prompt), generation=1)
     plan = core.draft(now, {req.key: Resolved(ref, Seed(handle=11, length=32, expires_after=9))})
-    ((_, cand),) = plan.draft.admits
+    ((_, cand),) = plan.draft.admitted
     assert cand.prefilled == 32 and plan.seeds[req.key].handle == 11 and plan.refs[req.key] == ref
     tick_plan = core.launch(plan, {req.key: ref}, {}, now)
     assert tick_plan.admits[0].seed_handle == 11 and tick_plan.admits[0].prompt == ref
@@ -452,7 +490,7 @@ def test_an_unresolved_hint_is_a_cold_prefill_and_an_unused_seed_is_released():
     ref = TokenRef(ring_id=1, index=1, count=1, generation=1)
     resolved = {a.key: Resolved(ref, None), b.key: Resolved(ref, Seed(handle=12, length=48, expires_after=9))}
     plan = core.draft(now, resolved)
-    ((_, cand),) = plan.draft.admits
+    ((_, cand),) = plan.draft.admitted
     assert cand.key == a.key and cand.prefilled == 0 and plan.seeds == {}
     assert core.to_release == [12]
 
@@ -486,7 +524,7 @@ def test_a_hinted_request_that_arrives_while_hints_resolve_waits_for_the_next_pl
     core.submit(cold)
     ref = TokenRef(ring_id=1, index=1, count=1, generation=1)
     plan = core.draft(now, {a.key: Resolved(ref, Seed(handle=13, length=48, expires_after=9))})
-    assert [c.key for _, c in plan.draft.admits] == [a.key]  # never admitted cold, order kept
+    assert [c.key for _, c in plan.draft.admitted] == [a.key]  # never admitted cold, order kept
     core.launch(plan, {a.key: ref}, {}, now)
     assert core.hint_requests(now) == [late]  # the next plan resolves it
 
@@ -502,8 +540,7 @@ def test_beside_a_streaming_lane_the_grant_spreads_the_pending_prefill_over_roun
     core.submit(chat)
     plan, _ = launch(core)
     ev, read = events(plan, emits={only_tag(plan): ([65], Finish.NONE)})
-    core.landed()
-    core.apply(plan, ev, read)
+    accept(core, plan, ev, read)
     core.rates.observe(prefill_tokens=1000, prefill_s=4.0, decode_steps=8, decode_s=0.8)  # 4 ms/token
     doc, _ = make_req("d" * 1000, max_tokens=2, qos="batch")
     core.submit(doc)

@@ -46,12 +46,12 @@ def test_empty_state_gives_an_empty_plan():
 def test_every_decoding_lane_gets_a_grant_capped_by_what_it_may_still_generate():
     d = build_plan([lane(1, remaining=50), lane(2, remaining=3)], [], limits(decode_grant=8), next_tag=3)
     assert d.decodes == [(1, 8), (2, 3)]
-    assert not d.admits and not d.prefills and not d.retires
+    assert not d.admitted and not d.prefills and not d.retires
 
 
 def test_admit_prefill_and_decode_in_the_same_tick():  # ABI rule 54
     d = build_plan([], [cand(7, prompt_len=30, max_tokens=5)], limits(prefill_budget=100), next_tag=11)
-    assert [(t, c.key) for t, c in d.admits] == [(11, 7)]
+    assert [(t, c.key) for t, c in d.admitted] == [(11, 7)]
     assert d.prefills == [(11, 0, 30)]
     assert d.decodes == [(11, 5)]
 
@@ -84,18 +84,18 @@ def test_retires_come_first_and_free_their_lane_for_an_admit_in_the_same_plan():
     lanes = [lane(1), lane(2, retire=True, publish=True), lane(3), lane(4, retire=True)]
     d = build_plan(lanes, [cand(10), cand(11), cand(12)], limits(max_lanes=4), next_tag=5)
     assert d.retires == [(2, True), (4, False)]
-    assert [(t, c.key) for t, c in d.admits] == [(5, 10), (6, 11)]
+    assert [(t, c.key) for t, c in d.admitted] == [(5, 10), (6, 11)]
     assert {t for t, _ in d.decodes} == {1, 3, 5, 6}  # retired lanes never decode (ABI rule 29)
 
 
 def test_admission_stops_at_the_first_candidate_that_does_not_fit():
     q = [cand(1, prompt_len=10, max_tokens=10), cand(2, prompt_len=500, max_tokens=500), cand(3)]
     d = build_plan([lane(9, reserved=100)], q, limits(kv_tokens=400), next_tag=10)
-    assert [c.key for _, c in d.admits] == [1]  # 2 needs 1000 KV tokens; 3 must not overtake it
+    assert [c.key for _, c in d.admitted] == [1]  # 2 needs 1000 KV tokens; 3 must not overtake it
     d = build_plan([], [cand(1, prompt_len=300), cand(2, prompt_len=300)], limits(max_admit_tokens=500), 1)
-    assert [c.key for _, c in d.admits] == [1]  # the prompt ring holds one plan's admits
+    assert [c.key for _, c in d.admitted] == [1]  # the prompt ring holds one plan's admits
     d = build_plan([], [cand(1), cand(2), cand(3)], limits(max_admits=2), 1)
-    assert [c.key for _, c in d.admits] == [1, 2]
+    assert [c.key for _, c in d.admitted] == [1, 2]
 
 
 def test_queue_is_consumed_lazily():
@@ -156,7 +156,7 @@ def test_plan_invariants(lane_specs, queue_specs, max_lanes, budget, grant, kv):
     d = build_plan(lanes, queue, lim, next_tag=1000)
 
     retired = {t for t, _ in d.retires}
-    new = {t: c for t, c in d.admits}
+    new = {t: c for t, c in d.admitted}
     assert set(new) == set(range(1000, 1000 + len(new)))  # fresh, never reused tags
     assert [c.key for c in new.values()] == [c.key for c in queue[: len(new)]]  # FIFO prefix
     live = [lane for lane in lanes if not lane.retire]

@@ -244,16 +244,21 @@ class WorkerCache:
         return pages * self.page
 
     def published(
-        self, tokens: np.ndarray | Sequence[int], kv_tokens: int, hashes: Sequence[int] = ()
+        self,
+        tokens: np.ndarray | Sequence[int],
+        kv_tokens: int,
+        hashes: Sequence[int] = (),
+        now: float | None = None,
     ) -> None:
         """A lane retired with ``publish_to_cache`` holding the KV of ``kv_tokens`` of ``tokens``:
-        the engine keeps its whole pages (ABI rule 91)."""
+        the engine keeps its whole pages (ABI rule 91). ``now``: monotonic seconds, the entry's
+        last use (the scheduler core passes the loop's clock; None: read it)."""
         pages = kv_tokens // self.page
         if pages <= 0:
             return
         arr = np.asarray(tokens, dtype=np.uint32)[: pages * self.page]
         path = page_hashes(arr, self.page, hashes)
-        self.index.insert(arr, path, time.monotonic())
+        self.index.insert(arr, path, time.monotonic() if now is None else now)
 
     @property
     def pinned_bytes(self) -> int:

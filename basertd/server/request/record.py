@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
@@ -265,32 +265,38 @@ class GenerationRequest:
         return self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs)
 
     def _send_tokens(
-        self, ids: list[int], text: str, final: bool, logprobs: Sequence[api.TokenLogprob] = ()
+        self,
+        send: Callable[[object], None],
+        ids: list[int],
+        text: str,
+        final: bool,
+        logprobs: Sequence[api.TokenLogprob] = (),
     ) -> None:
         if self.stream:
             if ids or text:
-                self.sink.send(self._tokens(ids, text, list(logprobs)))
+                send(self._tokens(ids, text, list(logprobs)))
             return
         self._pending_ids.extend(ids)
         self._pending_text.append(text)
         self._pending_logprobs.extend(logprobs)
         if final and (self._pending_ids or any(self._pending_text)):
-            self.sink.send(
-                self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs)
-            )
+            send(self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs))
 
     def deliver(
         self,
         ids: Sequence[int],
         now: float | None = None,
         logprobs: Sequence[api.TokenLogprob] | None = None,
+        out: list | None = None,
     ) -> str | None:
         """Deliver freshly generated ``ids`` (in order) to the client. At most ``remaining`` of them
         are taken; with stop strings, none after the token that completed one. ``logprobs`` holds
         one entry per id (the engine's ``LaneLogprob`` rows) when the request asked for logprobs;
         the entries of the ids taken ride in the same Tokens. Returns the finish reason this
         delivery reached ("stop" or "length"), else None; the caller then retires the lane and
-        calls ``finish``. Ignored once finished."""
+        calls ``finish``. Ignored once finished. ``out``: the messages are appended to it instead
+        of being sent to ``sink`` (the scheduler core returns them as deliveries,
+        ``basertd.server.sched.outcome``); the same holds for ``finish`` and ``fail``."""
         if self.finished or not ids:
             return None
         now = time.monotonic() if now is None else now
@@ -316,10 +322,11 @@ class GenerationRequest:
             self.crash_streak = 0  # progress: a later crash starts a new streak
         if reason is None and self.remaining <= 0:
             reason = "length"
-        self._send_tokens(take, text, False, logprobs[: len(take)] if logprobs is not None else ())
+        send = self.sink.send if out is None else out.append
+        self._send_tokens(send, take, text, False, logprobs[: len(take)] if logprobs is not None else ())
         return reason
 
-    def finish(self, reason: str, now: float | None = None) -> None:
+    def finish(self, reason: str, now: float | None = None, out: list | None = None) -> None:
         """Send the held-back text (unless a stop string matched) and Done with ``reason``, usage
         and timings. Idempotent: a finished request sends nothing more."""
         if self.finished:
@@ -328,17 +335,18 @@ class GenerationRequest:
         tail = ""
         if not self._stops.stopped:
             tail = self._stops.feed(self._detok.flush())[0] + self._stops.flush()
-        self._send_tokens([], tail, final=True)
+        send = self.sink.send if out is None else out.append
+        self._send_tokens(send, [], tail, final=True)
         self.state = RequestState.FINISHED
         self.finish_reason = reason
         self.t_finished = now
-        self.sink.send(
+        send(
             api.Done(
                 request_id=self.request_id, finish_reason=reason, usage=self.usage(), timings=self.timings()
             )
         )
 
-    def fail(self, code: ErrorCode, message: str, now: float | None = None) -> None:
+    def fail(self, code: ErrorCode, message: str, now: float | None = None, out: list | None = None) -> None:
         """End the request with ``Error(code, message)`` after whatever was already delivered
         (never repeated). Idempotent."""
         if self.finished:
@@ -346,11 +354,10 @@ class GenerationRequest:
         self.state = RequestState.FINISHED
         self.finish_reason = "cancelled" if code is ErrorCode.CANCELLED else "error"
         self.t_finished = time.monotonic() if now is None else now
+        send = self.sink.send if out is None else out.append
         if not self.stream and self._pending_ids:
-            self.sink.send(
-                self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs)
-            )
-        self.sink.send(api.Error(code=code, request_id=self.request_id, message=message))
+            send(self._tokens(self._pending_ids, "".join(self._pending_text), self._pending_logprobs))
+        send(api.Error(code=code, request_id=self.request_id, message=message))
 
     def usage(self) -> api.Usage:
         """Token counts: prompt, cached (prefix cache), completion (delivered)."""

@@ -1,30 +1,33 @@
 """The synchronous scheduler core of one worker (DESIGN.md "Scheduling"): state in, plan out;
-events in, outcomes out. No awaits, no link, no rings, no processes.
+outcomes in, deliveries out. No awaits, no link, no rings, no processes, no sinks, no clock: every
+verb that needs the time takes ``now`` (monotonic seconds) from the loop.
 
-The async per-worker loop (``basertd.server.sched.loop.Scheduler``) drives it each turn:
+The async per-worker loop (``basertd.server.sched.loop.Scheduler``) drives it with these verbs:
 
-1. ``hint_requests(now)``: the requests to resolve a cached-prefix seed for (the loop matches and
-   acquires each, ``basertd.server.sched.draft``);
-2. ``draft(now, resolved)``: the plan, built once; unused seeds go to ``to_release``;
-3. ``launch(plan, refs, biases, now)``: the lanes of its admits exist from now on; returns the
-   ``TickPlan`` the loop submits (the loop wrote the prompts into ring 1 and gave their refs);
-4. while the tick runs, ``on_emit(lane_tag, tokens)`` per partial emit (TICK_EMIT);
-5. ``landed()`` then ``apply(plan, events, tokens)`` with the tick's ``TickEvents`` and the emitted
-   tokens the loop read from the emit ring (lane tag -> tokens; None: unreadable), or
-   ``rejected(plan, exc)`` when the engine refused the plan (changed nothing, ABI rules 13-52).
+- requests in: ``submit(req)`` (returns a ``YieldReason`` when the tick in flight must yield),
+  ``adopt(req)`` (a peer's lost lane), ``cancel(req, now)`` / ``drop(req, code, message, now)``,
+  and ``check_admission`` before any of them;
+- a plan: ``hint_requests(now)`` names the requests whose cached-prefix seed the loop resolves
+  (match then acquire, ``basertd.server.sched.draft``), ``draft(now, resolved)`` builds the
+  ``Plan`` value once (unused seeds go to ``to_release``; ``abandon(plan)`` when the loop will
+  not send it), ``launch(plan, refs, biases, now)`` makes its admits lanes and returns the
+  ``TickPlan`` to submit (the loop wrote the prompts into ring 1 and gave their refs);
+- while the tick runs, ``on_emit(lane_tag, tokens, now)`` per partial emit (TICK_EMIT);
+- ``apply(plan, outcome, now)`` with the tick's outcome (``basertd.server.sched.outcome``):
+  ``Accepted(events, tokens)``, ``Rejected(status)`` (the engine changed nothing, ABI rules
+  13-52), or ``Lost(error)`` (the worker died: its live lanes become requests to resume, or fail
+  after ``max_crash_resumes`` crashes in a row without a token);
+- time passing: ``expire(now)`` sends ``Queued`` notices (and fails stuck requests when the loop
+  stalled); ``fail_queued`` / ``stop`` end what waits (the worker gave up, the daemon stops).
 
-Outcomes: tokens, finishes and errors go straight to the requests' sinks (``GenerationRequest.
-deliver / finish / fail``); retired lanes publish to the prefix index and requeue preempted or
-checkpointed requests at the head of their class (``decode_replay`` on re-admission, ABI rules
-71-73); seed leases to release collect in ``to_release``, grammar handles to free in
-``grammars.pending_free`` (ABI rule 74); ``rejected`` returns a restart reason when the engine and
-the scheduler disagree. A dead worker is ``worker_lost(error, stalled)``: its live lanes become
-requests to resume (or fail after ``max_crash_resumes`` crashes in a row without a token).
+Every verb that ends or feeds requests returns ``Delivery`` records (one per request: its client
+messages in order); the loop hands them to the sinks. Retired lanes publish to the prefix index
+and requeue preempted or checkpointed requests at the head of their class (``requeue``, with
+``decode_replay`` on re-admission, ABI rules 71-73); seed leases to release collect in
+``to_release``, grammar handles to free in ``grammars.pending_free`` (ABI rule 74).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -33,12 +36,15 @@ from basertd.schema.abi import Status, TickFlag
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, ShedPolicy, TickPlan, TokenRef
 from basertd.server.request.record import QOS_CLASSES, AdmissionError, GenerationRequest, RequestState
+from basertd.server.sched import apply as scheduler_apply
 from basertd.server.sched import draft as scheduler_draft
-from basertd.server.sched.apply import MAX_ADMIT_RETRIES, EventApplier
+from basertd.server.sched.apply import MAX_ADMIT_RETRIES
 from basertd.server.sched.draft import Plan, Resolved
 from basertd.server.sched.lanes import Lane, reservation
+from basertd.server.sched.outcome import Accepted, Applied, Delivery, Lost, Outbox, Outcome, Rejected
 from basertd.server.sched.qos import INTERACTIVE, effective_rank, qos_rank
 from basertd.server.sched.rejects import CLIENT_FIELD, Action, suspect_field, triage
+from basertd.server.sched.state import SchedulerState
 from basertd.shm import YieldReason
 
 log = structlog.get_logger("basertd.scheduler")
@@ -49,19 +55,10 @@ QUEUED_EVERY_S = 5.0
 """Seconds between two ``Queued`` notices of a request that still waits."""
 
 
-@dataclass
-class Lost:
-    """What ``worker_lost`` did: the requests to resume elsewhere (state QUEUED, oldest last: put
-    each at the head of its class in this order, so the oldest ends at the head), and the keys of
-    those it failed."""
-
-    resume: list[GenerationRequest] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
-
-
-class SchedulerCore(EventApplier):
-    """The scheduler core of one worker (module docstring); its state is ``SchedulerState``'s,
-    tick events are applied by ``EventApplier.apply``."""
+class SchedulerCore(SchedulerState):
+    """The scheduler core of one worker (module docstring): the verbs over its
+    ``SchedulerState``; accepted ticks are applied by ``basertd.server.sched.apply``, plans drafted
+    by ``basertd.server.sched.draft``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -128,55 +125,71 @@ class SchedulerCore(EventApplier):
         and resumes here with its delivered tokens (ABI rules 71-73)."""
         req.worker_id = self.worker_id
         req.page_hashes = []  # this worker's page size may differ
-        self.queues.push_front(req)
+        self.requeue(req)
 
     def cancel(
-        self, req: GenerationRequest, code: ErrorCode = ErrorCode.CANCELLED, message: str = ""
-    ) -> YieldReason | None:
-        """End ``req`` now with ``Error(code)`` (a no-op once finished). A queued request is dropped
-        and never starts; a running one stops receiving tokens and its lane retires in the next
-        plan (DESIGN.md "Scheduling"). Returns CANCEL when the tick in flight should end soon."""
+        self, req: GenerationRequest, now: float, code: ErrorCode = ErrorCode.CANCELLED, message: str = ""
+    ) -> tuple[YieldReason | None, list[Delivery]]:
+        """End ``req`` now with ``Error(code)`` (a no-op once finished): the client cancelled or
+        went away. A queued request is dropped and never starts; a running one stops receiving
+        tokens and its lane retires in the next plan (DESIGN.md "Scheduling"). Returns CANCEL when
+        the tick in flight should end soon, and the deliveries."""
         if req.finished:
-            return None
+            return None, []
         req.cancelled = True
         why = None
+        if req.state is not RequestState.QUEUED and self.flight is not None and req.lane_tag is not None:
+            why = YieldReason.CANCEL  # its lane retires in the next plan: end this tick soon
+        return why, self.drop(req, code, message or "cancelled", now)
+
+    def drop(self, req: GenerationRequest, code: ErrorCode, message: str, now: float) -> list[Delivery]:
+        """End ``req`` with ``Error(code, message)``, dequeued when it is queued (a running one's
+        lane retires in the next plan); a no-op once finished. Returns the deliveries."""
+        if req.finished:
+            return []
         if req.state is RequestState.QUEUED:
             self.queues.remove(req)
-        elif self.flight is not None and req.lane_tag is not None:
-            why = YieldReason.CANCEL  # its lane retires in the next plan: end this tick soon
-        self.fail(req, code, message or "cancelled")
-        return why
+        out = Outbox()
+        self.fail(req, code, message, now, out)
+        return out.take()
 
-    def fail_queued(self, code: ErrorCode, message: str) -> int:
-        """Fail every queued request with ``code``; returns how many."""
-        reqs = self.queues.drain()
-        for req in reqs:
+    def fail_queued(self, code: ErrorCode, message: str, now: float) -> list[Delivery]:
+        """Fail every queued request with ``code`` (the worker is unavailable); returns the
+        deliveries (one per request failed)."""
+        out = Outbox()
+        for req in self.queues.drain():
             if not req.finished:
-                self.fail(req, code, message)
-        return len(reqs)
+                self.fail(req, code, message, now, out)
+        return out.take()
 
-    def fail_all(self, code: ErrorCode, message: str) -> None:
-        """Fail everything queued or running with ``code`` (the daemon stops)."""
+    def stop(self, code: ErrorCode, message: str, now: float) -> list[Delivery]:
+        """Refuse new requests from now on and fail everything queued or running with ``code``
+        (the daemon stops); returns the deliveries."""
         self.stopping = True
-        self.fail_queued(code, message)
+        out = self.fail_queued(code, message, now)
+        tail = Outbox()
         for lane in self.lanes.values():
             if not lane.request.finished:
-                self.fail(lane.request, code, message)
+                self.fail(lane.request, code, message, now, tail)
+        return out + tail.take()
 
-    def fail_stuck(self, now: float, bound_s: float, reason: str) -> None:
-        """The idle loop stalled: fail each request queued ``bound_s`` seconds or more, and drop
-        the re-planning caps (they may be what keeps every plan empty)."""
-        for req in [r for r in self.queues if now - r.t_received >= bound_s]:
-            self.queues.remove(req)
-            self.fail(req, ErrorCode.INTERNAL, f"worker {self.worker_id} stalled: {reason}")
-        self.max_admits = None
-        self.prefill_cap = None
+    def expire(self, now: float, stalled: str | None = None, bound_s: float = 0.0) -> list[Delivery]:
+        """Time passed (``now``: monotonic seconds): ``Queued`` notices for requests still waiting
+        for their first token (``QUEUED_FIRST_S``, then every ``QUEUED_EVERY_S``). With
+        ``stalled`` (why the idle loop stalled), first fail each request queued ``bound_s``
+        seconds or more and drop the re-planning caps (they may be what keeps every plan empty).
+        Returns the deliveries."""
+        out = Outbox()
+        if stalled is not None:
+            for req in [r for r in self.queues if now - r.t_received >= bound_s]:
+                self.queues.remove(req)
+                self.fail(req, ErrorCode.INTERNAL, f"worker {self.worker_id} stalled: {stalled}", now, out)
+            self.max_admits = None
+            self.prefill_cap = None
+        self._notify_queued(now, out)
+        return out.take()
 
-    def notify_queued(self, now: float) -> int:
-        """Send ``Queued`` to each request still waiting for its first token that has waited
-        ``QUEUED_FIRST_S`` seconds and had no notice for ``QUEUED_EVERY_S`` seconds (``now``:
-        monotonic seconds); returns how many."""
-        sent = 0
+    def _notify_queued(self, now: float, out: Outbox) -> None:
         ahead = 0
         notices: dict[int, float] = {}
         for qos in QOS_CLASSES:
@@ -189,12 +202,10 @@ class SchedulerCore(EventApplier):
                     notices[req.key] = last
                 waited = now - req.t_received
                 if waited >= QUEUED_FIRST_S and (last is None or now - last >= QUEUED_EVERY_S):
-                    req.sink.send(api.Queued(request_id=req.request_id, position=ahead, qos=qos))
+                    out.to(req).append(api.Queued(request_id=req.request_id, position=ahead, qos=qos))
                     notices[req.key] = now
-                    sent += 1
                 ahead += 1
         self.queued_notices = notices
-        return sent
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -248,7 +259,7 @@ class SchedulerCore(EventApplier):
         the plan is the tick in flight until ``landed``. Returns the ``TickPlan`` to submit."""
         draft, requests = plan.draft, plan.requests
         admits: list[LaneAdmit] = []
-        for tag, cand in draft.admits:
+        for tag, cand in draft.admitted:
             req = requests[cand.key]
             sampler = req.sampler
             seed = plan.seeds.get(cand.key)
@@ -267,7 +278,6 @@ class SchedulerCore(EventApplier):
                     want_logprobs=sampler.want_logprobs,
                 )
             )
-        plan.admits = admits
         self.plan_seq += 1
         flags = TickFlag.PARTIAL_EMITS if self.config.partial_emits else 0
         tick_plan = TickPlan(
@@ -282,8 +292,8 @@ class SchedulerCore(EventApplier):
             shed_policy=self.shed_policy(),
         )
         # The admitted lanes exist from now on: partial emits of this tick may name them.
-        self.next_tag += len(draft.admits)
-        for tag, cand in draft.admits:
+        self.next_tag += len(draft.admitted)
+        for tag, cand in draft.admitted:
             req = requests[cand.key]
             self.queues.pop(req)
             req.state = RequestState.RUNNING
@@ -310,12 +320,9 @@ class SchedulerCore(EventApplier):
             if lane.checkpoint:
                 req.checkpointed = True
             self.lanes[tag] = lane
+        plan.tick = tick_plan
         self.flight = plan
         return tick_plan
-
-    def landed(self) -> None:
-        """The tick in flight answered (accepted, rejected or lost)."""
-        self.flight = None
 
     # --- yield inside a tick (basertd.shm.control) --------------------------------------------------
 
@@ -354,9 +361,37 @@ class SchedulerCore(EventApplier):
         ]
         return min(last) + after if last else None
 
-    # --- a rejected plan --------------------------------------------------------------------------
+    # --- the tick's outcome ------------------------------------------------------------------------
 
-    def rejected(self, plan: Plan, status: int, message: str = "", plan_seq: int = 0) -> str | None:
+    def apply(self, plan: Plan | None, outcome: Outcome, now: float) -> Applied:
+        """The tick of ``plan`` (the one in flight; None for a worker lost between ticks) answered
+        with ``outcome`` (``basertd.server.sched.outcome``): ``Accepted`` applies its events
+        (``basertd.server.sched.apply``), ``Rejected`` undoes the plan and plans again smaller
+        (``Applied.restart`` when the worker must be restarted), ``Lost`` preempts every live lane
+        (``Applied.resume`` / ``failed``). Returns what it did, with the deliveries."""
+        self.flight = None
+        out = Outbox()
+        res = Applied()
+        match outcome:
+            case Accepted():
+                assert plan is not None
+                scheduler_apply.apply_accepted(self, plan, outcome, now, out)
+            case Rejected(status=status, message=message, plan_seq=plan_seq):
+                assert plan is not None
+                res.restart = self._rejected(plan, status, message, plan_seq, now, out)
+            case Lost(error=error, stalled=stalled):
+                self._worker_lost(error, stalled, now, out, res)
+        res.deliveries = out.take()
+        return res
+
+    def on_emit(self, lane_tag: int, tokens: list[int], now: float) -> Delivery | None:
+        """A partial emit of the tick in flight (``basertd.server.sched.apply.on_emit``): the
+        delivery of lane ``lane_tag``'s request, None when there is nothing to send."""
+        return scheduler_apply.on_emit(self, lane_tag, tokens, now)
+
+    def _rejected(
+        self, plan: Plan, status: int, message: str, plan_seq: int, now: float, out: Outbox
+    ) -> str | None:
         """The engine rejected ``plan`` with ``status`` and changed nothing (ABI rules 13, 50):
         undo its admits on our side (back to the head of their classes, in order), release its seed
         leases and free its grammar handles, and plan again, smaller (NEEDS_REPLAN: fewer admits,
@@ -374,22 +409,20 @@ class SchedulerCore(EventApplier):
             plan_seq=plan_seq,
             status=name,
             message=message,
-            admits=len(draft.admits),
+            admits=len(draft.admitted),
             prefill_tokens=draft.prefill_tokens,
             decodes=len(draft.decodes),
             retires=len(draft.retires),
             consecutive=self.rejections,
         )
-        for tag, cand in reversed(draft.admits):  # back to the head of their classes, in order
+        for tag, cand in reversed(draft.admitted):  # back to the head of their classes, in order
             lane = self.lanes.pop(tag, None)
             req = requests[cand.key]
             self.grammars.drop(req)
             if lane is not None and not req.finished:
-                req.state = RequestState.QUEUED
-                req.lane_tag = None
                 if req.admissions == 0:
-                    req.t_admitted = None
-                self.queues.push_front(req)
+                    req.t_admitted = None  # the admission never happened
+                self.requeue(req)
         for lane in self.lanes.values():
             lane.tick_tokens.clear()
         live = [lane for lane in self.lanes.values() if not lane.retire and not lane.request.finished]
@@ -397,33 +430,44 @@ class SchedulerCore(EventApplier):
             self.seedless_plans = 1  # a lease the engine no longer honours: one plan without seeds
             return None
         if status == Status.NEEDS_REPLAN:
-            if len(draft.admits) == 1 and not live:  # it cannot fit even alone: never will
-                req = requests[draft.admits[0][1].key]
+            if len(draft.admitted) == 1 and not live:  # it cannot fit even alone: never will
+                req = requests[draft.admitted[0][1].key]
                 self.queues.remove(req)
                 self.fail(
-                    req, ErrorCode.CONTEXT_LENGTH_EXCEEDED, "the request does not fit the worker's KV pool"
+                    req,
+                    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                    "the request does not fit the worker's KV pool",
+                    now,
+                    out,
                 )
-            elif draft.admits:
-                self.max_admits = len(draft.admits) // 2
+            elif draft.admitted:
+                self.max_admits = len(draft.admitted) // 2
             elif draft.prefills:
                 self.max_admits = 0
                 self.prefill_cap = max(1, draft.prefill_tokens // 2)
             elif live:  # the running lanes alone outgrow the pool: stop the youngest one
                 youngest = max(live, key=lambda lane: lane.tag)
-                self.fail(youngest.request, ErrorCode.INTERNAL, "the worker's KV pool is exhausted")
+                self.fail(youngest.request, ErrorCode.INTERNAL, "the worker's KV pool is exhausted", now, out)
                 youngest.retire = True
             return None
-        verdict = triage(len(draft.admits), self.rejections, self.limits.max_lanes)
+        verdict = triage(len(draft.admitted), self.rejections, self.limits.max_lanes)
         if verdict.action is Action.FAIL_ADMIT:
-            tag, cand = draft.admits[0]
+            tag, cand = draft.admitted[0]
             req = requests[cand.key]
-            admit = next((a for a in plan.admits if a.lane_tag == tag), None)
+            sent = plan.tick.admits if plan.tick is not None else []
+            admit = next((a for a in sent if a.lane_tag == tag), None)
             field_ = suspect_field(admit, message) if admit is not None else ""
             field_ = CLIENT_FIELD.get(field_, field_)
             if not req.finished:
                 self.queues.remove(req)
                 what = f"its {field_} is out of the engine's range" if field_ else "the engine cannot run it"
-                self.fail(req, ErrorCode.INVALID_REQUEST, f"the engine refused this request: {what} ({name})")
+                self.fail(
+                    req,
+                    ErrorCode.INVALID_REQUEST,
+                    f"the engine refused this request: {what} ({name})",
+                    now,
+                    out,
+                )
             log.warning(
                 "admit_rejected_alone",
                 worker_id=self.worker_id,
@@ -439,21 +483,19 @@ class SchedulerCore(EventApplier):
             self.max_admits = verdict.max_admits
         return None
 
-    # --- a lost worker ----------------------------------------------------------------------------
-
-    def worker_lost(self, error: str, stalled: str | None = None) -> Lost:
+    def _worker_lost(self, error: str, stalled: str | None, now: float, out: Outbox, res: Applied) -> None:
         """The worker died or broke the link (``error``): a preemption of every live lane. Each
-        request is to resume with its delivered tokens (``Lost.resume``); one that ran at
-        ``max_crash_resumes`` crashes in a row without a token in between fails WORKER_FAILED,
-        and so does every one when the progress watchdog restarted the worker (``stalled``: its
-        running work is what stalled). Grammar handles of the incarnation are forgotten."""
+        request is to resume with its delivered tokens (``res.resume``, youngest first: the loop
+        requeues each, here or on a peer); one that ran at ``max_crash_resumes`` crashes in a row
+        without a token in between fails WORKER_FAILED, and so does every one when the progress
+        watchdog restarted the worker (``stalled``: its running work is what stalled). Grammar
+        handles of the incarnation are forgotten."""
         live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
         self.flight = None
         for req in self.queues:  # handles made for a plan that never ran
             req.grammar_handle = 0
         live.sort(key=lambda lane: -lane.request.t_received)
-        out = Lost()
         for lane in live:
             req = lane.request
             req.grammar_handle = 0
@@ -463,8 +505,10 @@ class SchedulerCore(EventApplier):
                     req,
                     ErrorCode.WORKER_FAILED,
                     f"worker {self.worker_id} stalled and was restarted: {stalled}",
+                    now,
+                    out,
                 )
-                out.failed.append(req.key)
+                res.failed.append(req.key)
                 continue
             if req.crash_streak >= self.config.max_crash_resumes:
                 self.fail(
@@ -472,16 +516,15 @@ class SchedulerCore(EventApplier):
                     ErrorCode.WORKER_FAILED,
                     f"worker {self.worker_id} died {req.crash_streak} times in a row while this request "
                     f"ran, without a token in between (last: {error})",
+                    now,
+                    out,
                 )
-                out.failed.append(req.key)
+                res.failed.append(req.key)
                 continue
-            req.state = RequestState.QUEUED
-            req.lane_tag = None
             req.crash_resumes += 1
             self.crash_resumes += 1
             self.metrics.crash_resumed(self.worker_id)
-            out.resume.append(req)
-        return out
+            res.resume.append(req)
 
     def detach(self) -> None:
         """The incarnation is gone: its leases, grammar handles and plan caps go with it."""

@@ -20,7 +20,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from basertd.schema.tick import LaneAdmit, TokenRef
+from basertd.schema.tick import TickPlan, TokenRef
 from basertd.server.cache.coalescing import Coalescing, PrefillingLane, QueuedPrompt, coalesce
 from basertd.server.cache.policy import Seed
 from basertd.server.request.record import QOS_CLASSES, GenerationRequest
@@ -35,15 +35,16 @@ COALESCE_SCAN = 256
 
 @dataclass(eq=False)
 class Plan:
-    """One plan: the ``draft`` (``PlanDraft``), the requests its admits name (by request key), the
-    seed leases it consumes and the prompt-ring refs those were matched on (by key), and, once
-    launched, the ``LaneAdmit`` records sent."""
+    """One plan: the ``draft`` (``PlanDraft``: ``draft.admitted`` holds the (lane tag,
+    ``Candidate``) pairs), the requests it admits (by request key), the seed leases it consumes and
+    the prompt-ring refs those were matched on (by key), and, once launched, the ``TickPlan`` sent
+    (``tick``; its ``admits`` are the ``LaneAdmit`` records)."""
 
     draft: PlanDraft = field(default_factory=PlanDraft)
     requests: dict[int, GenerationRequest] = field(default_factory=dict)
     seeds: dict[int, Seed] = field(default_factory=dict)
     refs: dict[int, TokenRef] = field(default_factory=dict)
-    admits: list[LaneAdmit] = field(default_factory=list)
+    tick: TickPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,7 @@ def _build(st: SchedulerState, now: float, seed_of, limits: PlanLimits, held=Non
     plan = Plan()
     plan.draft = build_plan(views, candidates(), limits, next_tag=st.next_tag, urgent_after=urgent_after())
     by_key = {req.key: req for req in seen}
-    plan.requests = {cand.key: by_key[cand.key] for _, cand in plan.draft.admits}
+    plan.requests = {cand.key: by_key[cand.key] for _, cand in plan.draft.admitted}
     return plan
 
 
@@ -246,7 +247,7 @@ def hint_requests(st: SchedulerState, now: float) -> list[GenerationRequest]:
     if not st.draft_seeding:
         return []
     trial = _build(st, now, lambda req: _hint(st, req), st.draft_limits)
-    return [trial.requests[c.key] for _, c in trial.draft.admits if c.prefilled > 0]
+    return [trial.requests[c.key] for _, c in trial.draft.admitted if c.prefilled > 0]
 
 
 def draft(st: SchedulerState, now: float, resolved: dict[int, Resolved]) -> Plan:
@@ -267,7 +268,7 @@ def draft(st: SchedulerState, now: float, resolved: dict[int, Resolved]) -> Plan
 
     limits, st.draft_limits = st.draft_limits or plan_limits(st), None
     plan = _build(st, now, seed_of, limits, held)
-    admitted = {cand.key for _, cand in plan.draft.admits}
+    admitted = {cand.key for _, cand in plan.draft.admitted}
     for key, got in resolved.items():
         if got.seed is None:
             continue

@@ -1,7 +1,9 @@
 """The per-worker scheduler loop: continuous batching over the tick ABI (DESIGN.md "Scheduling").
 
 One ``Scheduler`` per worker runs one asyncio task and does every await; the decisions are the
-synchronous core's (``basertd.server.sched.core.SchedulerCore``). Each turn it:
+synchronous core's (``basertd.server.sched.core.SchedulerCore``), which returns what reaches the
+clients as ``Delivery`` records; the loop hands them to the requests' sinks (``_deliver``) and
+gives the core the clock (``time.monotonic()``). Each turn it:
 
 1. runs the commands queued for the gap between two ticks (``basertd.server.cache.commands``:
    the cache verbs, pin holds), releases unused seed leases, frees dropped grammar handles, reads
@@ -13,8 +15,9 @@ synchronous core's (``basertd.server.sched.core.SchedulerCore``). Each turn it:
    request, writes the remaining admitted prompts into ring 1, and submits the tick
    (``core.launch``); partial emits (TICK_EMIT) stream to the clients while it runs and the yield
    word (``basertd.server.workers.yield_word``) can end it early;
-4. reads the emitted tokens from the emit ring and applies the events (``core.apply``), or undoes
-   a rejected plan (``core.rejected``; a plan refused again and again restarts the worker).
+4. reads the emitted tokens from the emit ring and applies the tick's outcome (``core.apply``):
+   ``Accepted`` events, or a ``Rejected`` plan to undo (a plan refused again and again restarts
+   the worker).
 
 With nothing to do it awaits an event (a new request, a cancel, a command, the worker's death); it
 never polls. Ring 1 has one writer: the ``PromptFeed`` of the incarnation this loop serves
@@ -24,9 +27,9 @@ A worker that dies (or breaks the link) preempts its lanes: each request goes ba
 its class with its prompt and delivered tokens and resumes on the respawned worker
 (``basertd.server.workers.slot``) with ``decode_replay`` exactly as after a preemption (ABI rules
 71-73), so its client sees a pause, never an error or a repeated token; a poison request fails
-after ``max_crash_resumes`` crashes in a row (``core.worker_lost``). The lanes resume on a live
-worker serving the same model when there is one (``peers``). A worker the progress watchdog
-restarts is not a crash: its running work is what stalled, and fails ``WORKER_FAILED``
+after ``max_crash_resumes`` crashes in a row (``core.apply`` with ``Lost``). The lanes resume on
+a live worker serving the same model when there is one (``peers``). A worker the progress
+watchdog restarts is not a crash: its running work is what stalled, and fails ``WORKER_FAILED``
 (``basertd.server.sched.watchdog``).
 """
 
@@ -52,6 +55,7 @@ from basertd.server.request.tokenizer import Tokenizer
 from basertd.server.sched.core import QUEUED_FIRST_S, SchedulerCore
 from basertd.server.sched.draft import Plan, Resolved
 from basertd.server.sched.logit_bias import BiasTables
+from basertd.server.sched.outcome import Accepted, Delivery, Lost, Rejected
 from basertd.server.sched.pin_warmup import rewarm, warm_prefix
 from basertd.server.sched.plan_builder import rate_curve
 from basertd.server.sched.watchdog import Phase, ProgressWatchdog
@@ -172,7 +176,9 @@ class Scheduler:
         self, req: GenerationRequest, *, code: ErrorCode = ErrorCode.CANCELLED, message: str = ""
     ) -> None:
         """``SchedulerCore.cancel``; the tick in flight yields when it runs ``req``."""
-        self._yield.request(self.core.cancel(req, code, message))
+        why, out = self.core.cancel(req, time.monotonic(), code, message)
+        self._deliver(out)
+        self._yield.request(why)
         self._wake.set()
 
     def adopt(self, req: GenerationRequest) -> None:
@@ -201,17 +207,15 @@ class Scheduler:
 
     def fail_queued(self, code: ErrorCode, message: str) -> int:
         """Fail every queued request with ``code``; returns how many."""
-        return self.core.fail_queued(code, message)
+        out = self.core.fail_queued(code, message, time.monotonic())
+        self._deliver(out)
+        return len(out)
 
     def on_give_up(self, last_error: str) -> None:
         """The supervisor stopped retrying: queued requests cannot be served, fail them typed."""
         n = self.fail_queued(ErrorCode.WORKER_FAILED, f"worker {self.worker_id} is unavailable: {last_error}")
         if n:
             log.warning("queued_requests_failed", worker_id=self.worker_id, count=n)
-
-    def notify_queued(self, now: float) -> int:
-        """``SchedulerCore.notify_queued``."""
-        return self.core.notify_queued(now)
 
     def queue_rows(self, now: float) -> list[tuple[str, int, float]]:
         """(class, depth, oldest wait seconds) per QoS class, highest first."""
@@ -231,7 +235,7 @@ class Scheduler:
         wd = self.watchdog
         while True:
             await asyncio.sleep(min(wd.poll_s, QUEUED_FIRST_S / 2))
-            self.core.notify_queued(time.monotonic())
+            self._deliver(self.core.expire(time.monotonic()))
             wd.bound_s = self.config.stall_timeout_s  # a reload may have changed it
             live = self.core.live()
             phase = self._phase
@@ -240,7 +244,7 @@ class Scheduler:
                 continue
             log.error("scheduler_stalled", worker_id=self.worker_id, reason=reason)
             if phase is Phase.IDLE:
-                self.core.fail_stuck(time.monotonic(), wd.bound_s, reason)
+                self._deliver(self.core.expire(time.monotonic(), reason, wd.bound_s))
                 if not live:
                     continue
             if self.slot.proc is not None:
@@ -304,7 +308,7 @@ class Scheduler:
             _, fut = self._commands.popleft()
             if not fut.done():
                 fut.set_exception(LinkError(message))
-        self.core.fail_all(ErrorCode.SHUTTING_DOWN, message)
+        self._deliver(self.core.stop(ErrorCode.SHUTTING_DOWN, message, time.monotonic()))
         self._wake.set()
 
     async def _serve(self, proc: WorkerProcess) -> None:
@@ -460,7 +464,7 @@ class Scheduler:
             resolved[req.key] = Resolved(ref, seed)
         plan = core.draft(now, resolved)
         made: list[GenerationRequest] = []
-        for _, cand in plan.draft.admits:
+        for _, cand in plan.draft.admitted:
             req = plan.requests[cand.key]
             if not req.finished and req.grammar is not None and not req.grammar_handle:
                 await self._create_grammar(proc, req)
@@ -480,9 +484,8 @@ class Scheduler:
         if why is None or req.grammar is None:
             return
         log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
-        self.queues.remove(req)
-        what = req.grammar.kind
-        self.core.fail(req, ErrorCode.INTERNAL, f"the worker could not compile this request's {what} ({why})")
+        what = f"the worker could not compile this request's {req.grammar.kind} ({why})"
+        self._deliver(self.core.drop(req, ErrorCode.INTERNAL, what, time.monotonic()))
 
     def _stage(self, plan: Plan) -> dict[int, TokenRef] | None:
         """Write into ring 1 each admitted prompt not already there for its seed; the refs by
@@ -490,15 +493,15 @@ class Scheduler:
         port = self._port
         assert port is not None
         refs: dict[int, TokenRef] = {}
-        for _, cand in plan.draft.admits:
+        for _, cand in plan.draft.admitted:
             req = plan.requests[cand.key]
             ref = plan.refs.get(cand.key)
             if ref is None or cand.key not in plan.seeds:
                 try:
                     ref = port.feed.write(req.resume_prompt())
                 except RingError as exc:  # sized at admission; a failure here is a bug
-                    self.queues.remove(req)
-                    self.core.fail(req, ErrorCode.INTERNAL, f"cannot stage the prompt: {exc}")
+                    why = f"cannot stage the prompt: {exc}"
+                    self._deliver(self.core.drop(req, ErrorCode.INTERNAL, why, time.monotonic()))
                     return None
             refs[cand.key] = ref
         return refs
@@ -506,11 +509,10 @@ class Scheduler:
     async def _tick(self, proc: WorkerProcess, plan: Plan) -> None:
         core, requests = self.core, plan.requests
         now = time.monotonic()
-        reqs = [requests[c.key] for _, c in plan.draft.admits]
+        reqs = [requests[c.key] for _, c in plan.draft.admitted]
         biases, refused = await self._biases.handles(proc.link, reqs)
         for req, why in refused:
-            self.queues.remove(req)
-            core.fail(req, ErrorCode.INVALID_REQUEST, str(why))
+            self._deliver(core.drop(req, ErrorCode.INVALID_REQUEST, str(why), time.monotonic()))
         if refused or any(requests[key].finished for key in biases):
             core.abandon(plan)
             return  # a request ended while its table was made: plan again without it
@@ -530,25 +532,34 @@ class Scheduler:
                 proc.link.tick(tick_plan, on_emit=self._on_emit, timeout=TICK_TIMEOUT_S)
             )
         except PlanRejected as exc:
-            core.landed()
-            restart = core.rejected(plan, exc.status, exc.message, exc.plan_seq)
-            if restart is not None:
-                self.slot.restart(restart)
+            applied = core.apply(plan, Rejected(exc.status, exc.message, exc.plan_seq), time.monotonic())
+            self._deliver(applied.deliveries)
+            if applied.restart is not None:
+                self.slot.restart(applied.restart)
             return
         except EmitCallbackError as exc:
             log.error("emit_callback_failed", worker_id=self.worker_id, error=repr(exc.__cause__))
             events = exc.events
         finally:
             self._yield.landed()
-        core.landed()
-        self.metrics.tick(self.worker_id, time.monotonic() - t_tick)
+        now = time.monotonic()
+        self.metrics.tick(self.worker_id, now - t_tick)
         self.watchdog.progress()
         self.slot.progress()
-        core.apply(plan, events, self._read_emits(proc, events))
+        applied = core.apply(plan, Accepted(events, self._read_emits(proc, events)), now)
+        self._deliver(applied.deliveries)
         self._signal_tick()
 
     def _on_emit(self, emit: link.TickEmit) -> None:
-        self.core.on_emit(emit.lane_tag, emit.tokens.tolist())
+        d = self.core.on_emit(emit.lane_tag, emit.tokens.tolist(), time.monotonic())
+        if d is not None:
+            d.send()
+
+    @staticmethod
+    def _deliver(deliveries: list[Delivery]) -> None:
+        """Hand the core's deliveries to the requests' sinks (WAL, metrics, access log, socket)."""
+        for d in deliveries:
+            d.send()
 
     def _read_emits(self, proc: WorkerProcess, events) -> dict[int, list[int] | None]:
         """The emitted tokens of each emit of a live lane, read from the emit ring (None:
@@ -571,17 +582,19 @@ class Scheduler:
     # --- a lost worker ----------------------------------------------------------------------------
 
     def _worker_lost(self, proc: WorkerProcess, exc: LinkError) -> None:
-        """The worker died or broke the link (``SchedulerCore.worker_lost``): each request to
+        """The worker died or broke the link (``Lost``, ``SchedulerCore.apply``): each request to
         resume goes to the least loaded live peer that can run it, else back to the head of its
         class here (the oldest at the head)."""
         self._yield.landed()
         stalled, self._stalled = self._stalled, None
-        lost = self.core.worker_lost(str(exc), stalled)
+        core = self.core
+        lost = core.apply(core.flight, Lost(str(exc), stalled), time.monotonic())
+        self._deliver(lost.deliveries)
         moved: list[int] = []
         for req in lost.resume:
             peer = self._peer_for(req)
             if peer is None:
-                self.queues.push_front(req)
+                core.requeue(req)
             else:
                 peer.adopt(req)
                 moved.append(req.key)

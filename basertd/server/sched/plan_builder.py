@@ -131,13 +131,14 @@ class PlanLimits:
 
 @dataclass
 class PlanDraft:
-    """One tick's decisions. ``retires``: (tag, publish); ``admits``: (new tag, candidate);
+    """One tick's decisions. ``retires``: (tag, publish); ``admitted``: (new lane tag, ``Candidate``)
+    of each request the plan admits (the ``LaneAdmit`` records are made from them at launch);
     ``prefills``: (tag, token_offset, token_count); ``decodes``: (tag, max_new_tokens);
     ``preempted``: tags among ``retires`` that were preempted for an urgent admit (the scheduler
     requeues their requests once the plan is accepted)."""
 
     retires: list[tuple[int, bool]] = field(default_factory=list)
-    admits: list[tuple[int, Candidate]] = field(default_factory=list)
+    admitted: list[tuple[int, Candidate]] = field(default_factory=list)
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
     decodes: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
@@ -145,7 +146,7 @@ class PlanDraft:
     @property
     def empty(self) -> bool:
         """True when the plan would do nothing (the scheduler then waits instead of ticking)."""
-        return not (self.retires or self.admits or self.prefills or self.decodes)
+        return not (self.retires or self.admitted or self.prefills or self.decodes)
 
     @property
     def prefill_tokens(self) -> int:
@@ -190,7 +191,7 @@ def build_plan(
         if not limits.lane_caps.allows(cand.qos_rank, per_class):
             return None  # its class is at its cap: the classes after it go on
         if (
-            len(draft.admits) >= limits.max_admits
+            len(draft.admitted) >= limits.max_admits
             or admit_tokens + cand.admit_tokens > limits.max_admit_tokens
         ):
             return False
@@ -214,7 +215,7 @@ def build_plan(
             per_class[victim.qos_rank] -= 1
             draft.retires.append((victim.tag, limits.preempt_publish))
             draft.preempted.append(victim.tag)
-        draft.admits.append((tag, cand))
+        draft.admitted.append((tag, cand))
         live.append(
             LaneView(
                 tag=tag,

@@ -1,11 +1,12 @@
 """The scheduling state of one worker (DESIGN.md "Scheduling"): plain data, no I/O.
 
-``SchedulerState`` is what the synchronous scheduler core (``basertd.server.sched.core``) and
-its plan drafting (``basertd.server.sched.draft``) read and change: the live lanes, the
-per-class queues, the worker's limits and the configuration, the lane-tag and plan counters, the
-adaptive tick rates, the re-planning caps after a rejected plan, the seed leases to release and
-the grammar handles to free, and the counters operators read. The async per-worker loop
-(``basertd.server.sched.loop``) owns one core and drives it; nothing here awaits.
+``SchedulerState`` is what the synchronous scheduler core (``basertd.server.sched.core``), its
+plan drafting (``basertd.server.sched.draft``) and its tick applying
+(``basertd.server.sched.apply``) read and change: the live lanes, the per-class queues, the
+worker's limits and the configuration, the lane-tag and plan counters, the adaptive tick rates,
+the re-planning caps after a rejected plan, the seed leases to release and the grammar handles to
+free, and the counters operators read. The async per-worker loop (``basertd.server.sched.loop``)
+owns one core and drives it; nothing here awaits, sends to a sink or reads a clock.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
-from basertd.server.request.record import GenerationRequest
+from basertd.server.request.record import GenerationRequest, RequestState
 from basertd.server.sched.grammar_handles import GrammarHandles
 from basertd.server.sched.lanes import Lane, RequestQueues, on_probation
+from basertd.server.sched.outcome import Outbox
 from basertd.server.sched.plan_builder import PlanLimits, TickRates
 from basertd.server.workers.limits import WorkerLimits
 
@@ -80,10 +82,19 @@ class SchedulerState:
         self.admit_retries: dict[int, int] = {}
         self.t_token: dict[int, float] = {}  # lane tag -> monotonic seconds of its last token
 
-    def fail(self, req: GenerationRequest, code: ErrorCode, message: str) -> None:
-        """End ``req`` with ``Error(code, message)`` and count it done."""
-        req.fail(code, message)
+    def fail(self, req: GenerationRequest, code: ErrorCode, message: str, now: float, out: Outbox) -> None:
+        """End ``req`` with ``Error(code, message)`` (into ``out``; ``now``: monotonic seconds) and
+        count it done."""
+        req.fail(code, message, now, out.to(req))
         self.requests_done += 1
+
+    def requeue(self, req: GenerationRequest) -> None:
+        """Put ``req`` back at the head of its class, without a lane: a preempted or checkpointed
+        lane, a transiently refused admit, an admit of a rejected plan, a lost worker's request
+        (ABI rules 71-73: it resumes with ``decode_replay``). The one place this is done."""
+        req.state = RequestState.QUEUED
+        req.lane_tag = None
+        self.queues.push_front(req)
 
     def reset_rates(self) -> None:
         """Fresh adaptive rates (a new incarnation measures its own)."""
