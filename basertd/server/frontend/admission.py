@@ -184,7 +184,7 @@ class Frontend:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
         wid = self.fleet.route_prefix(wid, prompt)
         m = self.fleet[wid]
-        m.scheduler.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
         req = GenerationRequest(
             request_id=gen.request_id,

@@ -38,7 +38,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
 from basertd.server.ops.control_errors import ControlError
 from basertd.server.ops.reload import config_changes
-from basertd.server.states import DaemonState, SlotState
+from basertd.server.states import DaemonState
 
 if TYPE_CHECKING:
     from basertd.server.fleet import Fleet
@@ -251,15 +251,16 @@ class ControlService:
 
     async def _Status(self, msg: control.Status) -> control.StatusResult:
         d = self.d
+        t = d.fleet.totals()
         return control.StatusResult(
             version=d.version,
             state=d.public_state(),
             uptime_s=time.monotonic() - d.started_at,
-            workers_ready=d.fleet.ready_count,
-            workers_total=len(d.fleet),
-            lanes_busy=d.fleet.lanes_busy,
-            lanes_max=d.fleet.lanes_max,
-            queued=sum(d.fleet.queued_by_class().values()),
+            workers_ready=t.ready,
+            workers_total=t.total,
+            lanes_busy=t.lanes_busy,
+            lanes_max=t.lanes_max,
+            queued=t.queued,
             requests_total=d.requests_total,
             problems=d.fleet.problems(),
         )
@@ -268,64 +269,61 @@ class ControlService:
         d = self.d
         all_stats = await asyncio.gather(*(d.fleet.worker_stats(i) for i in range(len(d.fleet))))
         rows = []
-        for m, stats in zip(d.fleet, all_stats, strict=True):
-            i, slot, sched = m.worker_id, m.slot, m.scheduler
+        for m, snap, stats in zip(d.fleet, d.fleet.snapshots(), all_stats, strict=True):
             stats = stats or {}
             rows.append(
                 control.WorkerRow(
-                    worker_id=i,
+                    worker_id=snap.worker_id,
                     engine=m.config.engine,
                     model=m.model_name,
                     state=(
                         DaemonState.DRAINING  # a serving worker of a draining daemon
-                        if slot.state is SlotState.READY and d.drainer.draining
-                        else slot.state
+                        if snap.ready and d.drainer.draining
+                        else snap.state
                     ),
-                    pid=slot.proc.pid if slot.proc is not None else 0,
-                    lanes_busy=sched.busy_lanes,
-                    lanes_max=sched.limits.max_lanes,
-                    queue_depth=len(sched.queues),
-                    respawns=slot.respawns,
+                    pid=snap.pid,
+                    lanes_busy=snap.lanes_busy,
+                    lanes_max=snap.limits.max_lanes,
+                    queue_depth=snap.queued,
+                    respawns=snap.respawns,
                     pool_used_bytes=int(stats.get("pool_bytes_used", 0)),
                     pool_total_bytes=int(stats.get("pool_bytes_total", 0)),
-                    ticks_run=sched.ticks_run,
+                    ticks_run=snap.ticks_run,
                     engine_lanes=int(stats.get("live_lanes", 0)),
                     seed_leases=int(stats.get("live_seed_leases", 0)),
                     engine_stats={k: int(v) for k, v in stats.items()},
-                    last_error="" if slot.state is SlotState.READY else slot.last_error,
+                    last_error=snap.last_error,
                 )
             )
         return control.WorkersResult(workers=rows)
 
     async def _Lanes(self, msg: control.Lanes) -> control.LanesResult:
-        now = time.monotonic()
         wanted = set(_worker_ids(self.d.fleet, msg.worker_id))
         rows = [
             control.LaneRow(
-                worker_id=sched.worker_id,
+                worker_id=snap.worker_id,
                 lane_tag=lane.tag,
-                request_id=lane.request.request_id,
-                qos=lane.request.qos,
+                request_id=lane.request_id,
+                qos=lane.qos,
                 state=lane.phase,
-                prompt_tokens=lane.prompt_len,
-                generated_tokens=len(lane.request.generated),
-                cached_tokens=lane.request.cached_tokens,
-                age_s=now - lane.admitted_at,
+                prompt_tokens=lane.prompt_tokens,
+                generated_tokens=lane.generated_tokens,
+                cached_tokens=lane.cached_tokens,
+                age_s=snap.taken_at - lane.admitted_at,
             )
-            for sched in self.d.fleet.schedulers
-            if sched.worker_id in wanted
-            for lane in sched.lanes.values()
+            for snap in self.d.fleet.snapshots()
+            if snap.worker_id in wanted
+            for lane in snap.lanes
         ]
         return control.LanesResult(lanes=rows)
 
     async def _Queue(self, msg: control.Queue) -> control.QueueResult:
-        now = time.monotonic()
         totals: dict[str, list[float]] = {}
-        for sched in self.d.fleet.schedulers:
-            for qos, depth, wait in sched.queue_rows(now):
-                t = totals.setdefault(qos, [0, 0.0])
-                t[0] += depth
-                t[1] = max(t[1], wait)
+        for snap in self.d.fleet.snapshots():
+            for row in snap.queues:
+                t = totals.setdefault(row.qos, [0, 0.0])
+                t[0] += row.depth
+                t[1] = max(t[1], row.oldest_wait_s)
         return control.QueueResult(
             classes=[control.QueueRow(qos=q, depth=int(d), oldest_wait_s=w) for q, (d, w) in totals.items()]
         )

@@ -260,7 +260,7 @@ class HttpServer:
         add = req.add_special if req.add_special is not None else req.add_special_tokens
         tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
         wid = self.frontend.fleet.route(req.model)
-        ctx = self.frontend.fleet[wid].scheduler.limits.context_length
+        ctx = self.frontend.fleet.context_length(wid)
         return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": ctx})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -320,7 +320,7 @@ class HttpServer:
         prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
-            ctx = self.frontend.fleet[wid].scheduler.limits.context_length
+            ctx = self.frontend.fleet.context_length(wid)
             max_tokens = max(1, ctx - len(prompt))
         return await self._generate(request, req, [(prompt, max_tokens)], chat=True, tools=plan)
 

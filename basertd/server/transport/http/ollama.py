@@ -317,7 +317,7 @@ class OllamaApi:
         prompt = await self.frontend.tokenize(model, text, add_special=add_special)
         wid = self.frontend.fleet.route(model)
         if o.num_predict is None or o.num_predict < 0:
-            ctx = self.frontend.fleet[wid].scheduler.limits.context_length
+            ctx = self.frontend.fleet.context_length(wid)
             max_tokens = max(1, ctx - len(prompt))
         elif o.num_predict == 0:
             raise bad_request("options.num_predict must be > 0 (or -1: the rest of the context)", "options")
