@@ -34,8 +34,8 @@ before failing pending calls, with no second ``recv`` racing a cancelled one, an
 callback per burst of frames instead of a future per frame.
 
 The errors live in ``basertd.server.workers.link_errors`` (re-exported here). Everything runs on one
-event loop thread; a link is not thread-safe. ``basertd.server.workers.process``
-has a small blocking wrapper (``SyncWorker``) for tests and benches.
+event loop thread; a link is not thread-safe. ``basertd.server.workers.sync_worker.SyncWorker``
+is a small blocking wrapper for tests and benches.
 """
 
 from __future__ import annotations
