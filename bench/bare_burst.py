@@ -15,7 +15,8 @@ import numpy as np
 
 from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, SamplingParams, TickPlan
-from basertd.server.workers.process import SyncWorker, WorkerSpec
+from basertd.server.workers.process import WorkerSpec
+from basertd.server.workers.sync_worker import SyncWorker
 
 
 class BareBurst:

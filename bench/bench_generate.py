@@ -29,7 +29,8 @@ from basertd.client import AsyncClient
 from basertd.schema.abi import Finish, Sampling, SamplingFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, SamplingParams, TickPlan
 from basertd.server.request.tokenizer import GgufTokenizer
-from basertd.server.workers.process import SyncWorker, WorkerSpec
+from basertd.server.workers.process import WorkerSpec
+from basertd.server.workers.sync_worker import SyncWorker
 
 PROMPTS = [f"Story number {i}: once upon a time, in a land far away," for i in range(8)]
 

@@ -47,7 +47,8 @@ from worker_plans import (
 
 from basertd.native.ref import RefConfig
 from basertd.schema.abi import TickFlag
-from basertd.server.workers.process import RingGeometry, SyncWorker, WorkerSpec
+from basertd.server.workers.process import RingGeometry, WorkerSpec
+from basertd.server.workers.sync_worker import SyncWorker
 
 
 def ref_config(lanes: int) -> RefConfig:

@@ -21,7 +21,8 @@ from basertd.schema import client as api
 from basertd.schema.abi import AdmitStatus, Finish
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, TickPlan
 from basertd.server.request.record import sampler_for
-from basertd.server.workers.process import SyncWorker, WorkerSpec
+from basertd.server.workers.process import WorkerSpec
+from basertd.server.workers.sync_worker import SyncWorker
 
 __all__ = [
     "MARGIN_TOL",

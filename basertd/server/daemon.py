@@ -54,8 +54,8 @@ from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.drain import Drainer
 from basertd.server.frontend.restart import requeue
 from basertd.server.observe.kv_events import KvEventsHub, start_kv_events
-from basertd.server.observe.metrics import Metrics
-from basertd.server.observe.metrics_vllm import VllmWorker, bind_vllm
+from basertd.server.observe.metrics import LiveState, Metrics
+from basertd.server.observe.metrics_vllm import bind_vllm
 from basertd.server.observe.notify import (
     HTTP_FD_NAME,
     Notifier,
@@ -196,10 +196,10 @@ class Daemon:
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
         if self.kv_events is not None:
             self.metrics.registry.register(self.kv_events.collector())
-            for sched, pub in zip(fleet.schedulers, self.kv_events.publishers, strict=True):
-                sched.cache_policy.observe(pub)
+            for m, pub in zip(fleet, self.kv_events.publishers, strict=True):
+                m.cache.observe(pub)
         self.cache_control = PolicyCacheControl(
-            fleet.schedulers, fleet.worker_stats, self.metrics.cache_counters.counter
+            fleet.members, fleet.worker_stats, self.metrics.cache_counters.counter
         )
         fleet.start()
         self.api = ApiServer(
@@ -217,9 +217,13 @@ class Daemon:
                 cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
             )
             await self.http.start()
-        self.metrics.bind(lambda: fleet.live_state(self.drainer.in_flight, self.drainer.draining), VERSION)
+
+        def live() -> LiveState:
+            return fleet.live_state(self.drainer.in_flight, self.drainer.draining)
+
+        self.metrics.bind(live, VERSION)
         if cfg.metrics.vllm_compat:
-            bind_vllm(self.metrics, self._vllm_workers)
+            bind_vllm(self.metrics, live)
         address = cfg.operators.metrics_address()
         if address is not None:
             self.metrics.serve_http(*address)
@@ -289,14 +293,14 @@ class Daemon:
         fleet = self.fleet
         if fleet is None or self.frontend is None:
             return f"{self.public_state()}: no workers yet"
-        queued = fleet.queued_by_class()
-        per_class = ", ".join(f"{q} {n}" for q, n in queued.items())
+        t = fleet.totals()
+        per_class = ", ".join(f"{q} {n}" for q, n in t.queued_by_class.items())
         status, reason = self.frontend.health()
         quiet = status in (HealthStatus.OK, HealthStatus.STARTING) or not reason
         head = self.public_state() if quiet else f"{status}: {reason}"
         return (
-            f"{head}: workers {fleet.ready_count}/{len(fleet)}, lanes {fleet.lanes_busy}/{fleet.lanes_max} "
-            f"busy, queued {sum(queued.values())} ({per_class}), in flight {self.drainer.in_flight}"
+            f"{head}: workers {t.ready}/{t.total}, lanes {t.lanes_busy}/{t.lanes_max} "
+            f"busy, queued {t.queued} ({per_class}), in flight {self.drainer.in_flight}"
         )
 
     def publish_status(self) -> None:
@@ -412,8 +416,8 @@ class Daemon:
             self.frontend.close()
         self.metrics.close()
         if self.kv_events is not None:
-            for sched in self.schedulers:
-                sched.cache_policy.observe(None)
+            for m in self.fleet or []:
+                m.cache.observe(None)
             self.kv_events.close()
             self.kv_events = None
         self.notifier.close()
@@ -424,23 +428,6 @@ class Daemon:
                 self.runtime_dir.rmdir()  # only when empty: never remove what others put there
         self.state = DaemonState.STOPPED
         log.info("daemon_stopped")
-
-    def _vllm_workers(self) -> list[VllmWorker]:
-        """Each worker as the ``vllm:*`` metrics see it (``basertd.server.observe.metrics_vllm``)."""
-        return [
-            VllmWorker(
-                worker_id=m.worker_id,
-                model_name=m.model_name,
-                ready=m.slot.state is SlotState.READY,
-                waiting=len(m.scheduler.queues),
-                running=len(m.scheduler.lanes),
-                kv_used_tokens=sum(lane.reserved for lane in m.scheduler.lanes.values()),
-                kv_capacity_tokens=m.scheduler.limits.kv_tokens,
-                block_size=m.scheduler.limits.page_tokens,
-                prefix_caching=self.config.cache.enabled,
-            )
-            for m in (self.fleet or [])
-        ]
 
 
 async def run(

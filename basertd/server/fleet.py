@@ -24,8 +24,9 @@ from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.cache.policy import route as route_by_prefix
 from basertd.server.config import Config, WorkerConfig
-from basertd.server.observe.metrics import LiveState, Metrics, WorkerState
-from basertd.server.request.record import QOS_CLASSES, AdmissionError
+from basertd.server.observe.metrics import LiveState, Metrics
+from basertd.server.observe.snapshot import FleetTotals, WorkerSnapshot
+from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
@@ -87,8 +88,9 @@ class UnavailableTokenizer:
 
 @dataclass
 class Member:
-    """One configured worker: its id, configuration, served model name, supervisor, scheduler and
-    the tokenizer of its vocabulary."""
+    """One configured worker: its id, configuration, served model name, supervisor, scheduler,
+    the tokenizer of its vocabulary and its prefix-cache policy (``cache``, the one its scheduler
+    runs; the cache verbs and the KV-event publisher reach it here)."""
 
     worker_id: int
     config: WorkerConfig
@@ -96,6 +98,7 @@ class Member:
     slot: WorkerSlot
     scheduler: Scheduler
     tokenizer: Tokenizer
+    cache: WorkerCache
 
 
 class Fleet:
@@ -147,10 +150,18 @@ class Fleet:
                 kv_tokens=wcfg.lanes * wcfg.context_length,
                 max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
             )
-            sched = Scheduler(slot, limits, cfg.scheduler, cfg.cache, metrics=self.metrics, tokenizer=tok)
-            sched.cache_policy = CapabilityGatedCache(worker_id, cfg.cache)
+            policy = CapabilityGatedCache(worker_id, cfg.cache)
+            sched = Scheduler(
+                slot,
+                limits,
+                cfg.scheduler,
+                cfg.cache,
+                metrics=self.metrics,
+                tokenizer=tok,
+                cache_policy=policy,
+            )
             holder.append(sched)
-            self.members.append(Member(worker_id, wcfg, name, slot, sched, tok))
+            self.members.append(Member(worker_id, wcfg, name, slot, sched, tok, policy))
         for m in self.members:  # a crashed worker's lanes resume on a live peer of the same model
             m.scheduler.peers = lambda me=m: [
                 o.scheduler
@@ -217,42 +228,40 @@ class Fleet:
         """Workers whose current incarnation is serving."""
         return sum(1 for m in self.members if m.slot.state is SlotState.READY)
 
-    @property
-    def lanes_busy(self) -> int:
-        return sum(m.scheduler.busy_lanes for m in self.members)
+    def snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by id (``Scheduler.snapshot``; call on the event loop)."""
+        return [m.scheduler.snapshot() for m in self.members]
 
-    @property
-    def lanes_max(self) -> int:
-        return sum(m.scheduler.limits.max_lanes for m in self.members)
+    def context_length(self, worker_id: int) -> int:
+        """The context window (tokens) of worker ``worker_id``'s current (or last) incarnation."""
+        return self.members[worker_id].scheduler.snapshot().limits.context_length
 
-    def queued_by_class(self) -> dict[str, int]:
-        """Requests waiting for a lane, per QoS class (every class present)."""
-        return {q: sum(m.scheduler.queues.depth(q) for m in self.members) for q in QOS_CLASSES}
+    def totals(self) -> FleetTotals:
+        """Workers ready, lanes busy and queued requests summed over every worker now."""
+        return FleetTotals.of(self.snapshots())
 
     def problems(self) -> list[str]:
         """One line per worker that is not serving for a reason an operator must see: given up
         (with its last error), or a scheduler that stopped making progress. Empty when all is well
         (a worker still starting or respawning is not a problem yet)."""
         out = []
-        for m in self.members:
-            if m.slot.state is SlotState.GIVEN_UP:
-                out.append(f"worker {m.worker_id}: {m.slot.last_error or 'gave up starting'}")
-                continue
-            stall = getattr(m.scheduler, "stall_reason", None)
-            if stall:
-                out.append(f"worker {m.worker_id}: {stall}")
+        for snap in self.snapshots():
+            if snap.state is SlotState.GIVEN_UP:
+                out.append(f"worker {snap.worker_id}: {snap.last_error or 'gave up starting'}")
+            elif snap.stall_reason:
+                out.append(f"worker {snap.worker_id}: {snap.stall_reason}")
         return out
 
     def models(self) -> list[api.ModelInfo]:
         """One entry per served model name, with the number of workers serving it."""
         out: dict[str, api.ModelInfo] = {}
-        for m in self.members:
+        for m, snap in zip(self.members, self.snapshots(), strict=True):
             info = out.get(m.model_name)
             if info is None:
                 info = out[m.model_name] = api.ModelInfo(
                     id=m.model_name,
                     engine=m.config.engine,
-                    context_length=m.scheduler.limits.context_length,
+                    context_length=snap.limits.context_length,
                     vocab_size=m.tokenizer.vocab_size,
                 )
             info.workers += 1
@@ -271,7 +280,7 @@ class Fleet:
                 ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {served})"
             )
         alive = [i for i in ids if not self.members[i].slot.given_up] or ids
-        return min(alive, key=lambda i: self.members[i].scheduler.load())
+        return min(alive, key=lambda i: self.members[i].scheduler.core.load())
 
     def route_prefix(self, worker_id: int, prompt: list[int]) -> int:
         """Among the live workers serving the same model with the same vocabulary as
@@ -285,10 +294,8 @@ class Fleet:
         ]
         if len(peers) < 2:
             return worker_id
-        options = [
-            (i, self.members[i].scheduler.cached_prefix(prompt), self.members[i].scheduler.load())
-            for i in peers
-        ]
+        cores = {i: self.members[i].scheduler.core for i in peers}
+        options = [(i, core.cached_prefix(prompt), core.load()) for i, core in cores.items()]
         return route_by_prefix(options, self.config.cache.route_slack)
 
     def add_bos(self, worker_id: int) -> bool:
@@ -313,28 +320,12 @@ class Fleet:
         return dict(pong.stats or {})
 
     def live_state(self, in_flight: int, draining: bool) -> LiveState:
-        """The load gauges and engine counters of every worker now (call on the event loop), with
-        the daemon's ``in_flight`` request count and ``draining`` flag (``Drainer``)."""
-        state = LiveState(queue_depth=self.queued_by_class(), in_flight=in_flight, draining=draining)
-        for m in self.members:
-            sched, slot = m.scheduler, m.slot
-            mem = sched.last_mem
-            state.workers.append(
-                WorkerState(
-                    worker=str(m.worker_id),
-                    ready=slot.state is SlotState.READY,
-                    lanes_active=len(sched.lanes),
-                    lanes_max=sched.limits.max_lanes,
-                    kv_reserved_tokens=sum(lane.reserved for lane in sched.lanes.values()),
-                    kv_capacity_tokens=sched.limits.kv_tokens,
-                    pool_blocks_used=mem.pool_blocks_used if mem is not None else 0,
-                    pool_blocks_total=mem.pool_blocks_total if mem is not None else 0,
-                    pool_evictable_bytes=mem.pool_bytes_evictable if mem is not None else 0,
-                    prefill_tokens=sched.prefill_tokens_total,
-                    decode_tokens=sched.decode_tokens_total,
-                    ticks=sched.ticks_run,
-                    plans_rejected=sched.plans_rejected,
-                    respawns=slot.respawns,
-                )
-            )
-        return state
+        """Every worker's snapshot now with the model it serves (call on the event loop), and the
+        daemon's ``in_flight`` request count and ``draining`` flag (``Drainer``): what the metrics
+        collectors read at scrape time."""
+        return LiveState(
+            workers=self.snapshots(),
+            model_names={m.worker_id: m.model_name for m in self.members},
+            in_flight=in_flight,
+            draining=draining,
+        )

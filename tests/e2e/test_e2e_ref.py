@@ -1,7 +1,7 @@
 """End to end on the C reference engine: a real ``basertd serve``, real workers, real sockets and
 shared memory. The reference engine is deterministic (next token = hash of the committed
 tokens and the RNG counter), so every output is checked token for token against a direct engine
-run of the same prompt through ``basertd.server.workers.process.SyncWorker``."""
+run of the same prompt through ``basertd.server.workers.sync_worker.SyncWorker``."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import pytest
 from basertd.native import header_path, ref_engine_path
 from basertd.native.ref import write_ref_bundle
 from basertd.server.request.tokenizer import BaseRTTokenizer, TokenizerError
-from basertd.server.workers.process import SyncWorker, WorkerStartError
+from basertd.server.workers.process import WorkerStartError
+from basertd.server.workers.sync_worker import SyncWorker
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,8 @@ import pytest
 from proc_testutil import log_lines
 
 from basertd.native import header_path
-from basertd.server.workers.process import SyncWorker, WorkerStartError
+from basertd.server.workers.process import WorkerStartError
+from basertd.server.workers.sync_worker import SyncWorker
 
 ROOT = Path(__file__).resolve().parents[2]
 

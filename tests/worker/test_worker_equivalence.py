@@ -25,7 +25,8 @@ from worker_plans import (
 
 from basertd.native.ref import RefConfig
 from basertd.schema.abi import ShedKind
-from basertd.server.workers.process import RingGeometry, SyncWorker
+from basertd.server.workers.process import RingGeometry
+from basertd.server.workers.sync_worker import SyncWorker
 
 TICKS = 1000
 REF = {"eos_period": 12, "pool_bytes": 64 * 1024}

@@ -55,7 +55,7 @@ def test_error_line_is_one_bounded_line(tmp_path):
     ],
 )
 def test_start_error_carries_the_workers_line(make_spec, fields, code, needle):
-    from basertd.server.workers.process import SyncWorker
+    from basertd.server.workers.sync_worker import SyncWorker
 
     with pytest.raises(WorkerStartError) as info:
         SyncWorker(make_spec(**fields))

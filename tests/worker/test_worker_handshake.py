@@ -12,8 +12,8 @@ from basertd.server.workers.process import (
     LOGITS_RING_ID,
     PROMPT_RING_ID,
     RingGeometry,
-    SyncWorker,
 )
+from basertd.server.workers.sync_worker import SyncWorker
 
 
 def test_capabilities_describe_engine_model_and_rings(make_spec):

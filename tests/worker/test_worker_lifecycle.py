@@ -28,7 +28,8 @@ from basertd.schema import link
 from basertd.schema.abi import Status, TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, TickPlan
 from basertd.server.workers.link_errors import WorkerDied, WorkerError
-from basertd.server.workers.process import SyncWorker, WorkerProcess, WorkerSpec
+from basertd.server.workers.process import WorkerProcess, WorkerSpec
+from basertd.server.workers.sync_worker import SyncWorker
 from basertd.worker.logging import CONTENT_KEYS, drop_content
 
 HERE = Path(__file__).resolve().parent
@@ -102,7 +103,8 @@ def test_worker_exits_when_its_coordinator_dies(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, time
-        from basertd.server.workers.process import SyncWorker, WorkerSpec
+        from basertd.server.workers.process import WorkerSpec
+        from basertd.server.workers.sync_worker import SyncWorker
         log = open({str(tmp_path / "w.log")!r}, "ab")
         w = SyncWorker(WorkerSpec(runtime_dir={str(tmp_path)!r}, stderr=log))
         print("WORKER_PID", w.proc.pid, flush=True)

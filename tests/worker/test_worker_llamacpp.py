@@ -14,7 +14,8 @@ from ring_rig import RingRig
 from basertd.schema import link
 from basertd.schema.abi import TickFlag
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, LaneRetire, TickPlan
-from basertd.server.workers.process import RingGeometry, SyncWorker
+from basertd.server.workers.process import RingGeometry
+from basertd.server.workers.sync_worker import SyncWorker
 
 pytest.importorskip("llama_cpp")
 

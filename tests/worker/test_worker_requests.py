@@ -42,7 +42,8 @@ from basertd.server.workers.link_errors import (
     TickInFlight,
     WorkerError,
 )
-from basertd.server.workers.process import RingGeometry, SyncWorker
+from basertd.server.workers.process import RingGeometry
+from basertd.server.workers.sync_worker import SyncWorker
 
 PAGE = 4
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from basertd.schema.abi import ShedKind, TickStatus
 from basertd.schema.tick import LaneAdmit, LaneDecode, LanePrefill, TickPlan
-from basertd.server.workers.process import SyncWorker, WorkerProcess
+from basertd.server.workers.process import WorkerProcess
+from basertd.server.workers.sync_worker import SyncWorker
 from basertd.shm import YieldReason
 
 STEP = 16

@@ -157,7 +157,7 @@ class Frontend:
 
     def context_length(self, worker: int) -> int:
         """``worker``'s context window in tokens (its scheduler's limits)."""
-        return self.fleet[worker].scheduler.limits.context_length
+        return self.fleet[worker].scheduler.core.limits.context_length
 
     def model_name(self, worker: int) -> str:
         """``worker``'s served model name."""
@@ -239,7 +239,7 @@ class Frontend:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
         wid = self.fleet.route_prefix(wid, prompt)
         m = self.fleet[wid]
-        m.scheduler.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
         req = GenerationRequest(
             request_id=gen.request_id,

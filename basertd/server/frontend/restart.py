@@ -4,7 +4,7 @@
 ``requeue(durability, fleet, metrics, drainer)`` turns each unfinished record
 (``Durability.unfinished``) into a ``GenerationRequest`` through the same routing and admission
 as a new request — ``Fleet.route`` to a worker serving its model, ``Fleet.route_prefix`` to the
-peer holding its longest cached prefix, ``Scheduler.check_admission`` for the context window and
+peer holding its longest cached prefix, ``SchedulerCore.check_admission`` for the context window and
 KV pool — except that the queue caps are not applied: the request was acknowledged before the
 restart, and refusing it now would lose it. Its durable tokens count as delivered
 (``Durability.restore``), so it resumes with ``decode_replay`` (ABI rules 71-73) and its replies
@@ -47,7 +47,7 @@ def requeue(durability: Durability, fleet: Fleet, metrics: Metrics, drainer: Dra
         try:
             wid = fleet.route_prefix(fleet.route(record.model), prompt)
             m = fleet[wid]
-            m.scheduler.check_admission(len(prompt), record.max_tokens, record.qos, acknowledged=True)
+            m.scheduler.core.check_admission(len(prompt), record.max_tokens, record.qos, acknowledged=True)
         except AdmissionError as exc:
             sink.send(api.Error(code=exc.code, request_id=client_id, message=f"after a restart: {exc}"))
             continue

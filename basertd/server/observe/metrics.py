@@ -9,10 +9,10 @@
   ``cache_counters`` (``basertd.server.observe.cache_counters``), which exports them itself and answers
   the operator's cache stats, so nothing reads a value back from the registry.
 - **Live gauges and engine counters** are read from the daemon's state at scrape time by a
-  collector (``LiveState``, built by ``basertd.server.fleet.Fleet.live_state`` on the daemon's
-  event loop), so queue depth, lanes active, KV usage and in-flight requests are exactly 0 once
-  traffic stops, and the per-worker token / tick / respawn counters need no bookkeeping of their
-  own.
+  collector (``LiveState``: every worker's ``WorkerSnapshot``, ``basertd.server.observe.snapshot``,
+  built by ``basertd.server.fleet.Fleet.live_state`` on the daemon's event loop), so queue depth,
+  lanes active, KV usage and in-flight requests are exactly 0 once traffic stops, and the
+  per-worker token / tick / respawn counters need no bookkeeping of their own.
 
 The text exposition is ``exposition()`` (``basertctl metrics``); ``serve_http(host, port)`` also
 serves it at ``/metrics`` on a loopback port (prometheus-client's own HTTP server, in a thread;
@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from basertd.server.observe.cache_counters import CacheCounters
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.record import QOS_CLASSES
 
 if TYPE_CHECKING:
@@ -62,37 +63,13 @@ SCRAPE_TIMEOUT_S = 2.0
 
 
 @dataclass
-class WorkerState:
-    """Scrape-time view of one worker and its scheduler. Gauges: ``ready`` (handshaken now),
-    ``lanes_active`` / ``lanes_max`` (lanes), ``kv_reserved_tokens`` / ``kv_capacity_tokens``
-    (the coordinator's KV reservations of live lanes, tokens), ``pool_blocks_used`` /
-    ``pool_blocks_total`` / ``pool_evictable_bytes`` (the engine's ledger after its last tick,
-    prefix-cache entries included). Counters (only grow, across worker respawns): prefill and
-    decode tokens, ticks, rejected plans, respawns."""
-
-    worker: str
-    ready: bool = False
-    lanes_active: int = 0
-    lanes_max: int = 0
-    kv_reserved_tokens: int = 0
-    kv_capacity_tokens: int = 0
-    pool_blocks_used: int = 0
-    pool_blocks_total: int = 0
-    pool_evictable_bytes: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    ticks: int = 0
-    plans_rejected: int = 0
-    respawns: int = 0
-
-
-@dataclass
 class LiveState:
-    """Scrape-time view of the daemon: per-worker state, queued requests per QoS class, accepted
-    requests not yet finished, and whether it drains."""
+    """Scrape-time view of the daemon: every worker's ``WorkerSnapshot`` (by id) and the model
+    each serves (``model_names``, by worker id), accepted requests not yet finished, and whether it
+    drains."""
 
-    workers: list[WorkerState] = field(default_factory=list)
-    queue_depth: dict[str, int] = field(default_factory=dict)
+    workers: list[WorkerSnapshot] = field(default_factory=list)
+    model_names: dict[int, str] = field(default_factory=dict)
     in_flight: int = 0
     draining: bool = False
 
@@ -131,22 +108,26 @@ class _LiveCollector(Collector):
         if state is None:
             return
         w = ["worker"]
+        rows = [(str(ws.worker_id), ws) for ws in state.workers]
 
-        def gauge(name: str, doc: str, attr: str) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, value: Callable[[WorkerSnapshot], float]) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"{NAMESPACE}_{name}", doc, labels=w)
-            for ws in state.workers:
-                g.add_metric([ws.worker], float(getattr(ws, attr)))
+            for label, ws in rows:
+                g.add_metric([label], float(value(ws)))
             return g
 
-        def counter(name: str, doc: str, attr: str) -> CounterMetricFamily:
+        def counter(name: str, doc: str, value: Callable[[WorkerSnapshot], int]) -> CounterMetricFamily:
             c = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=w)
-            for ws in state.workers:
-                c.add_metric([ws.worker], float(getattr(ws, attr)))
+            for label, ws in rows:
+                c.add_metric([label], float(value(ws)))
             return c
+
+        def mem(ws: WorkerSnapshot, attr: str) -> int:
+            return getattr(ws.mem, attr) if ws.mem is not None else 0
 
         q = GaugeMetricFamily(f"{NAMESPACE}_queue_depth", "Requests queued, per QoS class.", labels=["qos"])
         for qos in QOS_CLASSES:
-            q.add_metric([qos], float(state.queue_depth.get(qos, 0)))
+            q.add_metric([qos], float(sum(ws.depth(qos) for ws in state.workers)))
         yield q
         yield GaugeMetricFamily(
             f"{NAMESPACE}_requests_in_flight",
@@ -158,37 +139,48 @@ class _LiveCollector(Collector):
             "1 while the daemon drains (no new requests).",
             value=float(state.draining),
         )
-        yield gauge("worker_ready", "1 when the worker has handshaken and serves.", "ready")
-        yield gauge("lanes_active", "Live lanes (retiring ones included).", "lanes_active")
-        yield gauge("lanes_max", "Lanes the worker offers.", "lanes_max")
-        yield gauge("kv_reserved_tokens", "KV tokens reserved by live lanes.", "kv_reserved_tokens")
-        yield gauge("kv_capacity_tokens", "KV tokens the worker's pool holds.", "kv_capacity_tokens")
-        u = GaugeMetricFamily(
-            f"{NAMESPACE}_kv_pool_usage_ratio",
-            "Share of the KV pool reserved by live lanes (0..1).",
-            labels=w,
+        yield gauge("worker_ready", "1 when the worker has handshaken and serves.", lambda ws: ws.ready)
+        yield gauge("lanes_active", "Live lanes (retiring ones included).", lambda ws: ws.lanes_busy)
+        yield gauge("lanes_max", "Lanes the worker offers.", lambda ws: ws.limits.max_lanes)
+        yield gauge(
+            "kv_reserved_tokens", "KV tokens reserved by live lanes.", lambda ws: ws.kv_reserved_tokens
         )
-        for ws in state.workers:
-            u.add_metric(
-                [ws.worker], ws.kv_reserved_tokens / ws.kv_capacity_tokens if ws.kv_capacity_tokens else 0.0
-            )
-        yield u
+        yield gauge(
+            "kv_capacity_tokens", "KV tokens the worker's pool holds.", lambda ws: ws.limits.kv_tokens
+        )
+        yield gauge(
+            "kv_pool_usage_ratio",
+            "Share of the KV pool reserved by live lanes (0..1).",
+            lambda ws: ws.kv_reserved_tokens / ws.limits.kv_tokens if ws.limits.kv_tokens else 0.0,
+        )
         yield gauge(
             "engine_pool_blocks_used",
             "KV pool blocks in use after the last tick (prefix-cache entries included).",
-            "pool_blocks_used",
+            lambda ws: mem(ws, "pool_blocks_used"),
         )
-        yield gauge("engine_pool_blocks_total", "KV pool blocks of the engine.", "pool_blocks_total")
+        yield gauge(
+            "engine_pool_blocks_total",
+            "KV pool blocks of the engine.",
+            lambda ws: mem(ws, "pool_blocks_total"),
+        )
         yield gauge(
             "engine_pool_evictable_bytes",
             "Bytes of evictable prefix-cache entries after the last tick.",
-            "pool_evictable_bytes",
+            lambda ws: mem(ws, "pool_bytes_evictable"),
         )
-        yield counter("prefill_tokens", "Prompt tokens prefilled by the engine.", "prefill_tokens")
-        yield counter("decode_tokens", "Tokens decoded by the engine.", "decode_tokens")
-        yield counter("ticks", "Ticks run.", "ticks")
-        yield counter("plans_rejected", "Tick plans the engine rejected (nothing changed).", "plans_rejected")
-        yield counter("worker_respawns", "Worker incarnations started after the first.", "respawns")
+        yield counter(
+            "prefill_tokens", "Prompt tokens prefilled by the engine.", lambda ws: ws.prefill_tokens
+        )
+        yield counter("decode_tokens", "Tokens decoded by the engine.", lambda ws: ws.decode_tokens)
+        yield counter("ticks", "Ticks run.", lambda ws: ws.ticks_run)
+        yield counter(
+            "plans_rejected",
+            "Tick plans the engine rejected (nothing changed).",
+            lambda ws: ws.plans_rejected,
+        )
+        yield counter(
+            "worker_respawns", "Worker incarnations started after the first.", lambda ws: ws.respawns
+        )
 
 
 class Metrics:

@@ -23,48 +23,27 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from basertd.server.observe.metrics import Metrics, _LiveCollector
-
-
-@dataclass(frozen=True)
-class VllmWorker:
-    """One worker as the vLLM series see it: ``worker_id``, the ``model_name`` it serves, whether
-    it is ``ready``, requests ``waiting`` (queued) and ``running`` (in lanes), KV tokens
-    ``kv_used_tokens`` reserved by live lanes of ``kv_capacity_tokens``, the page size
-    ``block_size`` (tokens) and ``prefix_caching`` (``[cache] enabled``)."""
-
-    worker_id: int
-    model_name: str
-    ready: bool
-    waiting: int
-    running: int
-    kv_used_tokens: int
-    kv_capacity_tokens: int
-    block_size: int
-    prefix_caching: bool = True
-
-    @property
-    def num_blocks(self) -> int:
-        """Pages of the worker's KV pool."""
-        return self.kv_capacity_tokens // max(1, self.block_size)
+from basertd.server.observe.metrics import LiveState, Metrics, _LiveCollector
 
 
 class VllmCollector(_LiveCollector):
-    """Yields the ``vllm:*`` series (module docstring) from ``source()`` (a list of
-    ``VllmWorker``), taken on the daemon's loop; the two counters come from ``metrics.cache_counters``."""
+    """Yields the ``vllm:*`` series (module docstring) from ``source()`` (the ``LiveState`` the
+    live gauges read: each worker's snapshot and model), taken on the daemon's loop; the two
+    counters come from ``metrics.cache_counters``."""
 
     def __init__(self, metrics: Metrics) -> None:
         super().__init__()
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        workers = self._state()
-        if workers is None:
+        state = self._state()
+        if state is None:
             return
+        workers = state.workers
+        model_of = state.model_names
         labels = ["model_name"]
         waiting = GaugeMetricFamily(
             "vllm:num_requests_waiting", "Requests waiting to be processed (queued).", labels=labels
@@ -91,18 +70,19 @@ class VllmCollector(_LiveCollector):
             "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=labels
         )
         counts = self.metrics.cache_counters
-        for model in dict.fromkeys(w.model_name for w in workers):
-            mine = [w for w in workers if w.model_name == model]
-            waiting.add_metric([model], float(sum(w.waiting for w in mine)))
-            running.add_metric([model], float(sum(w.running for w in mine)))
-            cap = sum(w.kv_capacity_tokens for w in mine)
-            used = sum(w.kv_used_tokens for w in mine)
+        for model in dict.fromkeys(model_of[w.worker_id] for w in workers):
+            mine = [w for w in workers if model_of[w.worker_id] == model]
+            waiting.add_metric([model], float(sum(w.queued for w in mine)))
+            running.add_metric([model], float(sum(w.lanes_busy for w in mine)))
+            cap = sum(w.limits.kv_tokens for w in mine)
+            used = sum(w.kv_reserved_tokens for w in mine)
             usage.add_metric([model], min(1.0, used / cap) if cap else 0.0)
             ready = [w for w in mine if w.ready]
-            for block in dict.fromkeys(w.block_size for w in ready):
-                same = [w for w in ready if w.block_size == block]
+            for block in dict.fromkeys(w.limits.page_tokens for w in ready):
+                same = [w for w in ready if w.limits.page_tokens == block]
                 caching = str(all(w.prefix_caching for w in same))
-                info.add_metric([model, str(block), str(sum(w.num_blocks for w in same)), caching], 1.0)
+                pages = sum(w.limits.kv_tokens // max(1, block) for w in same)
+                info.add_metric([model, str(block), str(pages), caching], 1.0)
             queries.add_metric([model], float(sum(counts.of(w.worker_id).query_tokens for w in mine)))
             hits.add_metric([model], float(sum(counts.of(w.worker_id).cached_tokens for w in mine)))
         yield waiting
@@ -113,7 +93,7 @@ class VllmCollector(_LiveCollector):
         yield hits
 
 
-def bind_vllm(metrics: Metrics, source: Callable[[], list[VllmWorker]]) -> VllmCollector:
+def bind_vllm(metrics: Metrics, source: Callable[[], LiveState]) -> VllmCollector:
     """Also export the ``vllm:*`` series on ``metrics``' registry, read from ``source()`` on the
     running event loop at scrape time (``[metrics] vllm_compat``). Returns the collector."""
     collector = VllmCollector(metrics)

@@ -1,4 +1,4 @@
-"""The daemon's cache verbs (``basertctl cache stats|ls|pin|unpin|evict``) over the schedulers'
+"""The daemon's cache verbs (``basertctl cache stats|ls|pin|unpin|evict``) over the workers'
 prefix-cache policies (``basertd.server.cache.policy``): each verb runs on a worker between two
 ticks, so nothing races a tick's prompt-ring writes or leases. Raises ``ControlError``.
 """
@@ -27,12 +27,23 @@ log = structlog.get_logger("basertd.cache")
 class SchedulerLike(Protocol):
     """What the verbs need of a scheduler (``basertd.server.sched.loop.Scheduler``)."""
 
-    worker_id: int
-    cache_policy: WorkerCache
-
     async def command(self, cmd: Command, timeout: float = ...) -> Any: ...
 
     async def warm_prefix(self, tokens: list[int], timeout: float) -> None: ...
+
+
+class CacheWorker(Protocol):
+    """What the verbs need of a worker (``basertd.server.fleet.Member``): its id, the scheduler
+    that runs its commands and its prefix-cache policy."""
+
+    @property
+    def worker_id(self) -> int: ...
+
+    @property
+    def scheduler(self) -> SchedulerLike: ...
+
+    @property
+    def cache(self) -> WorkerCache: ...
 
 
 @dataclass
@@ -45,21 +56,21 @@ class PinRecord:
 
 class PolicyCacheControl:
     """The ``basertd.server.ops.control.CacheControl`` of the prefix-cache policy: ``cache stats`` /
-    ``ls`` / ``pin`` / ``unpin`` / ``evict`` served from the schedulers' ``WorkerCache`` objects,
-    through typed commands each scheduler runs between two ticks (``basertd.server.
-    scheduler_commands``) (so nothing races a tick's prompt-ring
-    writes or leases). ``engine_stats(worker_id)`` answers a worker's engine counters (PONG) and
+    ``ls`` / ``pin`` / ``unpin`` / ``evict`` served from the workers' ``WorkerCache`` objects,
+    through typed commands each worker's scheduler runs between two ticks
+    (``basertd.server.cache.commands``), so nothing races a tick's prompt-ring writes or leases.
+    ``engine_stats(worker_id)`` answers a worker's engine counters (PONG) and
     ``counter(name, worker_id)`` a metrics counter. Methods raise ``ControlError``."""
 
     def __init__(
         self,
-        schedulers: Sequence[SchedulerLike],
+        workers: Sequence[CacheWorker],
         engine_stats: Callable[[int], Awaitable[dict[str, int] | None]],
         counter: Callable[[str, int], int],
         *,
         pin_timeout_s: float = 120.0,
     ) -> None:
-        self.schedulers = schedulers
+        self.workers = workers
         self.engine_stats = engine_stats
         self.counter = counter
         self.pin_timeout_s = pin_timeout_s
@@ -69,10 +80,10 @@ class PolicyCacheControl:
     async def stats(self) -> list[control.CacheStatsRow]:
         """One row per worker (``CacheControl.stats``)."""
         rows = []
-        for sched in self.schedulers:
-            i = sched.worker_id
+        for w in self.workers:
+            i = w.worker_id
             engine = await self.engine_stats(i) or {}
-            own = sched.cache_policy.stats_row(engine)
+            own = w.cache.stats_row(engine)
             rows.append(
                 control.CacheStatsRow(
                     worker_id=i,
@@ -93,14 +104,14 @@ class PolicyCacheControl:
         """Cached prefixes, verified against the engines, most recently used first."""
         now = time.monotonic()
         rows: list[tuple[float, control.CacheEntryRow]] = []
-        for sched in self.schedulers:
-            if worker_id is not None and sched.worker_id != worker_id:
+        for w in self.workers:
+            if worker_id is not None and w.worker_id != worker_id:
                 continue
-            wc = sched.cache_policy
-            found = await self._send(sched, ListEntries())
+            wc = w.cache
+            found = await self._send(w, ListEntries())
             for e in found:
                 row = control.CacheEntryRow(
-                    worker_id=sched.worker_id,
+                    worker_id=w.worker_id,
                     prefix_tokens=e.length,
                     bytes=e.length * wc.bytes_per_token,
                     pin_id=e.pin_id,
@@ -116,12 +127,12 @@ class PolicyCacheControl:
         """Pin each worker's prefix (its whole pages): warm it with an internal one-token request
         when it is not cached, then hold it with a renewed lease. Raises ``ControlError``
         INVALID_REQUEST (cache disabled, shorter than a page), WORKER_FAILED, TIMEOUT."""
-        by_sched = {s.worker_id: s for s in self.schedulers}
+        by_id = {w.worker_id: w for w in self.workers}
         pin_id = self._next_pin
         record = PinRecord(pin_id)
         for wid, tokens in tokens_by_worker.items():
-            sched = by_sched[wid]
-            wc = sched.cache_policy
+            w = by_id[wid]
+            wc = w.cache
             if not wc.enabled:
                 raise ControlError(
                     ErrorCode.INVALID_REQUEST, "the prefix cache is disabled ([cache] enabled)"
@@ -134,9 +145,9 @@ class PolicyCacheControl:
                 )
             arr = np.array(tokens[:n], dtype=np.uint32)
             hold = PinHold(pin_id, arr, page_hashes(arr, wc.page))
-            if not await self._send(sched, HoldPin(hold)):
-                await sched.warm_prefix([int(t) for t in arr], self.pin_timeout_s)
-                if not await self._send(sched, HoldPin(hold)):
+            if not await self._send(w, HoldPin(hold)):
+                await w.scheduler.warm_prefix([int(t) for t in arr], self.pin_timeout_s)
+                if not await self._send(w, HoldPin(hold)):
                     raise ControlError(
                         ErrorCode.INTERNAL,
                         f"worker {wid}: the prefix was prefilled but is not served by the cache",
@@ -153,41 +164,39 @@ class PolicyCacheControl:
         record = self.pins.pop(pin_id, None)
         if record is None:
             raise ControlError(ErrorCode.NOT_FOUND, f"no pin {pin_id}")
-        for sched in self.schedulers:
-            if sched.worker_id not in record.lengths:
+        for w in self.workers:
+            if w.worker_id not in record.lengths:
                 continue
             try:
-                await self._send(sched, DropPin(pin_id))
+                await self._send(w, DropPin(pin_id))
             except ControlError:
-                await sched.cache_policy.drop_pin(None, pin_id)  # the worker is down: its lease died with it
+                await w.cache.drop_pin(None, pin_id)  # the worker is down: its lease died with it
         log.info("cache_unpinned", pin_id=pin_id)
 
     async def evict(self, worker_id: int | None, bytes_target: int) -> control.CacheEvictResult:
         """Evict unpinned prefixes on one or every worker (``CacheControl.evict``)."""
         freed = entries = 0
-        for sched in self.schedulers:
-            if worker_id is not None and sched.worker_id != worker_id:
+        for w in self.workers:
+            if worker_id is not None and w.worker_id != worker_id:
                 continue
-            before = await self.engine_stats(sched.worker_id) or {}
+            before = await self.engine_stats(w.worker_id) or {}
             try:
-                freed += await self._send(sched, Evict(bytes_target))
+                freed += await self._send(w, Evict(bytes_target))
             except ControlError as exc:
                 if exc.code != ErrorCode.WORKER_FAILED or worker_id is not None:
                     raise
                 continue
-            after = await self.engine_stats(sched.worker_id) or {}
+            after = await self.engine_stats(w.worker_id) or {}
             entries += max(0, int(before.get("cache_entries", 0)) - int(after.get("cache_entries", 0)))
         log.info("cache_evicted", worker_id=worker_id, bytes_target=bytes_target, bytes_freed=freed)
         return control.CacheEvictResult(bytes_freed=freed, entries=entries)
 
-    async def _send(self, sched: SchedulerLike, cmd: Command) -> Any:
-        """Run ``cmd`` on ``sched``'s loop between two ticks; ``ControlError`` WORKER_FAILED when
+    async def _send(self, w: CacheWorker, cmd: Command) -> Any:
+        """Run ``cmd`` on ``w``'s scheduler loop between two ticks; ``ControlError`` WORKER_FAILED when
         the worker is not running, TIMEOUT when no gap between ticks came."""
         try:
-            return await sched.command(cmd)
+            return await w.scheduler.command(cmd)
         except LinkError as exc:
-            raise ControlError(ErrorCode.WORKER_FAILED, f"worker {sched.worker_id}: {exc}") from None
+            raise ControlError(ErrorCode.WORKER_FAILED, f"worker {w.worker_id}: {exc}") from None
         except TimeoutError:
-            raise ControlError(
-                ErrorCode.TIMEOUT, f"worker {sched.worker_id} is busy or not running"
-            ) from None
+            raise ControlError(ErrorCode.TIMEOUT, f"worker {w.worker_id} is busy or not running") from None

@@ -27,6 +27,8 @@ import os
 import stat
 import time
 import tomllib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +40,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
 from basertd.server.ops.control_errors import ControlError
 from basertd.server.ops.reload import config_changes
-from basertd.server.states import DaemonState, SlotState
+from basertd.server.states import DaemonState
 
 if TYPE_CHECKING:
     from basertd.server.fleet import Fleet
@@ -56,24 +58,16 @@ RESTART_TIMEOUT_S = 180.0
 STOP_TIMEOUT_HINT_S = 90.0
 """TimeoutStopSec of the shipped basertd.service; a drain timeout near it gets a warning."""
 
-VERB_NAMES: dict[type, str] = {
-    control.Status: "status",
-    control.Workers: "workers",
-    control.Lanes: "lanes",
-    control.Queue: "queue",
-    control.CacheStats: "cache stats",
-    control.CacheList: "cache ls",
-    control.CachePin: "cache pin",
-    control.CacheUnpin: "cache unpin",
-    control.CacheEvict: "cache evict",
-    control.Drain: "drain",
-    control.Resume: "resume",
-    control.RestartWorker: "restart-worker",
-    control.Metrics: "metrics",
-    control.Shutdown: "shutdown",
-    control.ConfigCheck: "config check",
-}
-"""basertctl's name of each control verb (for messages, logs and metric labels)."""
+
+@dataclass(frozen=True, slots=True)
+class Verb:
+    """One control verb: basertctl's ``name`` of it (for messages, logs and metric labels), its
+    ``handler`` (the request in, the reply out; raises ``ControlError``) and whether it only
+    reads (``view``: no log line per call)."""
+
+    name: str
+    handler: Callable[[Any], Awaitable[Any]]
+    view: bool = False
 
 
 class CacheControl(Protocol):
@@ -199,16 +193,35 @@ def check_config_text(text: str, source: str, running: Config | None = None) -> 
 
 
 class ControlService:
-    """Answers control verbs for one daemon (module docstring)."""
+    """Answers control verbs for one daemon (module docstring): one ``Verb`` per request type
+    (``verbs``), as ``basertd.server.transport.native_api.NativeService`` does for client frames."""
 
     def __init__(self, host: ControlHost) -> None:
         self.d = host
+        self.verbs: dict[type, Verb] = {
+            control.Status: Verb("status", self._status, view=True),
+            control.Workers: Verb("workers", self._workers, view=True),
+            control.Lanes: Verb("lanes", self._lanes, view=True),
+            control.Queue: Verb("queue", self._queue, view=True),
+            control.CacheStats: Verb("cache stats", self._cache_stats, view=True),
+            control.CacheList: Verb("cache ls", self._cache_list, view=True),
+            control.CachePin: Verb("cache pin", self._cache_pin),
+            control.CacheUnpin: Verb("cache unpin", self._cache_unpin),
+            control.CacheEvict: Verb("cache evict", self._cache_evict),
+            control.Drain: Verb("drain", self._drain),
+            control.Resume: Verb("resume", self._resume),
+            control.RestartWorker: Verb("restart-worker", self._restart_worker),
+            control.Metrics: Verb("metrics", self._metrics, view=True),
+            control.Shutdown: Verb("shutdown", self._shutdown),
+            control.ConfigCheck: Verb("config check", self._config_check),
+        }
+        """The handler of each control request type (``verbs[type(msg)]``)."""
 
     async def handle(self, conn: ClientConnection, msg: Any) -> None:
-        """Check the peer, run the verb's handler, send its result or a typed ``Error``."""
+        """Check the peer, run the verb's handler (``verbs``), send its result or a typed ``Error``."""
         rid = getattr(msg, "request_id", "")
-        verb = VERB_NAMES.get(type(msg))
-        if verb is None:
+        entry = self.verbs.get(type(msg))
+        if entry is None:
             conn.send(
                 api.Error(
                     code=ErrorCode.INVALID_REQUEST,
@@ -217,6 +230,7 @@ class ControlService:
                 )
             )
             return
+        verb = entry.name
         peer = conn.credentials
         if not self.d.operators.allows(peer):
             log.warning("control_denied", verb=verb, uid=peer.uid, gid=peer.gid, pid=peer.pid)
@@ -230,7 +244,7 @@ class ControlService:
             )
             return
         try:
-            reply = await getattr(self, "_" + type(msg).__name__)(msg)
+            reply = await entry.handler(msg)
         except ControlError as exc:
             conn.send(api.Error(code=exc.code, request_id=rid, message=exc.message))
             return
@@ -240,7 +254,7 @@ class ControlService:
             return
         reply.request_id = rid
         conn.send(reply)
-        if verb not in ("status", "workers", "lanes", "queue", "cache stats", "cache ls", "metrics"):
+        if not entry.view:
             log.info("control", verb=verb, uid=peer.uid, pid=peer.pid)
 
     def _check_running(self) -> None:
@@ -249,91 +263,89 @@ class ControlService:
 
     # --- views -----------------------------------------------------------------------------------
 
-    async def _Status(self, msg: control.Status) -> control.StatusResult:
+    async def _status(self, msg: control.Status) -> control.StatusResult:
         d = self.d
+        t = d.fleet.totals()
         return control.StatusResult(
             version=d.version,
             state=d.public_state(),
             uptime_s=time.monotonic() - d.started_at,
-            workers_ready=d.fleet.ready_count,
-            workers_total=len(d.fleet),
-            lanes_busy=d.fleet.lanes_busy,
-            lanes_max=d.fleet.lanes_max,
-            queued=sum(d.fleet.queued_by_class().values()),
+            workers_ready=t.ready,
+            workers_total=t.total,
+            lanes_busy=t.lanes_busy,
+            lanes_max=t.lanes_max,
+            queued=t.queued,
             requests_total=d.requests_total,
             problems=d.fleet.problems(),
         )
 
-    async def _Workers(self, msg: control.Workers) -> control.WorkersResult:
+    async def _workers(self, msg: control.Workers) -> control.WorkersResult:
         d = self.d
         all_stats = await asyncio.gather(*(d.fleet.worker_stats(i) for i in range(len(d.fleet))))
         rows = []
-        for m, stats in zip(d.fleet, all_stats, strict=True):
-            i, slot, sched = m.worker_id, m.slot, m.scheduler
+        for m, snap, stats in zip(d.fleet, d.fleet.snapshots(), all_stats, strict=True):
             stats = stats or {}
             rows.append(
                 control.WorkerRow(
-                    worker_id=i,
+                    worker_id=snap.worker_id,
                     engine=m.config.engine,
                     model=m.model_name,
                     state=(
                         DaemonState.DRAINING  # a serving worker of a draining daemon
-                        if slot.state is SlotState.READY and d.drainer.draining
-                        else slot.state
+                        if snap.ready and d.drainer.draining
+                        else snap.state
                     ),
-                    pid=slot.proc.pid if slot.proc is not None else 0,
-                    lanes_busy=sched.busy_lanes,
-                    lanes_max=sched.limits.max_lanes,
-                    queue_depth=len(sched.queues),
-                    respawns=slot.respawns,
+                    pid=snap.pid,
+                    lanes_busy=snap.lanes_busy,
+                    lanes_max=snap.limits.max_lanes,
+                    queue_depth=snap.queued,
+                    respawns=snap.respawns,
                     pool_used_bytes=int(stats.get("pool_bytes_used", 0)),
                     pool_total_bytes=int(stats.get("pool_bytes_total", 0)),
-                    ticks_run=sched.ticks_run,
+                    ticks_run=snap.ticks_run,
                     engine_lanes=int(stats.get("live_lanes", 0)),
                     seed_leases=int(stats.get("live_seed_leases", 0)),
                     engine_stats={k: int(v) for k, v in stats.items()},
-                    last_error="" if slot.state is SlotState.READY else slot.last_error,
+                    last_error=snap.last_error,
                 )
             )
         return control.WorkersResult(workers=rows)
 
-    async def _Lanes(self, msg: control.Lanes) -> control.LanesResult:
-        now = time.monotonic()
+    async def _lanes(self, msg: control.Lanes) -> control.LanesResult:
         wanted = set(_worker_ids(self.d.fleet, msg.worker_id))
         rows = [
             control.LaneRow(
-                worker_id=sched.worker_id,
+                worker_id=snap.worker_id,
                 lane_tag=lane.tag,
-                request_id=lane.request.request_id,
-                qos=lane.request.qos,
+                request_id=lane.request_id,
+                qos=lane.qos,
                 state=lane.phase,
-                prompt_tokens=lane.prompt_len,
-                generated_tokens=len(lane.request.generated),
-                cached_tokens=lane.request.cached_tokens,
-                age_s=now - lane.admitted_at,
+                prompt_tokens=lane.prompt_tokens,
+                generated_tokens=lane.generated_tokens,
+                cached_tokens=lane.cached_tokens,
+                age_s=snap.taken_at - lane.admitted_at,
             )
-            for sched in self.d.fleet.schedulers
-            if sched.worker_id in wanted
-            for lane in sched.lanes.values()
+            for snap in self.d.fleet.snapshots()
+            if snap.worker_id in wanted
+            for lane in snap.lanes
         ]
         return control.LanesResult(lanes=rows)
 
-    async def _Queue(self, msg: control.Queue) -> control.QueueResult:
-        now = time.monotonic()
+    async def _queue(self, msg: control.Queue) -> control.QueueResult:
         totals: dict[str, list[float]] = {}
-        for sched in self.d.fleet.schedulers:
-            for qos, depth, wait in sched.queue_rows(now):
-                t = totals.setdefault(qos, [0, 0.0])
-                t[0] += depth
-                t[1] = max(t[1], wait)
+        for snap in self.d.fleet.snapshots():
+            for row in snap.queues:
+                t = totals.setdefault(row.qos, [0, 0.0])
+                t[0] += row.depth
+                t[1] = max(t[1], row.oldest_wait_s)
         return control.QueueResult(
             classes=[control.QueueRow(qos=q, depth=int(d), oldest_wait_s=w) for q, (d, w) in totals.items()]
         )
 
-    async def _Metrics(self, msg: control.Metrics) -> control.MetricsResult:
+    async def _metrics(self, msg: control.Metrics) -> control.MetricsResult:
         return control.MetricsResult(text=self.d.metrics.exposition())
 
-    async def _ConfigCheck(self, msg: control.ConfigCheck) -> control.ConfigCheckResult:
+    async def _config_check(self, msg: control.ConfigCheck) -> control.ConfigCheckResult:
         if (msg.path is None) == (msg.text is None):
             raise ControlError(ErrorCode.INVALID_REQUEST, "give exactly one of path and text")
         if msg.path is not None:
@@ -346,16 +358,16 @@ class ControlService:
 
     # --- prefix cache ----------------------------------------------------------------------------
 
-    async def _CacheStats(self, msg: control.CacheStats) -> control.CacheStatsResult:
+    async def _cache_stats(self, msg: control.CacheStats) -> control.CacheStatsResult:
         return control.CacheStatsResult(workers=await self.d.cache_control.stats())
 
-    async def _CacheList(self, msg: control.CacheList) -> control.CacheListResult:
+    async def _cache_list(self, msg: control.CacheList) -> control.CacheListResult:
         _worker_ids(self.d.fleet, msg.worker_id)
         if msg.limit < 1:
             raise ControlError(ErrorCode.INVALID_REQUEST, f"limit must be >= 1, got {msg.limit}")
         return control.CacheListResult(entries=await self.d.cache_control.entries(msg.worker_id, msg.limit))
 
-    async def _CachePin(self, msg: control.CachePin) -> control.CachePinResult:
+    async def _cache_pin(self, msg: control.CachePin) -> control.CachePinResult:
         if (msg.tokens is None) == (msg.text is None):
             raise ControlError(ErrorCode.INVALID_REQUEST, "give exactly one of tokens and text")
         by_worker: dict[int, list[int]] = {}
@@ -375,11 +387,11 @@ class ControlService:
             by_worker[i] = tokens
         return await self.d.cache_control.pin(by_worker)
 
-    async def _CacheUnpin(self, msg: control.CacheUnpin) -> control.ControlOk:
+    async def _cache_unpin(self, msg: control.CacheUnpin) -> control.ControlOk:
         await self.d.cache_control.unpin(msg.pin_id)
         return control.ControlOk(message=f"pin {msg.pin_id} dropped")
 
-    async def _CacheEvict(self, msg: control.CacheEvict) -> control.CacheEvictResult:
+    async def _cache_evict(self, msg: control.CacheEvict) -> control.CacheEvictResult:
         _worker_ids(self.d.fleet, msg.worker_id)
         if msg.bytes_target < 0:
             raise ControlError(
@@ -389,7 +401,7 @@ class ControlService:
 
     # --- steering --------------------------------------------------------------------------------
 
-    async def _Drain(self, msg: control.Drain) -> control.DrainResult:
+    async def _drain(self, msg: control.Drain) -> control.DrainResult:
         timeout = _timeout(msg.timeout_s)
         self._check_running()
         self.d.drainer.begin(ErrorCode.DRAINING)
@@ -399,7 +411,7 @@ class ControlService:
         left = self.d.drainer.in_flight if outcome.resumed else outcome.cancelled
         return control.DrainResult(drained=outcome.drained, lanes_active=left, waited_s=outcome.waited_s)
 
-    async def _Resume(self, msg: control.Resume) -> control.ControlOk:
+    async def _resume(self, msg: control.Resume) -> control.ControlOk:
         self._check_running()
         if self.d.drainer.code is ErrorCode.SHUTTING_DOWN and self.d.drainer.draining:
             raise ControlError(ErrorCode.SHUTTING_DOWN, "basertd is draining to stop; it cannot resume")
@@ -407,7 +419,7 @@ class ControlService:
         self.d.publish_status()
         return control.ControlOk(message="accepting requests" if resumed else "was not draining")
 
-    async def _RestartWorker(self, msg: control.RestartWorker) -> control.RestartWorkerResult:
+    async def _restart_worker(self, msg: control.RestartWorker) -> control.RestartWorkerResult:
         self._check_running()
         (wid,) = _worker_ids(self.d.fleet, msg.worker_id)
         slot = self.d.fleet[wid].slot
@@ -425,7 +437,7 @@ class ControlService:
             ) from None
         return control.RestartWorkerResult(worker_id=wid, pid=proc.pid)
 
-    async def _Shutdown(self, msg: control.Shutdown) -> control.ControlOk:
+    async def _shutdown(self, msg: control.Shutdown) -> control.ControlOk:
         timeout = _timeout(msg.timeout_s)
         self._check_running()
         self.d.request_shutdown(drain=msg.drain, timeout_s=timeout)

@@ -82,10 +82,5 @@ def apply_reload(old: Config, schedulers: Iterable[Any], new: Config) -> tuple[R
     report = config_changes(old, new)
     running = effective_config(old, new)
     for sched in schedulers:
-        sched.config = running.scheduler
-        sched.cache = running.cache
-        rates = sched.rates
-        rates.tick_target_s = running.scheduler.tick_target_s
-        rates.max_prefill = running.scheduler.prefill_budget
-        rates.max_grant = running.scheduler.decode_grant
+        sched.reconfigure(running.scheduler, running.cache)
     return report, running

@@ -47,9 +47,11 @@ from basertd.schema import link
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import TokenRef
 from basertd.server.cache.commands import Command, DropPin, Evict, HoldPin, ListEntries
+from basertd.server.cache.policy import WorkerCache
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.notify import Heartbeat
+from basertd.server.observe.snapshot import LaneSnapshot, QueueSnapshot, WorkerSnapshot
 from basertd.server.request.record import AdmissionError, GenerationRequest
 from basertd.server.request.tokenizer import Tokenizer
 from basertd.server.sched.core import QUEUED_FIRST_S, SchedulerCore
@@ -88,42 +90,21 @@ CURVE_TIMEOUT_S = 1.0
 """Seconds the curve's PING may take before it is skipped until the next turn."""
 
 
-def _core(name: str, doc: str) -> property:
-    """A read/write attribute kept by the core."""
-    return property(
-        lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v), doc=doc
-    )
-
-
 class Scheduler:
-    """The scheduler loop of one worker (module docstring). The front end calls ``check_admission``
-    and ``submit`` for each accepted Generate, ``cancel`` for Cancel and gone clients, and runs
-    ``run()`` as a task. State for operators and tests (kept by ``core``): ``lanes``, ``queues``,
-    ``limits``, ``rates``, ``config``, ``cache``, ``cache_policy`` and the counters.
+    """The scheduler loop of one worker (module docstring). The front end calls
+    ``core.check_admission`` and ``submit`` for each accepted Generate, ``cancel`` for Cancel and
+    gone clients, and runs ``run()`` as a task. The synchronous questions go to ``core``
+    (``SchedulerCore``: ``check_admission``, ``load`` and ``cached_prefix`` for routing), which keeps
+    the state; what operators and metrics see of this worker is ``snapshot()``, a frozen
+    ``WorkerSnapshot`` (``basertd.server.observe.snapshot``); a reload hands its knobs to
+    ``reconfigure``. ``cache_policy`` is this worker's prefix-cache policy (``WorkerCache``), made
+    by the fleet, which keeps it too.
 
     ``metrics`` receives each tick's wall time; ``heartbeat`` beats on every loop turn and every
     second of a bounded wait, so the systemd watchdog stops when this loop hangs
     (``basertd.server.observe.notify.Watchdog``). ``command(cmd)`` runs a typed command with the live
     worker between two ticks; ``warm_prefix(tokens)`` prefills a prefix with an internal request so
     it can be pinned (``tokenizer``, the worker's vocabulary, decodes its one token)."""
-
-    lanes = _core("lanes", "Live lanes: tag -> ``Lane``.")
-    queues = _core("queues", "The per-class ``RequestQueues``.")
-    limits = _core("limits", "The worker's ``WorkerLimits``.")
-    rates = _core("rates", "The adaptive ``TickRates``.")
-    config = _core("config", "The ``[scheduler]`` knobs (a reload replaces them).")
-    cache = _core("cache", "The ``[cache]`` knobs (a reload replaces them).")
-    cache_policy = _core("cache_policy", "This worker's prefix-cache policy (``WorkerCache``).")
-    grammars = _core("grammars", "The grammar handles held on the worker (``GrammarHandles``).")
-    last_mem = _core("last_mem", "Memory counters of the last tick, None once read.")
-    ticks_run = _core("ticks_run", "Accepted ticks.")
-    plans_rejected = _core("plans_rejected", "Plans the engine rejected.")
-    requests_done = _core("requests_done", "Requests that ended (done, failed, cancelled).")
-    prefill_tokens_total = _core("prefill_tokens_total", "Prompt tokens prefilled.")
-    decode_tokens_total = _core("decode_tokens_total", "Tokens emitted.")
-    preemptions = _core("preemptions", "Lanes requeued for an interactive request.")
-    checkpoints = _core("checkpoints", "Lanes requeued for prefix coalescing.")
-    crash_resumes = _core("crash_resumes", "Lanes resumed after their worker died.")
 
     def __init__(
         self,
@@ -134,10 +115,13 @@ class Scheduler:
         *,
         metrics: Metrics | None = None,
         tokenizer: Tokenizer | None = None,
+        cache_policy: WorkerCache | None = None,
     ) -> None:
         self.slot = slot
         self.worker_id = slot.worker_id
-        self.core = SchedulerCore(slot.worker_id, limits, config, cache, metrics=metrics)
+        self.core = SchedulerCore(
+            slot.worker_id, limits, config, cache, metrics=metrics, cache_policy=cache_policy
+        )
         self.metrics = self.core.metrics
         self.heartbeat = Heartbeat(f"scheduler-{slot.worker_id}")
         self.tokenizer = tokenizer
@@ -158,12 +142,6 @@ class Scheduler:
         self._phase = Phase.NO_WORKER
 
     # --- API side -------------------------------------------------------------------------------
-
-    def check_admission(
-        self, prompt_len: int, max_tokens: int, qos: str, *, acknowledged: bool = False
-    ) -> None:
-        """``SchedulerCore.check_admission``: raises ``AdmissionError``."""
-        self.core.check_admission(prompt_len, max_tokens, qos, acknowledged=acknowledged)
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue an admitted request (``check_admission`` passed) and wake the loop; the tick in
@@ -187,24 +165,6 @@ class Scheduler:
         self.slot.poke()
         self._wake.set()
 
-    @property
-    def busy_lanes(self) -> int:
-        """Live lanes (retiring ones included)."""
-        return len(self.core.lanes)
-
-    @property
-    def yields_requested(self) -> int:
-        """Yields asked of ticks in flight."""
-        return self._yield.requested
-
-    def load(self) -> float:
-        """Queued + running requests per lane (``SchedulerCore.load``)."""
-        return self.core.load()
-
-    def cached_prefix(self, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` this worker's prefix index holds (a routing hint)."""
-        return self.core.cached_prefix(prompt)
-
     def fail_queued(self, code: ErrorCode, message: str) -> int:
         """Fail every queued request with ``code``; returns how many."""
         out = self.core.fail_queued(code, message, time.monotonic())
@@ -217,14 +177,57 @@ class Scheduler:
         if n:
             log.warning("queued_requests_failed", worker_id=self.worker_id, count=n)
 
-    def queue_rows(self, now: float) -> list[tuple[str, int, float]]:
-        """(class, depth, oldest wait seconds) per QoS class, highest first."""
-        return self.core.queue_rows(now)
+    def reconfigure(self, config: SchedulerConfig, cache: CacheConfig) -> None:
+        """Take a reload's ``[scheduler]`` and ``[cache]`` knobs (``basertd.server.ops.reload``):
+        the measured tick rates are kept, their caps (tick target, prefill budget, decode grant)
+        updated; the ``[cache]`` knobs reach the cache policy in the next gap between two ticks."""
+        core = self.core
+        core.config, core.cache = config, cache
+        core.rates.tick_target_s = config.tick_target_s
+        core.rates.max_prefill = config.prefill_budget
+        core.rates.max_grant = config.decode_grant
 
-    @property
-    def stall_reason(self) -> str | None:
-        """Why this scheduler is stalled (``basertd.server.sched.watchdog``), or None while it progresses."""
-        return self.watchdog.reason
+    def snapshot(self) -> WorkerSnapshot:
+        """This worker now, as operators and metrics see it (``basertd.server.observe.snapshot``):
+        a frozen copy, taken on the event loop."""
+        core, slot, now = self.core, self.slot, time.monotonic()
+        lanes = tuple(
+            LaneSnapshot(
+                tag=lane.tag,
+                request_id=lane.request.request_id,
+                qos=lane.request.qos,
+                phase=lane.phase,
+                prompt_tokens=lane.prompt_len,
+                generated_tokens=len(lane.request.generated),
+                cached_tokens=lane.request.cached_tokens,
+                reserved_tokens=lane.reserved,
+                admitted_at=lane.admitted_at,
+            )
+            for lane in core.lanes.values()
+        )
+        return WorkerSnapshot(
+            worker_id=self.worker_id,
+            taken_at=now,
+            state=slot.state,
+            pid=slot.proc.pid if slot.proc is not None else 0,
+            respawns=slot.respawns,
+            last_error="" if slot.state is SlotState.READY else slot.last_error,
+            limits=core.limits,
+            lanes=lanes,
+            queues=tuple(QueueSnapshot(q, depth, wait) for q, depth, wait in core.queue_rows(now)),
+            mem=core.last_mem,
+            stall_reason=self.watchdog.reason,
+            prefix_caching=core.cache.enabled,
+            ticks_run=core.ticks_run,
+            plans_rejected=core.plans_rejected,
+            requests_done=core.requests_done,
+            prefill_tokens=core.prefill_tokens_total,
+            decode_tokens=core.decode_tokens_total,
+            preemptions=core.preemptions,
+            checkpoints=core.checkpoints,
+            crash_resumes=core.crash_resumes,
+            yields_requested=self._yield.requested,
+        )
 
     async def ticked(self) -> None:
         """Wait for the next tick to land (or the worker to be lost)."""
@@ -236,10 +239,10 @@ class Scheduler:
         while True:
             await asyncio.sleep(min(wd.poll_s, QUEUED_FIRST_S / 2))
             self._deliver(self.core.expire(time.monotonic()))
-            wd.bound_s = self.config.stall_timeout_s  # a reload may have changed it
+            wd.bound_s = self.core.config.stall_timeout_s  # a reload may have changed it
             live = self.core.live()
             phase = self._phase
-            reason = wd.check(phase, len(self.queues) + live)
+            reason = wd.check(phase, len(self.core.queues) + live)
             if reason is None:
                 continue
             log.error("scheduler_stalled", worker_id=self.worker_id, reason=reason)
@@ -324,7 +327,7 @@ class Scheduler:
                 self._phase = Phase.PLANNING
                 plan = await self._plan(proc)
                 if plan is None or (
-                    plan.draft.empty and (self.core.to_release or self.grammars.pending_free)
+                    plan.draft.empty and (self.core.to_release or self.core.grammars.pending_free)
                 ):
                     continue  # release the leases and grammars it did not use before waiting
                 if plan.draft.empty:
@@ -359,7 +362,7 @@ class Scheduler:
 
     async def _execute(self, port: WorkerPort, cmd: Command) -> Any:
         """The one place commands run (``basertd.server.cache.commands``)."""
-        wc = self.cache_policy
+        wc = self.core.cache_policy
         match cmd:
             case HoldPin(pin=pin):
                 return await wc.hold(port, pin)
@@ -374,8 +377,8 @@ class Scheduler:
     async def _between(self, proc: WorkerProcess) -> None:
         port = self._port
         assert port is not None
-        core, wc = self.core, self.cache_policy
-        wc.config = self.cache  # a reload (SIGHUP) may have replaced the [cache] knobs
+        core, wc = self.core, self.core.cache_policy
+        wc.config = core.cache  # a reload (SIGHUP) may have replaced the [cache] knobs
         while self._commands:
             cmd, fut = self._commands.popleft()
             if fut.done():
@@ -392,9 +395,9 @@ class Scheduler:
                 fut.set_result(result)
         while core.to_release:
             await wc.release(port, core.to_release.pop())
-        await self.grammars.free_pending(proc.link)
+        await core.grammars.free_pending(proc.link)
         await self._read_curve(proc)
-        await self._biases.sweep(proc.link, {lane.request.key for lane in self.lanes.values()})
+        await self._biases.sweep(proc.link, {lane.request.key for lane in core.lanes.values()})
         if wc.renewals_due():
             for pin in await wc.renew(port):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -443,7 +446,7 @@ class Scheduler:
         except (LinkTimeout, WorkerError) as exc:  # the worker may still answer: it serves on
             log.debug("rate_curve_unread", worker_id=self.worker_id, error=repr(exc))
             return
-        self.rates.set_curve(rate_curve(pong.stats))
+        self.core.rates.set_curve(rate_curve(pong.stats))
 
     # --- planning ---------------------------------------------------------------------------------
 
@@ -454,7 +457,7 @@ class Scheduler:
         loop plans again. Handles made for requests the plan does not admit are freed."""
         port = self._port
         assert port is not None
-        core, wc = self.core, self.cache_policy
+        core, wc = self.core, self.core.cache_policy
         now = time.monotonic()
         resolved: dict[int, Resolved] = {}
         for req in core.hint_requests(now):
@@ -473,14 +476,14 @@ class Scheduler:
         if any(req.finished for req in plan.requests.values()):
             core.abandon(plan)
             for req in made:
-                self.grammars.drop(req)
+                core.grammars.drop(req)
             return None
         return plan
 
     async def _create_grammar(self, proc: WorkerProcess, req: GenerationRequest) -> None:
         """A grammar handle for ``req``'s admission; a worker that gives none fails ``req``
         INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
-        why = await self.grammars.create(proc.link, req)
+        why = await self.core.grammars.create(proc.link, req)
         if why is None or req.grammar is None:
             return
         log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
@@ -520,7 +523,7 @@ class Scheduler:
         if refs is None:
             core.abandon(plan)
             for r in requests.values():
-                self.grammars.drop(r)
+                core.grammars.drop(r)
             return
         tick_plan = core.launch(plan, refs, biases, now)
         self._phase = Phase.TICK
@@ -566,7 +569,7 @@ class Scheduler:
         unreadable)."""
         out: dict[int, list[int] | None] = {}
         for emit in events.emits:
-            if not emit.n_tokens or emit.lane_tag not in self.lanes:
+            if not emit.n_tokens or emit.lane_tag not in self.core.lanes:
                 continue
             try:
                 out[emit.lane_tag] = proc.emit_ring.read(emit.token_ref).tolist()
@@ -620,8 +623,8 @@ class Scheduler:
             if proc is None or not proc.link.alive or peer.slot.state != SlotState.READY:
                 continue
             try:
-                peer.check_admission(len(req.prompt), req.max_tokens, req.qos)
+                peer.core.check_admission(len(req.prompt), req.max_tokens, req.qos)
             except AdmissionError:
                 continue
             fits.append(peer)
-        return min(fits, key=lambda p: p.load(), default=None)
+        return min(fits, key=lambda p: p.core.load(), default=None)

@@ -19,9 +19,8 @@ from basertd.schema import client as api
 from basertd.schema.abi import Sampling
 from basertd.schema.tick import SamplingParams
 from basertd.server.cache.commands import Command, HoldPin
-from basertd.server.cache.policy import WorkerCache
 from basertd.server.request.record import GenerationRequest, Sampler
-from basertd.server.sched.lanes import Lane
+from basertd.server.sched.state import SchedulerState
 from basertd.server.workers.link_errors import LinkError
 
 log = structlog.get_logger("basertd.scheduler")
@@ -35,8 +34,7 @@ class LoopLike(Protocol):
 
     worker_id: int
     tokenizer: Any
-    lanes: dict[int, Lane]
-    cache_policy: WorkerCache
+    core: SchedulerState  # its lanes and prefix-cache policy
 
     def submit(self, req: GenerationRequest) -> None: ...
 
@@ -84,7 +82,7 @@ async def warm_prefix(sched: LoopLike, tokens: list[int], tag: int, timeout: flo
         msg = await sink.done
         if isinstance(msg, api.Error):
             raise LinkError(f"warm-up failed: {msg.message}")
-        while any(lane.request is req for lane in sched.lanes.values()):
+        while any(lane.request is req for lane in sched.core.lanes.values()):
             await sched.ticked()  # its lane retires (and publishes) in a coming tick
 
     try:
@@ -97,7 +95,7 @@ async def warm_prefix(sched: LoopLike, tokens: list[int], tag: int, timeout: flo
 async def rewarm(sched: LoopLike, pin_id: int, warm) -> None:
     """Warm (``warm(tokens)``) and hold again pin ``pin_id`` of ``sched``'s worker, whose lease
     was lost. Failures are logged and the pin is retried after ``PIN_RETRY_S`` seconds."""
-    wc = sched.cache_policy
+    wc = sched.core.cache_policy
     try:
         pin = wc.pins.get(pin_id)
         if pin is None:

@@ -11,7 +11,7 @@ the clock and the reason; the scheduler's watch task (``Scheduler.watch``) polls
 - when no tick was in flight, the queued requests that waited the whole bound are the stuck work:
   they fail with ``INTERNAL``.
 
-``reason`` (``Scheduler.stall_reason``) stays set until the next completed tick, so health checks
+``reason`` (``WorkerSnapshot.stall_reason``) stays set until the next completed tick, so health checks
 report the stall.
 """
 

@@ -34,8 +34,8 @@ before failing pending calls, with no second ``recv`` racing a cancelled one, an
 callback per burst of frames instead of a future per frame.
 
 The errors live in ``basertd.server.workers.link_errors`` (re-exported here). Everything runs on one
-event loop thread; a link is not thread-safe. ``basertd.server.workers.process``
-has a small blocking wrapper (``SyncWorker``) for tests and benches.
+event loop thread; a link is not thread-safe. ``basertd.server.workers.sync_worker.SyncWorker``
+is a small blocking wrapper for tests and benches.
 """
 
 from __future__ import annotations
@@ -151,6 +151,13 @@ class WorkerLink:
         self._last_worker_error: link.Error | None = None
         self._shutdown_sent = False
         self._log = log.bind(worker_id=worker_id, pid=pid)
+        self._handlers: dict[MsgType, Callable[[link.Envelope, Any], None]] = {
+            MsgType.TICK_EMIT: self._on_tick_emit,
+            MsgType.STATE_OP_DONE: self._on_op_done,
+            MsgType.HELLO: self._on_hello,
+            MsgType.ERROR: self._on_error,
+        }
+        """The handler of each message type the worker may send unasked; any other is a reply."""
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -272,41 +279,51 @@ class WorkerLink:
     # -- receive ---------------------------------------------------------------------------------
 
     def _dispatch(self, frames: list) -> None:
+        """Decode one frame and hand it to the handler of its message type (``_handlers``): the
+        frames the worker sends unasked (TICK_EMIT, STATE_OP_DONE, HELLO, an ERROR with corr 0)
+        have one each; every other frame is a reply (``_on_reply``)."""
         try:
             env, body = self.codec.decode(frames)
         except FrameError as exc:
             self._log.error("link_frame_error", code=int(exc.code), code_name=exc.code.name, reason=str(exc))
             self._fail(LinkProtocolError(f"undecodable frame from the worker: {exc}", int(exc.code)))
             return
+        self._handlers.get(env.msg_type, self._on_reply)(env, body)
+
+    def _on_tick_emit(self, env: link.Envelope, body: link.TickEmit) -> None:
+        tick = self._tick
+        if tick is None or env.corr != tick.seq:
+            self._log.warning("stray_tick_emit", corr=env.corr)
+            return
+        if tick.on_emit is not None and tick.callback_error is None:
+            try:
+                tick.on_emit(body)
+            except Exception as exc:  # surfaced by tick() once its result is in
+                tick.callback_error = exc
+
+    def _on_op_done(self, env: link.Envelope, body: link.StateOpDone) -> None:
+        waiter = self._op_waiters.pop(body.op, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(body)
+        else:
+            self._ops_done[body.op] = body
+
+    def _on_hello(self, env: link.Envelope, body: link.Hello) -> None:
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_result(body)
+        else:
+            self._fail(LinkProtocolError("HELLO after the handshake"))
+
+    def _on_error(self, env: link.Envelope, body: link.Error) -> None:
+        if env.corr != 0:  # the answer to a request
+            self._on_reply(env, body)
+            return
+        self._last_worker_error = body
+        self._log.warning("worker_error", status=body.status, reason=body.message)
+
+    def _on_reply(self, env: link.Envelope, body: Any) -> None:
+        """Resolve the pending request (or the tick in flight) that ``env.corr`` answers."""
         mt = env.msg_type
-        if mt == MsgType.TICK_EMIT:
-            tick = self._tick
-            if tick is None or env.corr != tick.seq:
-                self._log.warning("stray_tick_emit", corr=env.corr)
-                return
-            if tick.on_emit is not None and tick.callback_error is None:
-                try:
-                    tick.on_emit(body)
-                except Exception as exc:  # surfaced by tick() once its result is in
-                    tick.callback_error = exc
-            return
-        if mt == MsgType.STATE_OP_DONE:
-            waiter = self._op_waiters.pop(body.op, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(body)
-            else:
-                self._ops_done[body.op] = body
-            return
-        if mt == MsgType.HELLO:
-            if self._hello is not None and not self._hello.done():
-                self._hello.set_result(body)
-            else:
-                self._fail(LinkProtocolError("HELLO after the handshake"))
-            return
-        if mt == MsgType.ERROR and env.corr == 0:
-            self._last_worker_error = body
-            self._log.warning("worker_error", status=body.status, reason=body.message)
-            return
         if self._tick is not None and env.corr == self._tick.seq:
             if mt == MsgType.TICK_RESULT and body.plan_seq != self._tick.plan_seq:
                 self._fail(
