@@ -97,8 +97,9 @@ class Scheduler:
     (``SchedulerCore``: ``check_admission``, ``load`` and ``cached_prefix`` for routing), which keeps
     the state; what operators and metrics see of this worker is ``snapshot()``, a frozen
     ``WorkerSnapshot`` (``basertd.server.observe.snapshot``); a reload hands its knobs to
-    ``reconfigure``. ``cache_policy`` is this worker's prefix-cache policy (``WorkerCache``), made
-    by the fleet, which keeps it too.
+    ``reconfigure``. The ``cache_policy`` argument is this worker's prefix-cache policy
+    (``WorkerCache``; a default one when None), which the core runs and whoever made it (the
+    fleet) keeps for the cache verbs.
 
     ``metrics`` receives each tick's wall time; ``heartbeat`` beats on every loop turn and every
     second of a bounded wait, so the systemd watchdog stops when this loop hangs
