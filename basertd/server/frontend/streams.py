@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from basertd.schema import client as api
 
 if TYPE_CHECKING:
-    from basertd.server.frontend.admission import Frontend
     from basertd.server.request.record import GenerationRequest
+
+
+class Canceller(Protocol):
+    """What a stream needs of the front end (``admission.Frontend``): ending its request."""
+
+    def cancel(self, req: GenerationRequest, *, message: str = ...) -> None: ...
 
 
 class QueueSink:
@@ -43,7 +48,7 @@ class GenerationStream:
     reply. ``aclose()`` (or leaving ``async with``) before the end cancels the request."""
 
     def __init__(
-        self, frontend: Frontend, request: GenerationRequest, sink: QueueSink, accepted: Any
+        self, frontend: Canceller, request: GenerationRequest, sink: QueueSink, accepted: Any
     ) -> None:
         self.frontend = frontend
         self.request = request
