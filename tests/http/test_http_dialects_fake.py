@@ -477,6 +477,55 @@ def test_chat_tools_stream_one_tool_calls_chunk_once_the_call_is_complete():
     assert datas(sse(text))[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+CUT_CALL = '{"name": "get_weather", "arguments": {"ci'
+"""A call cut by max_tokens: no complete call, and no text either."""
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_cut_by_max_tokens_is_length_with_no_content_pretending_to_be_text(choice):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL], "tool_choice": choice}
+    status, out = post(FakeFrontend(reply=CUT_CALL, finish="length"), "/v1/chat/completions", body)
+    assert status == 200
+    (c,) = out["choices"]
+    assert c["finish_reason"] == "length" and c["message"]["content"] is None
+    assert "tool_calls" not in c["message"]
+    status, text = post_raw(
+        FakeFrontend(reply=CUT_CALL, finish="length"), "/v1/chat/completions", {**body, "stream": True}
+    )
+    chunks = datas(sse(text))
+    assert status == 200 and not any(ch["choices"][0]["delta"].get("content") for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # Under "auto" text that is no call is content, as before.
+    status, out = post(
+        FakeFrontend(reply="sunny", finish="length"), "/v1/chat/completions", {**body, "tool_choice": "auto"}
+    )
+    assert out["choices"][0]["message"]["content"] == "sunny"
+
+
+def test_messages_a_cut_call_is_max_tokens_with_no_text():
+    tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    fake = FakeFrontend(reply=CUT_CALL, finish="length")
+    status, out = post(fake, "/v1/messages", msg_body(tools=[tool], tool_choice={"type": "any"}))
+    assert status == 200 and out["stop_reason"] == "max_tokens"
+    assert all(b.get("text", "") == "" for b in out["content"]) and not any(
+        b["type"] == "tool_use" for b in out["content"]
+    )
+
+
+def test_parallel_calls_are_bounded_by_the_tools_offered():
+    def schema_of(tools):
+        fake = FakeFrontend(reply=CALL_TEXT)
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required"}
+        assert post(fake, "/v1/chat/completions", body)[0] == 200  # parallel_tool_calls defaults to true
+        return fake.gens[0][0].response_format["json_schema"]["schema"]
+
+    one = schema_of([WEATHER_TOOL])
+    assert one["type"] == "object" and one["properties"]["name"] == {"const": "get_weather"}  # one call
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    two = schema_of([WEATHER_TOOL, time_tool])
+    assert two["type"] == "array" and (two["minItems"], two["maxItems"]) == (1, 2)
+
+
 def test_chat_structured_output_passes_to_the_generate_and_refuses_tools_with_it():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}

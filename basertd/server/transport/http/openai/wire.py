@@ -217,7 +217,7 @@ class Shape:
         calls = tool_calls.parse(self.tools, text) if self.tools is not None else None
         if calls:
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": tool_calls.content_of(self.tools, text) or None}, finish
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
