@@ -922,7 +922,13 @@ def test_ollama_without_a_prompt_answers_load_at_once():
             400,
             "images",
         ),
-        ("/api/chat", {"model": MODEL, "tools": [{}], "messages": []}, 400, "tools is not supported"),
+        (
+            "/api/chat",
+            {"model": MODEL, "tools": [{}], "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "tools[0] must be",
+        ),
+        ("/api/chat", {"model": MODEL, "think": True, "messages": []}, 400, "think is not supported"),
         ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
         (
             "/api/generate",
@@ -1000,5 +1006,40 @@ def test_the_ollama_client_package_reads_our_chat():
         with pytest.raises(ollama.ResponseError) as err:
             await c.generate(model="nope", prompt="x")
         assert err.value.status_code == 404
+
+    run(fake, fn)
+
+
+def test_ollama_tools_come_back_as_tool_calls_and_results_go_back_into_the_template():
+    ollama = pytest.importorskip("ollama")
+    fake = FakeFrontend(reply=CALL_TEXT)
+
+    async def fn(client: TestClient) -> None:
+        c = ollama.AsyncClient(host=str(client.make_url("")))
+        msgs = [{"role": "user", "content": "weather in Paris?"}]
+        out = await c.chat(model=MODEL, messages=msgs, tools=[WEATHER_TOOL])
+        (call,) = out.message.tool_calls
+        assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+        assert out.message.content == "" and out.done_reason == "stop"
+        lines = [p async for p in await c.chat(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], stream=True)]
+        assert not any(p.message.content for p in lines)  # the call's JSON is never streamed as text
+        (streamed,) = [p for p in lines if p.message.tool_calls]
+        assert streamed.message.tool_calls[0].function.arguments == {"city": "Paris"} and lines[-1].done
+        turns = [
+            *msgs,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+            },
+            {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"},
+        ]
+        fake.reply = "It is sunny."
+        out = await c.chat(model=MODEL, messages=turns, tools=[WEATHER_TOOL])
+        assert out.message.content == "It is sunny." and not out.message.tool_calls
+        prompt = text_of(fake.gens[-1][0].prompt_tokens)
+        assert "Result of get_weather" in prompt and "sunny, 21 C" in prompt and '"city":"Paris"' in prompt
+        out = await c.chat(model=MODEL, messages=msgs)  # the client sends tools: [] without tools
+        assert out.message.content == "It is sunny."
 
     run(fake, fn)
