@@ -11,6 +11,7 @@ tests against a daemon are the other files of this folder.
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import json
 import typing
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -25,6 +27,7 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.config import HttpConfig
 from basertd.server.frontend.admission import Frontend
+from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -167,6 +170,16 @@ class FakeFrontend:
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         self.route(model)
         return text_of(tokens)
+
+    async def embed(self, model: str, inputs: list[Any], *, truncate: bool = False) -> Embeddings:
+        """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8."""
+        self.route(model)
+        lists = [ids(x) if isinstance(x, str) else list(x) for x in inputs]
+        vecs = np.zeros((len(lists), 8), np.float32)
+        for i, toks in enumerate(lists):
+            np.add.at(vecs[i], np.array(toks) % 8, 1.0)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        return Embeddings(vecs, sum(map(len, lists)))
 
     def _replies(self, gen: api.Generate, prompt_len: int, after: int = 0) -> list[Any]:
         rid = gen.request_id
@@ -1043,3 +1056,19 @@ def test_ollama_tools_come_back_as_tool_calls_and_results_go_back_into_the_templ
         assert out.message.content == "It is sunny."
 
     run(fake, fn)
+
+
+def test_embeddings_in_openais_and_ollamas_shapes():
+    fake = FakeFrontend()
+    status, out = post(fake, "/v1/embeddings", {"input": ["ab", "ab", "b"], "encoding_format": "float"})
+    assert status == 200 and [d["index"] for d in out["data"]] == [0, 1, 2]
+    assert out["model"] == MODEL and out["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    status, b64 = post(fake, "/v1/embeddings", {"input": ["ab"], "encoding_format": "base64"})
+    raw = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4")
+    assert np.allclose(raw, out["data"][0]["embedding"])
+    status, o = post(fake, "/api/embed", {"model": MODEL, "input": "ab"})
+    assert status == 200 and np.allclose(o["embeddings"][0], out["data"][0]["embedding"])
+    status, o = post(fake, "/api/embeddings", {"model": MODEL, "prompt": "b"})
+    assert status == 200 and np.allclose(o["embedding"], out["data"][2]["embedding"])
+    status, o = post(fake, "/api/embed", {"model": "nope", "input": "ab"})
+    assert status == 404 and set(o) == {"error"}  # Ollama's error shape on /api/
