@@ -127,6 +127,8 @@ class MsgType(IntEnum):
     DETOKENIZE_RESULT = 99
     EMBED = 100
     EMBED_RESULT = 101
+    SCORE = 102
+    SCORE_RESULT = 103
 
     PING = 112
     PONG = 113
@@ -700,6 +702,31 @@ class Embed(_ArrayMsg):
     lengths: np.ndarray = _empty("u4")
 
 
+class Score(_ArrayMsg):
+    """SCORE: each token of ``tokens`` (u32, at least 2) after the first, scored given the ones
+    before it, with the ``top_k`` (0..20) likeliest tokens at each position; SCORE_RESULT, or ERROR
+    (ERR_OP_UNSUPPORTED: the engine scores nothing; REJECT_BOUNDS: too few or too many tokens, an
+    id outside the vocabulary, a bad ``top_k``). Served between ticks."""
+
+    _arrays: ClassVar[dict[str, str]] = {"tokens": "u4"}
+
+    tokens: np.ndarray = _empty("u4")
+    top_k: int = 0
+
+
+class ScoreResult(_ArrayMsg):
+    """SCORE_RESULT: ``logprobs`` (f32, n-1: log P(token i+1 | tokens 0..i), natural log), and
+    ``top_k`` ids (u32) and log-probabilities (f32) per position, position after position,
+    likeliest first."""
+
+    _arrays: ClassVar[dict[str, str]] = {"logprobs": "f4", "top_ids": "u4", "top_logprobs": "f4"}
+
+    top_k: int = 0
+    logprobs: np.ndarray = _empty("f4")
+    top_ids: np.ndarray = _empty("u4")
+    top_logprobs: np.ndarray = _empty("f4")
+
+
 class EmbedResult(_ArrayMsg):
     """EMBED_RESULT: ``dim`` values (f32) per input, input after input, in ``values``."""
 
@@ -787,6 +814,8 @@ MESSAGE_TYPES: dict[MsgType, Any] = {
     MsgType.DETOKENIZE_RESULT: DetokenizeResult,
     MsgType.EMBED: Embed,
     MsgType.EMBED_RESULT: EmbedResult,
+    MsgType.SCORE: Score,
+    MsgType.SCORE_RESULT: ScoreResult,
     MsgType.PING: Ping,
     MsgType.PONG: Pong,
     MsgType.DRAIN: Drain,
@@ -838,6 +867,7 @@ REPLIES: dict[MsgType, frozenset[MsgType]] = {
     MsgType.TOKENIZE: frozenset({MsgType.TOKENIZE_RESULT}),
     MsgType.DETOKENIZE: frozenset({MsgType.DETOKENIZE_RESULT}),
     MsgType.EMBED: frozenset({MsgType.EMBED_RESULT}),
+    MsgType.SCORE: frozenset({MsgType.SCORE_RESULT}),
     MsgType.PING: frozenset({MsgType.PONG}),
     MsgType.DRAIN: frozenset({MsgType.DRAINED}),
 }

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
@@ -44,7 +45,7 @@ WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
 EMBED_TIMEOUT_S = 120.0
-"""Seconds one EMBED may take (it waits for the tick in flight, then runs between ticks)."""
+"""Seconds one EMBED or SCORE may take (it waits for the tick in flight, then runs between ticks)."""
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
 
 
@@ -331,27 +332,43 @@ class Fleet:
         ``AdmissionError``: WORKER_FAILED when the worker is not running or dies meanwhile,
         INVALID_REQUEST when its engine serves no embeddings or refuses an input, TIMEOUT after
         ``EMBED_TIMEOUT_S``."""
-        proc = self.members[worker_id].slot.proc
-        if proc is None or not proc.link.alive:
-            raise AdmissionError(ErrorCode.WORKER_FAILED, f"worker {worker_id} is not running")
         msg = link.Embed(
             tokens=np.fromiter(itertools.chain.from_iterable(inputs), np.uint32),
             lengths=np.array([len(x) for x in inputs], np.uint32),
         )
+        reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+        return reply.values.reshape(len(inputs), reply.dim)
+
+    async def score(self, worker_id: int, tokens: list[int], top_k: int) -> link.ScoreResult:
+        """Prompt log-probabilities of ``tokens`` from worker ``worker_id`` (Link W SCORE, between
+        its ticks): ``logprobs`` of tokens 1.. given the ones before, ``top_k`` alternatives each.
+        Raises ``AdmissionError`` as ``embed`` does."""
+        msg = link.Score(tokens=np.array(tokens, np.uint32), top_k=top_k)
+        return await self._between_ticks(worker_id, msg, "scores no prompts")
+
+    async def _between_ticks(self, worker_id: int, msg: object, unsupported: str) -> Any:
+        """The reply to ``msg``, a Link W request the worker serves between ticks (EMBED, SCORE),
+        within ``EMBED_TIMEOUT_S``; its failures as ``AdmissionError`` (``embed``), an engine
+        without the capability as "worker N's engine ``unsupported``"."""
+        proc = self.members[worker_id].slot.proc
+        if proc is None or not proc.link.alive:
+            raise AdmissionError(ErrorCode.WORKER_FAILED, f"worker {worker_id} is not running")
+        what = type(msg).__name__.upper()
         try:
-            reply = await proc.link.request(msg, timeout=EMBED_TIMEOUT_S)
+            return await proc.link.request(msg, timeout=EMBED_TIMEOUT_S)
         except WorkerError as exc:
-            if exc.status == Status.REJECT_BOUNDS:  # which input and why, from the checks of ``embed``
+            if exc.status == Status.REJECT_BOUNDS:  # what is out of bounds, from the engine's checks
                 raise AdmissionError(ErrorCode.INVALID_REQUEST, exc.message) from None
-            why = "serves no embeddings" if exc.status == Status.ERR_OP_UNSUPPORTED else "could not embed"
+            why = unsupported if exc.status == Status.ERR_OP_UNSUPPORTED else f"failed {what}"
             raise AdmissionError(ErrorCode.INVALID_REQUEST, f"worker {worker_id}'s engine {why}") from None
         except LinkTimeout:
-            raise AdmissionError(ErrorCode.TIMEOUT, f"worker {worker_id} did not embed in time") from None
+            raise AdmissionError(
+                ErrorCode.TIMEOUT, f"worker {worker_id} did not answer {what} in time"
+            ) from None
         except LinkError:
             raise AdmissionError(
-                ErrorCode.WORKER_FAILED, f"worker {worker_id} failed while embedding"
+                ErrorCode.WORKER_FAILED, f"worker {worker_id} failed during {what}"
             ) from None
-        return reply.values.reshape(len(inputs), reply.dim)
 
     def live_state(self, in_flight: int, draining: bool) -> LiveState:
         """Every worker's snapshot now with the model it serves (call on the event loop), and the

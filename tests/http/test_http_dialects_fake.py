@@ -28,6 +28,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.config import HttpConfig
 from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -170,6 +171,18 @@ class FakeFrontend:
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         self.route(model)
         return text_of(tokens)
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        self.route(model)
+        return [TOK.piece(t) for t in tokens]
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> PromptScores:
+        """Token i+1 scores -(i+1)/10 after tokens 0..i; the alternatives are the token itself."""
+        self.route(model)
+        n = len(tokens) - 1
+        lps = np.array([-(i + 1) / 10 for i in range(n)], np.float32)
+        top = np.array([[t] * top_k for t in tokens[1:]], np.uint32).reshape(n, top_k)
+        return PromptScores(lps, top, np.repeat(lps[:, None], top_k, axis=1))
 
     async def embed(self, model: str, inputs: list[Any], *, truncate: bool = False) -> Embeddings:
         """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8."""
@@ -558,7 +571,7 @@ def test_chat_structured_output_passes_to_the_generate_and_refuses_tools_with_it
     [
         (b"", None, "the request body is empty"),
         (b"{not json", None, "not valid JSON"),
-        (json.dumps({"prompt": "x", "echo": True}).encode(), "echo", "unsupported field 'echo'"),
+        (json.dumps({"prompt": "x", "suffix": "s"}).encode(), "suffix", "unsupported field 'suffix'"),
         (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), "max_tokens", "invalid request body"),
         (json.dumps({"prompt": "x", "n": 99}).encode(), "n", "n must be an integer"),
         (json.dumps({"prompt": []}).encode(), "prompt", "the prompt is empty"),
@@ -1072,3 +1085,28 @@ def test_embeddings_in_openais_and_ollamas_shapes():
     assert status == 200 and np.allclose(o["embedding"], out["data"][2]["embedding"])
     status, o = post(fake, "/api/embed", {"model": "nope", "input": "ab"})
     assert status == 404 and set(o) == {"error"}  # Ollama's error shape on /api/
+
+
+def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs():
+    fake = FakeFrontend(reply="ok")
+    status, out = post(
+        fake, "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 2}
+    )
+    assert status == 200
+    (c,) = out["choices"]
+    assert c["text"] == "abok"
+    lp = c["logprobs"]
+    assert lp["tokens"] == ["a", "b", "o", "k"] and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"][:2] == [None, pytest.approx(-0.1)] and lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {"b": pytest.approx(-0.1)}
+    assert fake.gens[0][0].prompt_tokens == ids("ab")  # generated from the tokens it echoed
+    status, out = post(fake, "/v1/completions", {"prompt": ["ab", "c"], "echo": True, "max_tokens": 0})
+    assert status == 200 and [c["text"] for c in out["choices"]] == ["ab", "c"]
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 0 and len(fake.gens) == 1  # nothing generated
+    status, text = post_raw(
+        fake, "/v1/completions", {"prompt": "ab", "echo": True, "stream": True, "max_tokens": 2}
+    )
+    chunks = datas(sse(text))
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == "abok"
+    assert chunks[0]["choices"][0]["text"] == "ab"

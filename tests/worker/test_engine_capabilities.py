@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from basertd.schema.abi import Status
@@ -72,6 +73,7 @@ OPTIONAL_CALLS = {
     "logit_bias_free": (1,),
     "attach_control": (object(),),
     "embed": ([],),
+    "score": (np.zeros(2, np.uint32), 0),
 }
 
 
@@ -148,7 +150,7 @@ def test_engines_state_what_they_serve(tiny_gguf):
     ref = open_engine("basert", EngineOptions())
     try:
         # the reference engine reads a yield word; it has no hidden states to pool
-        assert ref.capabilities() == set(Capability) - {Capability.EMBEDDINGS}
+        assert ref.capabilities() == set(Capability) - {Capability.EMBEDDINGS, Capability.SCORING}
     finally:
         ref.close()
 

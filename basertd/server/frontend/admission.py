@@ -38,7 +38,7 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.durability.durable import Durability
 from basertd.server.fleet import Fleet
-from basertd.server.frontend import embeddings
+from basertd.server.frontend import embeddings, scoring
 from basertd.server.frontend.access import ObservedSink
 from basertd.server.frontend.drain import Drainer
 from basertd.server.frontend.limits import (
@@ -151,6 +151,18 @@ class Frontend:
             inputs,
             truncate=truncate,
         )
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        """The bytes of each of ``tokens`` in ``model``'s vocabulary (ids already checked)."""
+        tok = self.fleet[self.fleet.route(model)].tokenizer
+        return [tok.piece(t) for t in tokens]
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> scoring.PromptScores:
+        """Prompt log-probabilities of ``tokens`` (``frontend.scoring.score``: its errors, and
+        SHUTTING_DOWN / DRAINING as for a generation)."""
+        self._admissible()
+        vocab = self.fleet[self.fleet.route(model)].tokenizer.vocab_size
+        return await scoring.score(self.fleet, vocab, model, tokens, top_k)
 
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (ids outside the vocabulary are INVALID_REQUEST); special tokens

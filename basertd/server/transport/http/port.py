@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from basertd.schema import client as api
 from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.scoring import PromptScores
 from basertd.server.states import HealthStatus
 
 
@@ -102,6 +103,15 @@ class FrontendPort(Protocol):
 
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (invalid UTF-8 as U+FFFD). Raises ``AdmissionError``."""
+        ...
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        """The bytes of each of ``tokens`` in ``model``'s vocabulary (ids below its size)."""
+        ...
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> PromptScores:
+        """Each prompt token's log-probability after the first, with ``top_k`` alternatives
+        (``echo`` with ``logprobs``). Raises ``AdmissionError``."""
         ...
 
     async def embed(
