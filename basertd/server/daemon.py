@@ -214,7 +214,11 @@ class Daemon:
         http_socks = adopt_named(self._listen_fds, HTTP_FD_NAME)
         if cfg.http.listen or http_socks:
             self.http = HttpServer(
-                cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
+                cfg.http,
+                self.frontend,
+                socket_mode=int(cfg.socket_mode),
+                adopted=http_socks,
+                overview=self.control.overview,
             )
             await self.http.start()
 

@@ -84,7 +84,7 @@ class ObservedSink:
         if isinstance(msg, api.Tokens) and msg.ids:
             now = time.monotonic()
             if self._last_t is None:
-                self.metrics.first_token(req)
+                self.metrics.first_token(req, 1 if not req.stream else len(msg.ids))
                 if not req.stream and len(msg.ids) > 1 and req.t_first_token is not None:
                     # one reply for the whole generation: the mean gap after the first token
                     self.metrics.tokens(req.qos, len(msg.ids) - 1, now - req.t_first_token)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from basertd.server.observe.cache_counters import CacheCounters
 from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.observe.windows import Windows
 from basertd.server.request.record import QOS_CLASSES
 
 if TYPE_CHECKING:
@@ -338,6 +340,9 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.windows = Windows()
+        """Rolling windows of the same events for the live views (``basertctl top``, the page at
+        ``/``): fed by the helpers below, never read back from the registry."""
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
@@ -389,12 +394,17 @@ class Metrics:
 
     # --- helpers called where things happen ------------------------------------------------------
 
-    def first_token(self, req: GenerationRequest) -> None:
-        """A request delivered its first token: TTFT and queue time (seconds); a prefix-cache hit
-        when its admission reused cached tokens (``req.cached_tokens``), else a miss. Called once
-        per request, so a lane re-admitted after a preemption is never counted again."""
+    def first_token(self, req: GenerationRequest, count: int = 1) -> None:
+        """A request delivered its first ``count`` tokens: TTFT and queue time (seconds); a
+        prefix-cache hit when its admission reused cached tokens (``req.cached_tokens``), else a
+        miss. Called once per request, so a lane re-admitted after a preemption is never counted
+        again."""
         if req.t_first_token is not None:
-            self.ttft.labels(req.qos).observe(max(0.0, req.t_first_token - req.t_received))
+            ttft = max(0.0, req.t_first_token - req.t_received)
+            self.ttft.labels(req.qos).observe(ttft)
+            now = time.monotonic()
+            self.windows.first_token(now, ttft, len(req.prompt), req.cached_tokens)
+            self.windows.delivered(now, count, None)
         if req.t_admitted is not None:
             self.queue_time.labels(req.qos).observe(max(0.0, req.t_admitted - req.t_received))
         worker = str(req.worker_id if req.worker_id is not None else "")
@@ -405,6 +415,7 @@ class Metrics:
         inter-token latency of ``gap_s / count`` per token."""
         if count <= 0:
             return
+        self.windows.delivered(time.monotonic(), count, gap_s)
         per = max(0.0, gap_s) / count
         h = self.itl.labels(qos)
         for _ in range(count):
@@ -452,6 +463,7 @@ class Metrics:
         (the journal's ``on_commit`` hook; called from the committing thread)."""
         self.wal_bytes.inc(nbytes)
         self.wal_fsync_seconds.observe(fsync_s)
+        self.windows.fsync(time.monotonic(), fsync_s)
 
     def wal_recovery(self, records: int, requests: int, results: int, truncated_bytes: int) -> None:
         """What the write-ahead log recovery found at start."""
