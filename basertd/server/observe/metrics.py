@@ -47,6 +47,7 @@ from basertd.server.observe.cache_counters import CacheCounters
 from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.observe.windows import Windows
 from basertd.server.request.record import QOS_CLASSES
+from basertd.server.states import SlotState
 
 if TYPE_CHECKING:
     from basertd.server.request.record import GenerationRequest
@@ -142,6 +143,16 @@ class _LiveCollector(Collector):
             value=float(state.draining),
         )
         yield gauge("worker_ready", "1 when the worker has handshaken and serves.", lambda ws: ws.ready)
+        yield gauge(
+            "worker_given_up",
+            "1 once the supervisor gave up starting the worker (its last_error says why).",
+            lambda ws: ws.state is SlotState.GIVEN_UP,
+        )
+        yield gauge(
+            "scheduler_stalled",
+            "1 while the worker's progress watchdog reports a stall (work waits, no tick lands).",
+            lambda ws: ws.stall_reason is not None,
+        )
         yield gauge("lanes_active", "Live lanes (retiring ones included).", lambda ws: ws.lanes_busy)
         yield gauge("lanes_max", "Lanes the worker offers.", lambda ws: ws.limits.max_lanes)
         yield gauge(
