@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from basertd.server.observe.cache_counters import CacheCounters
 from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.observe.tracing import NO_TRACING, Tracing
 from basertd.server.observe.windows import Windows
 from basertd.server.request.record import QOS_CLASSES
 from basertd.server.states import SlotState
@@ -351,6 +352,9 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.tracing: Tracing = NO_TRACING
+        """The request tracer (``observe.tracing``; the daemon sets it from ``[tracing]``): fed
+        ticks and crashes by the helpers below, requests by the request observer."""
         self.windows = Windows()
         """Rolling windows of the same events for the live views (``basertctl top``, the page at
         ``/``): fed by the helpers below, never read back from the registry."""
@@ -450,15 +454,21 @@ class Metrics:
     def tick(self, worker_id: int, seconds: float) -> None:
         """Worker ``worker_id`` finished a tick that took ``seconds`` of wall time."""
         self.tick_seconds.labels(str(worker_id)).observe(seconds)
+        if self.tracing.enabled:
+            now = time.monotonic()
+            self.tracing.tick(worker_id, now - seconds, now)
 
     def preempted(self, worker_id: int, qos: str) -> None:
         """A ``qos`` lane of worker ``worker_id`` was preempted (``basertd.server.sched.qos``: preemption)."""
         self.preemptions.labels(str(worker_id), qos).inc()
 
-    def crash_resumed(self, worker_id: int) -> None:
-        """A running request of worker ``worker_id`` was requeued after the worker died (also
-        counted as ``requests_resumed{after="worker_crash"}``)."""
+    def crash_resumed(self, worker_id: int, key: int | None = None) -> None:
+        """A running request (``key``, ``GenerationRequest.key``) of worker ``worker_id`` was
+        requeued after the worker died (also counted as ``requests_resumed{after="worker_crash"}``;
+        a ``resume_after_crash`` span of its trace)."""
         self.crash_resumes.labels(str(worker_id)).inc()
+        if key is not None:
+            self.tracing.crashed(key, worker_id, time.monotonic())
         self.request_resumed("worker_crash")
 
     def grammar_handles_held(self, worker_id: int, count: int) -> None:

@@ -9,7 +9,8 @@ Every handler sees the front end only through ``port.FrontendPort``; shared piec
 
 This module adds ``GET /health`` (200 while every worker serves, else 503 with the reason,
 draining included), ``GET /metrics`` (the daemon's registry), the operator's page at ``/`` with
-its JSON (``opsview``, given an ``overview`` source), API keys, and one error shape
+its JSON (``opsview``, given an ``overview`` source), API keys, W3C ``traceparent`` handed to the
+request's trace (``observe.tracing``), and one error shape
 per dialect: every failure is an ``HttpError`` rendered as the error object of the API its path
 belongs to (``error_response``; OpenAI's by default).
 
@@ -37,6 +38,7 @@ import structlog
 from aiohttp import web
 
 from basertd.server.config import HttpConfig, parse_listen
+from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError
 from basertd.server.states import HealthStatus
 from basertd.server.transport.http import opsview, resume
@@ -193,6 +195,7 @@ class HttpServer:
                 authorization = "Bearer " + request.headers["x-api-key"]
             public = request.path == "/health" or opsview.is_public(request.path)
             self.auth.check(sock, authorization, public=public)
+            TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only
             return await handler(request)
         except HttpError as err:
             return error_response(err, request.path)
