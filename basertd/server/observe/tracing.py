@@ -49,6 +49,11 @@ TICKS_KEPT = 4096
 """Ticks remembered per worker (start, end) for the traces of the requests still running."""
 SPAN_TIMEOUT_MS = 5000
 """How long the exporter waits for the collector (OTLP over HTTP)."""
+SPAN_QUEUE = 65536
+"""Spans the batch processor holds for export (a request carries up to ``MAX_TICK_SPANS`` + 6);
+beyond it the SDK drops spans rather than block the daemon."""
+SPAN_BATCH = 2048
+"""Spans per OTLP export request."""
 
 
 @dataclass(slots=True)
@@ -118,7 +123,8 @@ class Tracing:
                 "install basertd[tracing]"
             ) from None
         exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, timeout=SPAN_TIMEOUT_MS / 1000)
-        return cls(BatchSpanProcessor(exporter), service_name=config.service_name)
+        processor = BatchSpanProcessor(exporter, max_queue_size=SPAN_QUEUE, max_export_batch_size=SPAN_BATCH)
+        return cls(processor, service_name=config.service_name)
 
     def close(self) -> None:
         """Export what is pending and stop. Idempotent."""
