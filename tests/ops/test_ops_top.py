@@ -23,6 +23,7 @@ from ops_harness import ref_worker
 from proc_testutil import wait_until
 
 from basertd.client import ClientError, ErrorCode
+from basertd.schema import control
 
 CONFIG = ref_worker(lanes=2, delay_us=20000).replace("context_length = 256", "context_length = 1024") + (
     "[scheduler]\ndecode_grant = 1\n"
@@ -136,6 +137,13 @@ def test_top_once_prints_one_frame_and_json_one_document(daemon):
         assert [w["worker_id"] for w in doc["workers"]] == [0] and doc["workers"][0]["state"] == "ready"
         assert doc["ttft"]["count"] >= 1 and doc["ttft"]["p95_s"] >= doc["ttft"]["p50_s"] > 0
         assert doc["history"] is None
+        with daemon.client() as c2:
+            hist = c2.request(control.Overview(history_s=30)).history
+            assert len(hist.tokens_out) == 30 and sum(hist.tokens_out) >= 1
+            for bad in (-1, 601):
+                with pytest.raises(ClientError) as err:
+                    c2.request(control.Overview(history_s=bad))
+                assert err.value.code == ErrorCode.INVALID_REQUEST and "history_s" in err.value.message
         stream.cancel()
         try:
             for _ in it:
