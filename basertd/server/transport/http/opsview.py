@@ -27,6 +27,7 @@ from aiohttp import web
 
 from basertd.schema import control
 from basertd.server.observe.windows import HISTORY_S
+from basertd.server.transport.http import static
 from basertd.server.transport.http.body import json_response
 from basertd.server.transport.http.errors import HttpError
 
@@ -51,7 +52,7 @@ def is_public(path: str) -> bool:
 
 
 def _load(name: str) -> bytes:
-    return resources.files(__package__).joinpath("static", name).read_bytes()
+    return resources.files(static).joinpath(name).read_bytes()
 
 
 class OpsView:
