@@ -526,7 +526,9 @@ class SchedulerCore(SchedulerState):
             res.resume.append(req)
 
     def detach(self) -> None:
-        """The incarnation is gone: its leases, grammar handles and plan caps go with it."""
+        """The incarnation is gone: its leases, grammar handles, plan caps and memory counters go
+        with it."""
         self.to_release.clear()
+        self.last_mem = None
         self.grammars.forget()
         self.flight = None

@@ -141,6 +141,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task] = set()
         self._stalled: str | None = None
         self._curve_at = 0.0
+        self._watermark_tick = 0  # core.ticks_run when the pool was last held to the watermarks
         self._phase = Phase.NO_WORKER
 
     # --- API side -------------------------------------------------------------------------------
@@ -409,9 +410,9 @@ class Scheduler:
         for pin in wc.pins.values():
             if not pin.handle and pin.pin_id not in self._warming and now >= pin.retry_at:
                 self._spawn(self._rewarm(pin.pin_id))
-        if core.last_mem is not None:
+        if core.last_mem is not None and self._watermark_tick != core.ticks_run:
+            self._watermark_tick = core.ticks_run  # once per accepted tick
             target = wc.watermark_target(core.last_mem)
-            core.last_mem = None  # re-read after the next tick
             if target:
                 try:
                     freed = await wc.evict(port, target)

@@ -34,7 +34,8 @@ class SchedulerState:
     a lane that ends, the loop creates them and sends the frees), and the
     counters ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens_total``,
     ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``.
-    ``last_mem``: the memory counters of the last tick (None once read). ``to_release``: seed
+    ``last_mem``: the engine's memory counters of the last accepted tick of this incarnation
+    (None before its first; the snapshot's ``mem`` and the ``engine_pool_*`` gauges). ``to_release``: seed
     lease handles the loop releases between ticks (ABI rule 81). ``can_yield`` / ``step_tokens``:
     what the current incarnation's engine supports (``basertd.shm.control``)."""
 
