@@ -618,6 +618,10 @@ def wal_check(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None
     from basertd.server.paths import resolve_state_dir
 
     path = state_dir or resolve_state_dir(None, create=False)
+    if not path.is_dir():
+        # No directory is not an empty log: the daemon's state directory is elsewhere (give it as
+        # STATE_DIR) or the daemon never ran with durability on.
+        _fail(f"no state directory at {path}: give the daemon's state_dir as STATE_DIR", EXIT_REFUSED)
     try:
         data = check_log(path)
     except OSError as exc:

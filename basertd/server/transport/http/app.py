@@ -43,6 +43,7 @@ from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
 from basertd.server.transport.http.auth import Authorizer, load_api_keys
 from basertd.server.transport.http.body import json_response
+from basertd.server.transport.http.embeddings import EmbeddingsApi
 from basertd.server.transport.http.errors import HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
 from basertd.server.transport.http.ollama.routes import OllamaApi
@@ -103,6 +104,7 @@ class HttpServer:
                 web.get("/metrics", self.metrics),
                 *AnthropicApi(frontend, self.templates, self.resumes, self.releaser).routes(),
                 *OllamaApi(frontend, self.templates).routes(),
+                *EmbeddingsApi(frontend).routes(),
             ]
         )
         self.app = app
