@@ -15,19 +15,19 @@ work), ``rounds.Rounds`` (decode rounds, batches, yield and abort) and ``validat
 capability is served by one part (``base.ServedBy``: the call goes to the part's method of the same
 name): the prefix cache by ``seeds.Seeds`` (matches, leases, publish, evict), state ops by
 ``sequences.Sequences`` (bare sequences, adoption) and ``ops.StateOps`` (exports, snapshots,
-restores), grammars by ``grammar.GrammarSet``, logit biases by ``sampling.LogitBiases``.
+restores), grammars by ``grammar.GrammarSet``, logit biases by ``sampling.LogitBiases``, the
+yield by ``rounds``, embeddings by ``embed.Embedder``, prompt scores by ``score.Scorer``. No
+HOST_TIER (no host tier for llama.cpp KV: demote and promote answer ERR_OP_UNSUPPORTED after the
+checks every op makes).
 
 Where the ABI leaves a choice, this engine's semantics are documented where they are made: lane
-stops, HOST commits and the pending last token in ``tick``; budgets, internal work and KV
-feasibility in ``validate`` and ``feasibility``; publishing into a full cache in ``seeds``; state-op timing in
-``ops``; the yield inside a tick in ``rounds``.
+stops, HOST commits and the pending last token in ``tick``; budgets and internal work in
+``validate``, KV feasibility in ``feasibility``; publishing into a full cache in ``seeds``;
+state-op timing in ``ops``; the yield inside a tick in ``rounds``.
 
 Output depends on batch composition and, through the order of llama.cpp's sums over KV cells, on
 where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
 loop from an empty cache, and elsewhere allow divergence only at a near-tie of the reference).
-
-Capabilities (``base.Capability``): everything but HOST_TIER (no host tier for llama.cpp KV:
-demote and promote answer ERR_OP_UNSUPPORTED after the checks every op makes).
 
 Test hooks live outside this module: ``hooks`` is None in production; tests install a
 ``basertd.worker.engines.llamacpp.hooks.LaneTestHooks`` (fault injection, forced finishes, as the
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llama_cpp as L
-import numpy as np
 
 from basertd.schema.abi import SpaceKind, Status
 from basertd.schema.tick import MemCounters, StateSpaceDesc, TickEvents, TickPlan, TickTimings
@@ -70,7 +69,7 @@ from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.rounds import Rounds
 from basertd.worker.engines.llamacpp.sampling import LogitBiases
-from basertd.worker.engines.llamacpp.score import Scorer, Scores
+from basertd.worker.engines.llamacpp.score import Scorer
 from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID, Seeds
 from basertd.worker.engines.llamacpp.sequences import Sequences
 from basertd.worker.engines.llamacpp.state import compat_identity
@@ -299,13 +298,6 @@ class LlamaCppEngine(Engine):
         (EngineError(ERR_RING_LAYOUT), ABI rule 125); writer cursors restart (rule 130)."""
         self.rings.attach(rings)
 
-    def attach_control(self, control: object) -> bool:
-        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) between llama_decode
-        calls: once it is set, the tick in flight ends after its current step (module docstring).
-        Returns True (this engine can yield; its capability record then says ``yield = step``)."""
-        self.rounds.attach_control(control)
-        return True
-
     # ------------------------------------------------------------------ tick
 
     def tick(self, plan: TickPlan, on_partial_emit: PartialEmit | None = None) -> TickEvents:
@@ -388,6 +380,14 @@ class LlamaCppEngine(Engine):
     logit_bias_create = ServedBy("logit_biases")
     logit_bias_free = ServedBy("logit_biases")
 
+    # Capability.TICK_YIELD: the yield word is read between the steps of ``rounds``.
+    attach_control = ServedBy("rounds")
+
+    # Capability.EMBEDDINGS and Capability.SCORING: between ticks, each in a context of its own
+    # made on first use (``embed.Embedder``, ``score.Scorer``).
+    embed = ServedBy("embedder")
+    score = ServedBy("scorer")
+
     # ------------------------------------------------------------------ vocabulary
 
     def tokenize(self, text: bytes, add_special: bool) -> list[int]:
@@ -412,16 +412,6 @@ class LlamaCppEngine(Engine):
             L.llama_free(self.ctx)
             self.ctx = None
         self.model.close()
-
-    def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
-        """Pooled embeddings between ticks (``embed.Embedder``: a context of its own, made on
-        first use; base.Engine.embed)."""
-        return self.embedder.embed(inputs)
-
-    def score(self, tokens: np.ndarray, top_k: int) -> Scores:
-        """Prompt log-probabilities between ticks (``score.Scorer``: a context of its own, made on
-        first use; base.Engine.score)."""
-        return self.scorer.score(tokens, top_k)
 
     def __enter__(self) -> LlamaCppEngine:
         return self
