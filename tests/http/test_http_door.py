@@ -1,0 +1,251 @@
+"""The HTTP door under hostile clients, against a real daemon (reference engine, one lane) driven
+through raw sockets (the hostile side) and the ``openai`` package / ``httpx`` (the probes).
+
+Bounds under test (``[http]``, ``basertd.server.transport.http.door``): connection caps in all and
+per peer, the request-head deadline, the idle deadline, the reply write timeout that cancels a
+stream whose reader stopped reading (its lane freed), the ``Host`` / ``Origin`` checks of a
+loopback listener (``origin``) and the JSON nesting and number bounds of every dialect
+(``body``). Each is small here (a 1 s head deadline, caps of 110 / 130) to keep the module fast."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from daemon_harness import Daemon
+from proc_testutil import wait_until
+from serving_harness import ref_toml
+
+HEADER_TIMEOUT_S = 1.0
+IDLE_TIMEOUT_S = 4.0
+WRITE_TIMEOUT_S = 1.0
+PER_PEER = 110
+TOTAL = 130
+CONTEXT = 16384
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    cfg = ref_toml(lanes=1, context=CONTEXT, grant=8) + (
+        '[http]\nlisten = ["127.0.0.1:0"]\n'
+        f"max_connections = {TOTAL}\nmax_connections_per_peer = {PER_PEER}\n"
+        f"header_timeout_s = {HEADER_TIMEOUT_S}\nbody_timeout_s = 2.0\nidle_timeout_s = {IDLE_TIMEOUT_S}\n"
+        f"write_timeout_s = {WRITE_TIMEOUT_S}\nwrite_buffer_bytes = 4096\n"
+        'allowed_hosts = ["basertd.example"]\n'
+    )
+    with Daemon(cfg) as d:
+        addr = next(a for a in d.http_addresses() if not a.startswith("unix:"))
+        d.http_host, port = addr.rsplit(":", 1)
+        d.http_port = int(port)
+        d.http_url = f"http://{addr}"
+        yield d
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def dropped(daemon, reason: str) -> float:
+    """``basertd_connections_dropped_total{reason}`` read from /metrics."""
+    text = httpx.get(daemon.http_url + "/metrics", timeout=30).text
+    m = re.search(r'basertd_connections_dropped_total\{reason="' + reason + r'"\} ([0-9.e+]+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def probe(client) -> float:
+    """Seconds one small completion takes over a fresh connection."""
+    t0 = time.monotonic()
+    out = client.completions.create(model="", prompt="probe", max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    return time.monotonic() - t0
+
+
+def connect(daemon, source: str = "127.0.0.1", rcvbuf: int = 0) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.bind((source, 0))
+    s.settimeout(30)
+    s.connect((daemon.http_host, daemon.http_port))
+    return s
+
+
+def read_until_closed(s: socket.socket, timeout: float) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def status_of(s: socket.socket, request: bytes | None = None) -> int:
+    """The status a connection is answered with (sending ``request`` first, if any)."""
+    if request:
+        s.sendall(request)
+    head = read_until_closed(s, 10.0) if request is None else s.recv(4096)
+    return int(head.split(b" ", 2)[1])
+
+
+def settle(daemon, client) -> None:
+    """Wait until the door counts no leftover connection of an earlier test (a probe succeeds)."""
+    wait_until(lambda: _ok(client), 30, interval=0.2, what="a probe answered")
+
+
+def _ok(client) -> bool:
+    try:
+        probe(client)
+        return True
+    except openai.APIError:
+        return False
+
+
+def test_slow_header_connections_are_closed_at_the_deadline_while_a_probe_answers(daemon, client):
+    settle(daemon, client)
+    before = dropped(daemon, "http_header_timeout")
+    socks = [connect(daemon) for _ in range(100)]
+    started = time.monotonic()
+    for s in socks:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    stop = threading.Event()
+
+    def dribble() -> None:  # one more header line every 0.2 s: a slowloris, never idle
+        i = 0
+        while not stop.wait(0.2):
+            for s in socks:
+                try:
+                    s.sendall(b"X-Slow-%d: 1\r\n" % i)
+                except OSError:
+                    pass
+            i += 1
+
+    t = threading.Thread(target=dribble, daemon=True)
+    t.start()
+    try:
+        assert probe(client) < 1.0  # another connection is served meanwhile
+        answers = [read_until_closed(s, 15.0) for s in socks]
+        closed_after = time.monotonic() - started
+    finally:
+        stop.set()
+        t.join()
+        for s in socks:
+            s.close()
+    assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), {a[:40] for a in answers}
+    assert closed_after < HEADER_TIMEOUT_S + 3.0
+    assert dropped(daemon, "http_header_timeout") >= before + 100
+
+
+def test_connection_caps_refuse_with_429_and_503_and_count_the_drops(daemon, client):
+    settle(daemon, client)
+    peer0, total0 = dropped(daemon, "http_peer_cap"), dropped(daemon, "http_total_cap")
+    held = [connect(daemon, "127.0.0.1") for _ in range(PER_PEER)]
+    try:
+        extra = connect(daemon, "127.0.0.1")
+        assert status_of(extra) == 429  # answered before it sent anything
+        extra.close()
+        held += [connect(daemon, "127.0.0.2") for _ in range(TOTAL - PER_PEER)]
+        extra = connect(daemon, "127.0.0.3")
+        assert status_of(extra, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") == 503
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
+    settle(daemon, client)  # the cap frees as the connections close
+    assert dropped(daemon, "http_peer_cap") >= peer0 + 1
+    assert dropped(daemon, "http_total_cap") >= total0 + 1
+
+
+def test_silent_connection_is_closed_at_the_idle_deadline(daemon, client):
+    settle(daemon, client)
+    before = dropped(daemon, "http_idle_timeout")
+    s = connect(daemon)
+    t0 = time.monotonic()
+    assert read_until_closed(s, IDLE_TIMEOUT_S + 10) == b""
+    assert IDLE_TIMEOUT_S - 0.5 < time.monotonic() - t0 < IDLE_TIMEOUT_S + 5
+    s.close()
+    assert dropped(daemon, "http_idle_timeout") >= before + 1
+
+
+def test_never_reading_sse_client_is_cancelled_and_its_lane_freed(daemon, client):
+    settle(daemon, client)
+    before = dropped(daemon, "http_write_timeout")
+    s = connect(daemon, rcvbuf=4096)
+    body = b'{"prompt": "never read", "max_tokens": %d, "stream": true}' % (CONTEXT - 64)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+    try:
+        # the one lane is taken by the stream nobody reads ...
+        wait_until(lambda: daemon.status().lanes_busy == 1, 30, interval=0.05, what="the lane busy")
+        # ... until the write timeout cancels it: then a probe on another connection is served
+        t0 = time.monotonic()
+        assert probe(client) < WRITE_TIMEOUT_S + 10.0
+        waited = time.monotonic() - t0
+        assert dropped(daemon, "http_write_timeout") == before + 1
+        wait_until(lambda: daemon.status().lanes_busy == 0, 10, interval=0.05, what="the lane freed")
+    finally:
+        s.close()
+    assert waited < WRITE_TIMEOUT_S + 10.0
+    ended = [e for e in daemon.log_events() if e.get("event") == "access" and e.get("max_tokens") is None]
+    assert any(
+        e.get("finish_reason") == "cancelled" and e.get("completion_tokens", 0) < CONTEXT // 2 for e in ended
+    )
+
+
+def test_foreign_host_and_cross_site_posts_are_refused(daemon):
+    url = daemon.http_url + "/v1/completions"
+    body = '{"prompt": "hi", "max_tokens": 2}'
+    with httpx.Client(timeout=30) as h:
+        r = h.post(url, content=body, headers={"Host": "evil.example:8000"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+        r = h.get(daemon.http_url + "/metrics", headers={"Host": "rebound.example"})
+        assert r.status_code == 403
+        for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+            r = h.post(url, content=body, headers={"Content-Type": ctype, "Origin": "http://evil.example"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        r = h.post(url, content=body, headers={"Content-Type": "text/plain", "Sec-Fetch-Site": "cross-site"})
+        assert r.status_code == 403
+        # loopback names, the configured host and clients that are no browser (no Origin) are served
+        for headers in (
+            {"Host": f"localhost:{daemon.http_port}"},
+            {"Host": "basertd.example", "Origin": "http://basertd.example"},
+            {"Origin": "http://localhost:3000", "Content-Type": "text/plain"},
+            {"Content-Type": "application/x-www-form-urlencoded"},  # what curl -d sends
+        ):
+            r = h.post(url, content=body, headers=headers)
+            assert r.status_code == 200, (headers, r.text)
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", '{"max_tokens": 2, "prompt": %s}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "response_format": %s}'),
+        ("/v1/messages", '{"max_tokens": 2, "messages": [], "metadata": %s}'),
+        ("/api/generate", '{"model": "", "prompt": "hi", "format": %s}'),
+        ("/api/chat", '{"model": "", "messages": [], "format": %s}'),
+    ],
+)
+def test_deep_json_and_long_numbers_are_400_on_every_dialect(daemon, path, body):
+    with httpx.Client(base_url=daemon.http_url, timeout=30) as h:
+        for depth in (1000, 100_000):
+            nested = "[" * depth + "]" * depth
+            r = h.post(path, content=body % nested, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert "nests" in r.text and "128" in r.text
+        r = h.post(path, content=body % ("1" * 5000), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "digits" in r.text, r.text
+        # the same characters inside a string are no number and no nesting
+        r = h.post(path, content=body % ('"' + "[" * 1000 + "1" * 5000 + '"'))
+        assert r.status_code != 500
+    assert daemon.proc.poll() is None
