@@ -249,3 +249,72 @@ def test_deep_json_and_long_numbers_are_400_on_every_dialect(daemon, path, body)
         r = h.post(path, content=body % ('"' + "[" * 1000 + "1" * 5000 + '"'))
         assert r.status_code != 500
     assert daemon.proc.poll() is None
+
+
+def _raw_status(s: socket.socket) -> int | None:
+    """The status of the refusal a connection got, or None when it was accepted (nothing to read)."""
+    s.settimeout(0.5)
+    try:
+        head = s.recv(4096)
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        return -1
+    return int(head.split(b" ", 2)[1]) if head else -1
+
+
+def test_idle_flood_under_a_1024_descriptor_limit_is_refused_at_the_cap_while_native_probes_answer():
+    """~1,300 idle TCP connections against a daemon whose RLIMIT_NOFILE is 1,024 (soft and hard):
+    the HTTP cap (fitted to the limit) refuses the excess, no accept ever fails, and the native
+    socket keeps answering."""
+    cfg = (
+        ref_toml(lanes=1, context=512, grant=8) + '[http]\nlisten = ["127.0.0.1:0"]\nmax_connections = 512\n'
+    )
+    with Daemon(cfg, wrapper=("prlimit", "--nofile=1024:1024", "--")) as d:
+        host, port = next(a for a in d.http_addresses() if not a.startswith("unix:")).rsplit(":", 1)
+        socks = []
+        try:
+            for i in range(1300):  # from 6 source addresses, so the total cap, not the peer cap, binds
+                s = socket.socket()
+                s.bind((f"127.0.0.{2 + i % 6}", 0))
+                s.settimeout(10)
+                s.connect((host, int(port)))
+                socks.append(s)
+            with d.client(timeout=30) as c:
+                t0 = time.monotonic()
+                out = c.generate("probe", max_tokens=2, temperature=0)
+                native_s = time.monotonic() - t0
+            assert out.finish_reason == "length" and native_s < 5.0
+            statuses = [_raw_status(s) for s in socks[-100:]]
+            assert statuses.count(503) + statuses.count(-1) == 100, statuses
+        finally:
+            for s in socks:
+                s.close()
+        lines = d.log_text()
+        assert "fd_limit_low" in lines and "out of system resource" not in lines
+        assert "accept_failed" not in lines
+
+
+def test_failed_accepts_are_logged_once_per_burst():
+    """A native-socket flood past a 200-descriptor limit: accept fails with EMFILE again and again;
+    the log has one ``accept_failed`` line (no traceback per attempt), and once the flood leaves
+    the daemon serves again."""
+    with Daemon(ref_toml(lanes=1, context=512), wrapper=("prlimit", "--nofile=200:200", "--")) as d:
+        socks = []
+        try:
+            for _ in range(260):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(str(d.socket))
+                socks.append(s)
+            wait_until(lambda: "accept_failed" in d.log_text(), 30, interval=0.2, what="accept_failed")
+        finally:
+            for s in socks:
+                s.close()
+        with d.client(timeout=30) as c:
+            assert c.generate("probe", max_tokens=2, temperature=0).finish_reason == "length"
+        wait_until(lambda: "accept_recovered" in d.log_text(), 30, interval=0.2, what="the burst's end")
+        (end,) = [e for e in d.log_events() if e.get("event") == "accept_recovered"]
+        assert end["failed_accepts"] > 1  # many failed accepts, ...
+        lines = d.log_text()
+        assert lines.count("accept_failed") == 1  # ... one line
+        assert "out of system resource" not in lines and "Traceback" not in lines

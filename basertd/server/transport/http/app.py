@@ -42,6 +42,7 @@ from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError
 from basertd.server.states import HealthStatus
+from basertd.server.transport import accept_errors
 from basertd.server.transport.http import opsview, resume
 from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
@@ -137,6 +138,7 @@ class HttpServer:
     async def start(self) -> None:
         """Bind every listener (module docstring). Raises ``OSError``; nothing stays bound then."""
         self.door.fit_fd_limit(self.native_connections)
+        accept_errors.install(asyncio.get_running_loop())
         cfg = self.config
         runner = self._runner = DoorRunner(
             self.app,
