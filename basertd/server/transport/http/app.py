@@ -16,7 +16,10 @@ belongs to (``error_response``; OpenAI's by default).
 
 A client that disconnects cancels its request at once: aiohttp cancels the handler
 (``handler_cancellation``), and leaving the handler closes every stream (the lane retires in the
-next plan; a queued request never starts).
+next plan; a queued request never starts). Every connection enters through the ``door``
+(``door.Door``: caps, head / body / idle deadlines, the write timeout that closes a connection
+whose replies go unread, cancelling its requests the same way); on a loopback TCP listener every
+request first passes the ``Host`` / ``Origin`` checks (``origin.HostPolicy``, 403).
 
 ``HttpServer(config, frontend, ...)``: ``start()`` binds every ``[http] listen`` entry and each
 adopted socket (systemd's ``FileDescriptorName=http``); ``addresses`` lists what it serves;
