@@ -21,7 +21,7 @@ listener) and bounds what a client can hold:
   mark for ``write_timeout_s`` (the transport paused for writing that long), the connection is
   aborted: aiohttp cancels its handler (``handler_cancellation``), which closes the handler's
   streams, so the requests are cancelled and their lanes retire in the next plan. Until then the
-  replies a stream produced wait in its queue (``frontend.streams.QueueSink``): bounded by the
+  replies a stream produced wait in its reply queue (behind ``port.StreamPort``): bounded by the
   write timeout times the token rate.
 
 Every bound broken is logged (``http_connection_dropped``) and counted in

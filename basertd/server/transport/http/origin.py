@@ -46,10 +46,17 @@ def is_loopback_name(host: str) -> bool:
     """``localhost``, ``*.localhost`` (RFC 6761), or a loopback IP literal."""
     if host == "localhost" or host.endswith(".localhost"):
         return True
+    return _loopback_ip(host)
+
+
+def _loopback_ip(text: str) -> bool:
+    """A loopback IP literal, an IPv4-mapped IPv6 one (``::ffff:127.0.0.1``) included."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(text)
     except ValueError:
         return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 def on_loopback_tcp(request: web.BaseRequest) -> bool:
@@ -61,10 +68,7 @@ def on_loopback_tcp(request: web.BaseRequest) -> bool:
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return False
     local = transport.get_extra_info("sockname")
-    try:
-        return ipaddress.ip_address(local[0]).is_loopback
-    except (TypeError, ValueError, IndexError):
-        return False
+    return isinstance(local, tuple) and bool(local) and _loopback_ip(str(local[0]))
 
 
 class HostPolicy:
