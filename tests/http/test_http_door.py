@@ -30,9 +30,10 @@ CONTEXT = 16384
 
 
 @pytest.fixture(scope="module")
-def daemon():
+def daemon(tmp_path_factory):
+    unix = tmp_path_factory.mktemp("door") / "http.sock"
     cfg = ref_toml(lanes=1, context=CONTEXT, grant=8) + (
-        '[http]\nlisten = ["127.0.0.1:0"]\n'
+        f'[http]\nlisten = ["127.0.0.1:0", "unix:{unix}"]\n'
         f"max_connections = {TOTAL}\nmax_connections_per_peer = {PER_PEER}\n"
         f"header_timeout_s = {HEADER_TIMEOUT_S}\nbody_timeout_s = 2.0\nidle_timeout_s = {IDLE_TIMEOUT_S}\n"
         f"write_timeout_s = {WRITE_TIMEOUT_S}\nwrite_buffer_bytes = 4096\n"
@@ -43,6 +44,7 @@ def daemon():
         d.http_host, port = addr.rsplit(":", 1)
         d.http_port = int(port)
         d.http_url = f"http://{addr}"
+        d.http_unix = str(unix)
         yield d
 
 
@@ -131,7 +133,9 @@ def test_slow_header_connections_are_closed_at_the_deadline_while_a_probe_answer
     t = threading.Thread(target=dribble, daemon=True)
     t.start()
     try:
-        assert probe(client) < 1.0  # another connection is served meanwhile
+        latency = probe(client)
+        print(f"probe beside 100 slow-header connections: {latency:.3f} s")
+        assert latency < 1.0  # another connection is served meanwhile
         answers = [read_until_closed(s, 15.0) for s in socks]
         closed_after = time.monotonic() - started
     finally:
@@ -159,8 +163,23 @@ def test_connection_caps_refuse_with_429_and_503_and_count_the_drops(daemon, cli
     finally:
         for s in held:
             s.close()
+    settle(daemon, client)
+    # on a Unix listener the peer is the uid (SO_PEERCRED)
+    held = []
+    try:
+        for _ in range(PER_PEER):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(daemon.http_unix)
+            held.append(s)
+        extra = socket.socket(socket.AF_UNIX)
+        extra.connect(daemon.http_unix)
+        assert status_of(extra) == 429
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
     settle(daemon, client)  # the cap frees as the connections close
-    assert dropped(daemon, "http_peer_cap") >= peer0 + 1
+    assert dropped(daemon, "http_peer_cap") >= peer0 + 2
     assert dropped(daemon, "http_total_cap") >= total0 + 1
 
 
@@ -191,6 +210,7 @@ def test_never_reading_sse_client_is_cancelled_and_its_lane_freed(daemon, client
         t0 = time.monotonic()
         assert probe(client) < WRITE_TIMEOUT_S + 10.0
         waited = time.monotonic() - t0
+        print(f"probe behind a never-reading stream on the only lane: {waited:.3f} s")
         assert dropped(daemon, "http_write_timeout") == before + 1
         wait_until(lambda: daemon.status().lanes_busy == 0, 10, interval=0.05, what="the lane freed")
     finally:
@@ -200,6 +220,22 @@ def test_never_reading_sse_client_is_cancelled_and_its_lane_freed(daemon, client
     assert any(
         e.get("finish_reason") == "cancelled" and e.get("completion_tokens", 0) < CONTEXT // 2 for e in ended
     )
+
+
+def test_slow_body_is_408_at_the_body_deadline(daemon, client):
+    settle(daemon, client)
+    before = dropped(daemon, "http_body_timeout")
+    s = connect(daemon)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": '
+    )
+    t0 = time.monotonic()
+    answer = read_until_closed(s, 30)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"body_timeout" in answer, answer[:200]
+    assert time.monotonic() - t0 < 2.0 + 5.0
+    assert dropped(daemon, "http_body_timeout") == before + 1
 
 
 def test_foreign_host_and_cross_site_posts_are_refused(daemon):
@@ -318,3 +354,21 @@ def test_failed_accepts_are_logged_once_per_burst():
         lines = d.log_text()
         assert lines.count("accept_failed") == 1  # ... one line
         assert "out of system resource" not in lines and "Traceback" not in lines
+
+
+def test_json_depth_skips_strings_and_escapes():
+    from basertd.server.transport.http.body import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(b'["[[[[", "\\\\", "\\"]]]]", [[]]]') == 3  # brackets inside strings do not count
+    assert json_depth(b'"[[["') == 0 and json_depth(b"") == 0
+
+
+def test_host_names_a_loopback_listener_serves():
+    from basertd.server.transport.http.origin import HostPolicy, host_of
+
+    policy = HostPolicy(["Basertd.Example"])
+    served = ["localhost:8000", "127.0.0.7", "[::1]:80", "app.localhost", "LOCALHOST.", "basertd.example:1"]
+    refused = ["evil.example", "127.0.0.1.nip.io", "[::2]:80", "localhost.evil.example", ""]
+    assert all(policy.allows(host_of(h)) for h in served)
+    assert not any(policy.allows(host_of(h)) for h in refused)
