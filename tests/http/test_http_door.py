@@ -9,7 +9,9 @@ loopback listener (``origin``) and the JSON nesting and number bounds of every d
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -299,10 +301,11 @@ def _raw_status(s: socket.socket) -> int | None:
     return int(head.split(b" ", 2)[1]) if head else -1
 
 
+@pytest.mark.slow
 def test_idle_flood_under_a_1024_descriptor_limit_is_refused_at_the_cap_while_native_probes_answer():
     """~1,300 idle TCP connections against a daemon whose RLIMIT_NOFILE is 1,024 (soft and hard):
-    the HTTP cap (fitted to the limit) refuses the excess, no accept ever fails, and the native
-    socket keeps answering."""
+    the HTTP cap (fitted to the limit) refuses the excess, no accept ever fails, the native socket
+    keeps answering and a killed worker respawns."""
     cfg = (
         ref_toml(lanes=1, context=512, grant=8) + '[http]\nlisten = ["127.0.0.1:0"]\nmax_connections = 512\n'
     )
@@ -320,9 +323,21 @@ def test_idle_flood_under_a_1024_descriptor_limit_is_refused_at_the_cap_while_na
                 t0 = time.monotonic()
                 out = c.generate("probe", max_tokens=2, temperature=0)
                 native_s = time.monotonic() - t0
+            print(f"native probe beside 1,300 idle HTTP connections: {native_s:.3f} s")
             assert out.finish_reason == "length" and native_s < 5.0
             statuses = [_raw_status(s) for s in socks[-100:]]
             assert statuses.count(503) + statuses.count(-1) == 100, statuses
+            # descriptors are left for a worker to respawn meanwhile
+            (before,) = d.workers()
+            os.kill(before.pid, signal.SIGKILL)
+            wait_until(
+                lambda: (w := d.workers()[0]).state == "ready" and w.pid not in (0, before.pid),
+                60,
+                interval=0.2,
+                what="the worker respawned",
+            )
+            with d.client(timeout=30) as c:
+                assert c.generate("probe", max_tokens=2, temperature=0).finish_reason == "length"
         finally:
             for s in socks:
                 s.close()
@@ -331,6 +346,7 @@ def test_idle_flood_under_a_1024_descriptor_limit_is_refused_at_the_cap_while_na
         assert "accept_failed" not in lines
 
 
+@pytest.mark.slow
 def test_failed_accepts_are_logged_once_per_burst():
     """A native-socket flood past a 200-descriptor limit: accept fails with EMFILE again and again;
     the log has one ``accept_failed`` line (no traceback per attempt), and once the flood leaves
