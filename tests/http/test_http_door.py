@@ -158,6 +158,11 @@ def test_connection_caps_refuse_with_429_and_503_and_count_the_drops(daemon, cli
         extra = connect(daemon, "127.0.0.1")
         assert status_of(extra) == 429  # answered before it sent anything
         extra.close()
+        other = connect(daemon, "127.0.0.4")  # another peer is still served
+        other.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        text = read_until_closed(other, 30).decode()
+        other.close()
+        assert re.search(r"^basertd_http_connections (\S+)$", text, re.M).group(1) == f"{PER_PEER + 1}.0"
         held += [connect(daemon, "127.0.0.2") for _ in range(TOTAL - PER_PEER)]
         extra = connect(daemon, "127.0.0.3")
         assert status_of(extra, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n") == 503

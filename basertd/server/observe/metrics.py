@@ -321,6 +321,12 @@ class Metrics:
         self.connections_open = Gauge(
             "client_connections", "Open client-socket connections.", namespace=ns, registry=r
         )
+        self.http_connections_open = Gauge(
+            "http_connections",
+            "Open HTTP connections (counted against http.max_connections).",
+            namespace=ns,
+            registry=r,
+        )
         self.request_buffer_bytes = Gauge(
             "request_buffer_bytes",
             "Bytes reserved for request frames being received (counted against "

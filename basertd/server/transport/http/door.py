@@ -165,11 +165,13 @@ class Door:
             )
         self.open += 1
         self.by_peer[peer] += 1
+        self.metrics.http_connections_open.set(self.open)
         return None
 
     def leave(self, peer: str) -> None:
         """Uncount a connection ``admit`` counted."""
         self.open -= 1
+        self.metrics.http_connections_open.set(self.open)
         self.by_peer[peer] -= 1
         if self.by_peer[peer] <= 0:
             del self.by_peer[peer]
