@@ -115,7 +115,6 @@ class Door:
         self.max_connections = config.max_connections
         self.open = 0
         self.by_peer: Counter[str] = Counter()
-        self.gates: set[Gate] = set()
         self.lingering = 0
 
     def fit_fd_limit(self, native_connections: int) -> int:
@@ -207,7 +206,6 @@ class Gate(asyncio.Protocol):
         if refusal is not None:
             self._refuse(refusal)
             return
-        self.door.gates.add(self)
         limit = self.door.config.write_buffer_bytes
         self.transport.set_write_buffer_limits(high=limit)  # type: ignore[union-attr]
         sock = transport.get_extra_info("socket")
@@ -238,7 +236,6 @@ class Gate(asyncio.Protocol):
             self.door.lingering -= 1
         if self.inner is None:
             return
-        self.door.gates.discard(self)
         self.door.leave(self.peer)
         inner, self.inner = self.inner, None
         inner.connection_lost(exc)

@@ -9,7 +9,8 @@ a request that arrived over TCP on a loopback address:
 - ``Host`` (when present) must name a loopback host — ``localhost`` or a ``*.localhost`` name,
   an address in 127.0.0.0/8, ``::1`` — or one of ``[http] allowed_hosts``; any port;
 - ``Origin`` (sent by browsers, never by curl or the API client libraries) must have such a host;
-  a request without ``Origin`` whose ``Sec-Fetch-Site`` says ``cross-site`` is refused too.
+  a POST (any method but GET and HEAD) without ``Origin`` whose ``Sec-Fetch-Site`` says
+  ``cross-site`` is refused too.
 
 Either refusal is a 403 (``host_not_allowed`` / ``origin_not_allowed``) naming the header, before
 anything runs. Unix-socket listeners (no browser reaches them) and non-loopback TCP listeners
@@ -109,7 +110,10 @@ class HostPolicy:
                     param="Origin",
                     code="origin_not_allowed",
                 )
-        elif request.headers.get("Sec-Fetch-Site", "").lower() == "cross-site":
+        elif (
+            request.method not in ("GET", "HEAD")
+            and request.headers.get("Sec-Fetch-Site", "") == "cross-site"
+        ):
             raise HttpError(
                 403,
                 "a cross-site browser request without Origin is refused on this loopback listener",
