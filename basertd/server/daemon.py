@@ -214,7 +214,12 @@ class Daemon:
         http_socks = adopt_named(self._listen_fds, HTTP_FD_NAME)
         if cfg.http.listen or http_socks:
             self.http = HttpServer(
-                cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
+                cfg.http,
+                self.frontend,
+                socket_mode=int(cfg.socket_mode),
+                adopted=http_socks,
+                compile=cfg.compile,
+                on_sandbox_failure=self.metrics.sandbox_failed,
             )
             await self.http.start()
 
@@ -413,7 +418,7 @@ class Daemon:
         if self.api is not None:
             await self.api.stop()
         if self.frontend is not None:
-            self.frontend.close()
+            await self.frontend.close()
         self.metrics.close()
         if self.kv_events is not None:
             for m in self.fleet or []:

@@ -1,8 +1,10 @@
-"""The coordinator's grammar layer (basertd.server.request.grammar): request fields to validated specs,
-tool-call grammars and the tool-call parser; specs run on the tiny GGUF through the engine."""
+"""The coordinator's grammar layer (basertd.server.request.grammar): request fields to specs,
+compiled by ``SpecCompiler`` in its child processes; tool-call grammars and the tool-call parser;
+specs run on the tiny GGUF through the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -15,7 +17,23 @@ from basertd.schema import link
 from basertd.schema.abi import Finish, Sampling
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
+from basertd.server.frontend.spec_compiler import SpecCompiler
+from basertd.server.observe.metrics import Metrics
 from basertd.server.request import grammar as sg
+
+
+def compiled(spec: sg.GrammarSpec | None) -> sg.GrammarSpec | None:
+    """``spec`` through a fresh ``SpecCompiler`` (one child process), as admission compiles it."""
+
+    async def main() -> sg.GrammarSpec | None:
+        compiler = SpecCompiler(Metrics(), processes=1, timeout_s=30.0, max_pending=4, memory_bytes=2 << 30)
+        try:
+            return None if spec is None else await compiler.compile(spec)
+        finally:
+            await compiler.close()
+
+    return asyncio.run(main())
+
 
 WEATHER = {
     "type": "object",
@@ -79,7 +97,7 @@ def test_response_formats_become_specs():
 )
 def test_invalid_requests_are_typed_errors_with_the_library_message(kw, needle):
     with pytest.raises(sg.GrammarRequestError) as ex:
-        sg.spec_from_request(**kw)
+        compiled(sg.spec_from_request(**kw))
     assert needle in str(ex.value)
     assert ex.value.code == ErrorCode.INVALID_REQUEST
 
@@ -110,7 +128,7 @@ def test_grammar_create_carries_the_kind_and_old_senders_mean_json_schema():
 )
 def test_malformed_tools_and_choices_are_typed_errors(tools, choice, needle):
     with pytest.raises(sg.GrammarRequestError) as ex:
-        sg.tool_grammar(tools, choice)
+        compiled(sg.tool_grammar(tools, choice))
     assert needle in str(ex.value)
 
 

@@ -2,9 +2,9 @@
 
 A grammar handle (``grammar_create``) holds one compiled llguidance matcher built from a spec of a
 ``kind``: ``json_schema`` (JSON-Schema text), ``lark`` (a Lark grammar in llguidance's dialect) or
-``regex``. JSON schemas compile with compact separators and no free whitespace, so every output is
-the shortest JSON text of its value, and with their typed numbers bounded (``json_bounds``: at
-most 16 integer and 9 fraction digits), so a sampled number cannot run on. A lane admitted with
+``regex``, compiled by ``basertd.grammar_compile.compile_spec``, the compiler the coordinator
+validates with (JSON schemas compact, their typed numbers bounded by ``json_bounds``: at most 16
+integer and 9 fraction digits, so a sampled number cannot run on). A lane admitted with
 ``grammar_handle`` gets its own copy of the handle's matcher (freeing the handle later leaves live
 lanes constrained, as logit biases do).
 
@@ -26,7 +26,6 @@ model, on its first grammar.
 
 from __future__ import annotations
 
-import json
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -36,68 +35,9 @@ import llguidance.llamacpp
 import llguidance.numpy
 import numpy as np
 
-from basertd.json_bounds import bound_numbers
+from basertd.grammar_compile import GrammarSpecError, compile_spec
 from basertd.schema.abi import Finish, Status
 from basertd.worker.engines.base import EngineError
-
-GRAMMAR_KINDS = ("json_schema", "lark", "regex")
-"""Spec kinds ``grammar_create`` compiles (the ``kind`` of Link W GRAMMAR_CREATE)."""
-
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
-    "whitespace_flexible": False,
-    "item_separator": ",",
-    "key_separator": ":",
-}
-"""JSON-Schema compile options: compact output, no free whitespace (overridable by the schema's
-``x-guidance``)."""
-
-
-class GrammarSpecError(ValueError):
-    """A grammar spec llguidance refuses; ``str()`` is the library's message."""
-
-
-def compile_spec(kind: str, text: str) -> str:
-    """The llguidance grammar (its JSON form) of a spec, validated without a tokenizer.
-
-    ``kind`` is one of ``GRAMMAR_KINDS``; ``text`` the schema (JSON text), Lark grammar or regex.
-    Raises GrammarSpecError with llguidance's message for an unknown kind, text that is not JSON
-    (json_schema) or a grammar that does not compile."""
-    if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except ValueError as exc:
-            raise GrammarSpecError(f"JSON schema is not JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarSpecError("a JSON schema is an object or a boolean")
-        grammar = _bounded_json_grammar(schema)
-        if grammar is None:
-            try:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            except ValueError as exc:
-                raise GrammarSpecError(str(exc)) from None
-    elif kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    elif kind == "regex":
-        grammar = llguidance.LLMatcher.grammar_from_regex(text)
-    else:
-        raise GrammarSpecError(f"unknown grammar kind {kind!r} (one of {', '.join(GRAMMAR_KINDS)})")
-    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise GrammarSpecError(msgs[0] if msgs else "invalid grammar")
-    return grammar
-
-
-def _bounded_json_grammar(schema: dict | bool) -> str | None:
-    """The grammar of ``bound_numbers(schema)``, or None when the bounded schema does not compile
-    (the caller then compiles the schema as given, so the error, if any, is about the user's
-    schema)."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_OPTIONS)
-    except ValueError:
-        return None
-    is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return None if is_error else grammar
-
 
 _BYTE_ADD = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool),

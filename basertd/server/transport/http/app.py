@@ -35,7 +35,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from basertd.server.config import HttpConfig, parse_listen
+from basertd.server.config import CompileConfig, HttpConfig, parse_listen
 from basertd.server.request.record import AdmissionError
 from basertd.server.states import HealthStatus
 from basertd.server.transport.http import resume
@@ -72,7 +72,8 @@ def error_response(err: HttpError, path: str = "") -> web.Response:
 class HttpServer:
     """The HTTP APIs of one daemon over ``frontend`` (module docstring). ``socket_mode``:
     permission bits of the Unix sockets it binds; ``adopted``: listening sockets passed by
-    systemd."""
+    systemd; ``compile``: the limits chats render under (``templates``), ``on_sandbox_failure(pool,
+    reason)`` counts a render that gave no text."""
 
     def __init__(
         self,
@@ -81,6 +82,8 @@ class HttpServer:
         *,
         socket_mode: int = 0o660,
         adopted: list[socket.socket] | None = None,
+        compile: CompileConfig | None = None,
+        on_sandbox_failure: Any = None,
     ) -> None:
         self.config = config
         self.frontend = frontend
@@ -88,7 +91,7 @@ class HttpServer:
         self.adopted = list(adopted or [])
         keys = load_api_keys(config.api_key_file) if config.api_key_file else []
         self.auth = Authorizer(keys)
-        self.templates = Templates(frontend)
+        self.templates = Templates(frontend, compile, on_sandbox_failure)
         self.resumes = resume.ResumeIndex()
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
@@ -173,6 +176,7 @@ class HttpServer:
                 if path.lstat().st_ino == inode:
                     path.unlink()
         self._unix.clear()
+        await self.templates.close()
 
     # --- middleware ------------------------------------------------------------------------------
 

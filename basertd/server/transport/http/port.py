@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from basertd.schema import client as api
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.states import HealthStatus
 
 
@@ -101,6 +102,11 @@ class FrontendPort(Protocol):
 
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (invalid UTF-8 as U+FFFD). Raises ``AdmissionError``."""
+        ...
+
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The candidate of ``spec`` that compiles (cached for admission), after the queue caps of
+        ``model``'s worker for ``qos``. Raises ``AdmissionError`` (INVALID_REQUEST, QUEUE_FULL)."""
         ...
 
     def route(self, model: str) -> int:

@@ -132,7 +132,7 @@ class OllamaApi:
         if req.raw:
             text, add_special = req.prompt, True
         else:
-            text, add_special = self._render(model, tr.generate_messages(req))
+            text, add_special = await self._render(model, tr.generate_messages(req))
         return await self._run(request, req, model, text, add_special, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -142,13 +142,13 @@ class OllamaApi:
         if not req.messages:
             head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
             return web.json_response(head | {"done": True, "done_reason": "load"})
-        text, add_special = self._render(model, tr.chat_messages(req))
+        text, add_special = await self._render(model, tr.chat_messages(req))
         return await self._run(request, req, model, text, add_special, chat=True)
 
-    def _render(self, model: str, messages: list[dict[str, Any]]) -> tuple[str, bool]:
+    async def _render(self, model: str, messages: list[dict[str, Any]]) -> tuple[str, bool]:
         try:
             _, template = self.templates.for_model(model)
-            text = template.render(messages, add_generation_prompt=True)
+            text = await self.templates.render(template, messages)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         return text, template.needs_bos(text)

@@ -1,0 +1,257 @@
+"""Bounded work off the event loop: a pool of child processes, each running one job at a time
+under a time limit and a memory limit, whose native crash costs only that job.
+
+What a request carries can make a library loop, allocate without end or crash the process that
+runs it (a Jinja chat template with a long loop; a grammar whose compilation overflows
+llguidance's native stack and dies of SIGSEGV). A thread cannot be stopped and shares the
+coordinator's fate, so such work runs in ``SandboxPool``'s children: ``size`` processes
+(``python -m <module>``, the module calling ``serve(handler)``), started on first use, each with
+``RLIMIT_AS`` of ``memory_bytes``, ``PR_SET_PDEATHSIG`` (it dies with the coordinator) and its
+stdin/stdout as the job pipe: a frame is a 4-byte little-endian length and a msgpack body
+(``msgspec``), one job in, one reply out.
+
+``run(job)`` awaits an idle child (at most ``max_pending`` callers wait or run at once: more are
+``SandboxBusy``), sends the job and waits ``timeout_s`` for the reply. A child that does not
+answer in time is killed (``SandboxTimeout``); one that dies meanwhile (a signal, an exit) is
+``SandboxCrashed`` naming the signal. Either way the child is replaced before its slot is used
+again; other jobs and the coordinator go on. ``close()`` kills and reaps every child.
+
+A handler returns any msgpack value; an exception it raises is answered as
+``SandboxJobError`` with its message (the child lives on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import resource
+import signal
+import struct
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+log = structlog.get_logger("basertd.sandbox")
+
+_LEN = struct.Struct("<I")
+MAX_FRAME_BYTES = 256 << 20
+"""Largest frame either side accepts (bytes)."""
+_PR_SET_PDEATHSIG = 1
+
+
+class SandboxError(Exception):
+    """A sandboxed job produced no result; ``reason`` is a short label for metrics (``busy``,
+    ``timeout``, ``crash``, ``error``)."""
+
+    reason = "error"
+
+
+class SandboxBusy(SandboxError):
+    """``max_pending`` jobs already wait or run."""
+
+    reason = "busy"
+
+
+class SandboxTimeout(SandboxError):
+    """The job ran past the time limit; its child was killed."""
+
+    reason = "timeout"
+
+
+class SandboxCrashed(SandboxError):
+    """The child died running the job (``signal_name``, e.g. ``SIGSEGV``, or ``exit N``)."""
+
+    reason = "crash"
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"the sandbox process died ({signal_name})")
+        self.signal_name = signal_name
+
+
+class SandboxJobError(SandboxError):
+    """The handler raised; ``str()`` is its message."""
+
+
+class _Child:
+    """One child process and its pipe."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    async def call(self, payload: bytes) -> bytes:
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(_LEN.pack(len(payload)) + payload)
+        await stdin.drain()
+        (n,) = _LEN.unpack(await stdout.readexactly(_LEN.size))
+        if n > MAX_FRAME_BYTES:
+            raise asyncio.IncompleteReadError(b"", n)
+        return await stdout.readexactly(n)
+
+    async def kill(self) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        with contextlib.suppress(Exception):
+            await self.proc.wait()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
+
+def _died(rc: int | None) -> str:
+    if rc is None:
+        return "closed its pipe"
+    if rc < 0:
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit {rc}"
+
+
+class SandboxPool:
+    """``size`` child processes running ``module``'s handler (module docstring). ``timeout_s``:
+    seconds one job may take; ``max_pending``: jobs waiting or running at once; ``memory_bytes``:
+    each child's address-space limit (0: none)."""
+
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        *,
+        size: int,
+        timeout_s: float,
+        max_pending: int,
+        memory_bytes: int = 0,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.memory_bytes = memory_bytes
+        self._idle: asyncio.Queue[_Child | None] = asyncio.Queue()
+        for _ in range(size):
+            self._idle.put_nowait(None)  # a slot; its child starts on first use
+        self._children: set[_Child] = set()
+        self._pending = 0
+        self._closed = False
+        self._encode = msgspec.msgpack.Encoder()
+        self._decode = msgspec.msgpack.Decoder()
+
+    @property
+    def pending(self) -> int:
+        """Jobs waiting or running now."""
+        return self._pending
+
+    async def _spawn(self) -> _Child:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            self.module,
+            str(os.getpid()),
+            str(self.memory_bytes),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            close_fds=True,
+        )
+        child = _Child(proc)
+        self._children.add(child)
+        return child
+
+    async def run(self, job: Any) -> Any:
+        """The handler's reply to ``job`` (msgpack values). Raises ``SandboxBusy``,
+        ``SandboxTimeout``, ``SandboxCrashed`` or ``SandboxJobError``."""
+        if self._closed:
+            raise SandboxBusy(f"the {self.name} sandbox is closed")
+        if self._pending >= self.max_pending:
+            raise SandboxBusy(f"{self.max_pending} {self.name} jobs are already waiting")
+        payload = self._encode.encode(job)
+        self._pending += 1
+        child: _Child | None = None
+        try:
+            child = await self._idle.get()
+            if child is None or not child.alive:
+                if child is not None:
+                    await self._drop(child)
+                child = await self._spawn()
+            try:
+                reply = await asyncio.wait_for(child.call(payload), self.timeout_s)
+            except TimeoutError:
+                await self._drop(child)
+                child = None
+                raise SandboxTimeout(
+                    f"the {self.name} ran past its time limit ({self.timeout_s:g} s)"
+                ) from None
+            except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(child.proc.wait(), 5.0)
+                why = _died(child.proc.returncode)
+                await self._drop(child)
+                child = None
+                raise SandboxCrashed(why) from None
+            ok, value = self._decode.decode(reply)
+            if not ok:
+                raise SandboxJobError(str(value))
+            return value
+        finally:
+            self._pending -= 1
+            if not self._closed:
+                self._idle.put_nowait(child)
+            elif child is not None:
+                await self._drop(child)
+
+    async def _drop(self, child: _Child) -> None:
+        self._children.discard(child)
+        await child.kill()
+
+    async def close(self) -> None:
+        """Kill and reap every child; later ``run`` calls are ``SandboxBusy``."""
+        self._closed = True
+        for child in list(self._children):
+            await self._drop(child)
+
+
+# --- the child's side --------------------------------------------------------------------------
+
+
+def _harden(parent: int, memory_bytes: int) -> None:
+    """Die with the parent (PR_SET_PDEATHSIG, then a check that it has not already gone) and cap
+    the address space."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(0)
+    if memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+
+
+def serve(handler: Callable[[Any], Any]) -> None:
+    """The child's loop (``python -m <module> <parent pid> <memory bytes>``): read a job, answer
+    ``[True, handler(job)]`` or ``[False, message]`` when it raised; return at end of input."""
+    _harden(int(sys.argv[1]), int(sys.argv[2]))
+    rd, wr = sys.stdin.buffer, sys.stdout.buffer
+    encode, decode = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    while True:
+        head = rd.read(_LEN.size)
+        if len(head) < _LEN.size:
+            return
+        (n,) = _LEN.unpack(head)
+        job = decode.decode(rd.read(n))
+        try:
+            reply = encode.encode([True, handler(job)])
+        except MemoryError:
+            reply = encode.encode([False, "out of memory"])
+        except Exception as exc:
+            reply = encode.encode([False, str(exc) or type(exc).__name__])
+        wr.write(_LEN.pack(len(reply)) + reply)
+        wr.flush()
