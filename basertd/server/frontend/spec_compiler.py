@@ -85,7 +85,7 @@ class SpecCompiler:
         self._done: OrderedDict[str, GrammarSpec | GrammarRequestError] = OrderedDict()
         self._running: dict[str, asyncio.Future[GrammarSpec | GrammarRequestError]] = {}
         self.compiles = 0
-        """Compiles run in a child (cache misses), for tests and the status line."""
+        """Compiles run in a child (cache misses; ``basertd_grammar_compiles_total``)."""
 
     async def compile(self, spec: GrammarSpec) -> GrammarSpec:
         """The candidate of ``spec`` that compiles, as a plain spec (no fallback), from the cache
@@ -117,6 +117,7 @@ class SpecCompiler:
     async def _compile(self, key: str, spec: GrammarSpec) -> GrammarSpec | GrammarRequestError:
         what = spec.label or KIND_NAMES.get(spec.kind, spec.kind)
         self.compiles += 1
+        self.metrics.grammar_compiled()
         try:
             index = await self.pool.run(spec.candidates())
         except SandboxBusy as exc:

@@ -338,6 +338,12 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self.grammar_compiles = Counter(
+            "grammar_compiles",
+            "Grammar specs compiled at admission (each distinct spec once; cached results not counted).",
+            namespace=ns,
+            registry=r,
+        )
         self.sandbox_failures = Counter(
             "sandbox_jobs_failed",
             "Jobs of a sandbox pool (pool: grammar, chat_template) that gave no result, by reason: "
@@ -451,6 +457,10 @@ class Metrics:
     def grammar_handles_held(self, worker_id: int, count: int) -> None:
         """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
         self.grammar_handles.labels(str(worker_id)).set(count)
+
+    def grammar_compiled(self) -> None:
+        """One grammar spec was compiled in a child process (a cache miss)."""
+        self.grammar_compiles.inc()
 
     def sandbox_failed(self, pool: str, reason: str) -> None:
         """A job of sandbox pool ``pool`` gave no result (``reason``: refused, timeout, crash, busy)."""

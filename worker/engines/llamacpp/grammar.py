@@ -21,13 +21,17 @@ that consumes the prompt's last ``g`` tokens, so a resumed lane's masks are the 
 uninterrupted lane saw.
 
 The llguidance tokenizer (every token's bytes, ~1 s on a 256k vocabulary) is built once per loaded
-model, on its first grammar.
+model, on its first grammar. Compiled matchers are kept by spec (``COMPILED_SPECS``, least recently
+used first out): the n choices and many prompts of one HTTP request carry the same spec, and each
+handle after the first is a copy of the compiled matcher (microseconds) instead of a compile (up to
+seconds for a large schema) on the worker's only thread. Each handle is still its own (rule 113).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
@@ -38,6 +42,9 @@ import numpy as np
 from basertd.grammar_compile import GrammarSpecError, compile_spec
 from basertd.schema.abi import Finish, Status
 from basertd.worker.engines.base import EngineError
+
+COMPILED_SPECS = 32
+"""Distinct specs whose compiled matcher ``GrammarSet`` keeps for later handles."""
 
 _BYTE_ADD = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool),
@@ -87,6 +94,9 @@ class GrammarSet:
         self._threads = max(1, threads)
         self._executor: llguidance.LLExecutor | None = None
         self._templates: dict[int, llguidance.LLMatcher] = {}
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.compiles = 0
+        """Specs compiled (not copied from ``_compiled``), for tests."""
         self._next = 1
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
 
@@ -94,14 +104,25 @@ class GrammarSet:
 
     def create(self, text: str, kind: str = "json_schema") -> int:
         """A handle for a compiled spec (see ``compile_spec``), or 0 when it does not compile
-        (the Engine protocol's failure value)."""
-        try:
-            grammar = compile_spec(kind, text)
-        except GrammarSpecError:
-            return 0
-        m = llguidance.LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
-        if m.is_error():
-            return 0
+        (the Engine protocol's failure value). A spec compiled before is copied (module
+        docstring)."""
+        key = (kind, text)
+        base = self._compiled.get(key)
+        if base is None:
+            try:
+                grammar = compile_spec(kind, text)
+            except GrammarSpecError:
+                return 0
+            self.compiles += 1
+            base = llguidance.LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
+            if base.is_error():
+                return 0
+            self._compiled[key] = base
+            while len(self._compiled) > COMPILED_SPECS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        m = base.deep_copy()
         h = self._next
         self._next += 1
         self._templates[h] = m
