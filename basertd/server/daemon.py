@@ -191,6 +191,7 @@ class Daemon:
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
         self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state, self.durability)
+        self.frontend.start()
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])

@@ -109,6 +109,10 @@ class Frontend:
             memory_bytes=cc.memory_mib << 20,
         )
 
+    def start(self) -> None:
+        """Start the grammar compiler's child processes in the background."""
+        self.specs.pool.start()
+
     async def close(self) -> None:
         """Stop the tokenizer threads (running jobs finish) and the grammar compiler's children."""
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,16 +5,18 @@ What a request carries can make a library loop, allocate without end or crash th
 runs it (a Jinja chat template with a long loop; a grammar whose compilation overflows
 llguidance's native stack and dies of SIGSEGV). A thread cannot be stopped and shares the
 coordinator's fate, so such work runs in ``SandboxPool``'s children: ``size`` processes
-(``python -m <module>``, the module calling ``serve(handler)``), started on first use, each with
+(``python -m <module>``, the module calling ``serve(handler)``), started in the background by
+``start()`` (or on first use), each with
 ``RLIMIT_AS`` of ``memory_bytes``, ``PR_SET_PDEATHSIG`` (it dies with the coordinator) and its
 stdin/stdout as the job pipe: a frame is a 4-byte little-endian length and a msgpack body
-(``msgspec``), one job in, one reply out.
+(``msgspec``), one job in, one reply out. A child says it is ready (one frame) once its modules
+are imported; its start (``STARTUP_TIMEOUT_S`` at most) does not count against a job's time limit.
 
 ``run(job)`` awaits an idle child (at most ``max_pending`` callers wait or run at once: more are
 ``SandboxBusy``), sends the job and waits ``timeout_s`` for the reply. A child that does not
 answer in time is killed (``SandboxTimeout``); one that dies meanwhile (a signal, an exit) is
-``SandboxCrashed`` naming the signal. Either way the child is replaced before its slot is used
-again; other jobs and the coordinator go on. ``close()`` kills and reaps every child.
+``SandboxCrashed`` naming the signal. Either way a replacement starts at once in the background
+and takes the slot when ready; other jobs and the coordinator go on. ``close()`` kills and reaps every child.
 
 A handler returns any msgpack value; an exception it raises is answered as
 ``SandboxJobError`` with its message (the child lives on).
@@ -41,6 +43,8 @@ log = structlog.get_logger("basertd.sandbox")
 _LEN = struct.Struct("<I")
 MAX_FRAME_BYTES = 256 << 20
 """Largest frame either side accepts (bytes)."""
+STARTUP_TIMEOUT_S = 60.0
+"""Seconds a child may take to start and say it is ready."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -88,10 +92,15 @@ class _Child:
         return self.proc.returncode is None
 
     async def call(self, payload: bytes) -> bytes:
-        stdin, stdout = self.proc.stdin, self.proc.stdout
-        assert stdin is not None and stdout is not None
+        stdin = self.proc.stdin
+        assert stdin is not None
         stdin.write(_LEN.pack(len(payload)) + payload)
         await stdin.drain()
+        return await self.reply()
+
+    async def reply(self) -> bytes:
+        stdout = self.proc.stdout
+        assert stdout is not None
         (n,) = _LEN.unpack(await stdout.readexactly(_LEN.size))
         if n > MAX_FRAME_BYTES:
             raise asyncio.IncompleteReadError(b"", n)
@@ -138,7 +147,10 @@ class SandboxPool:
         self.timeout_s = timeout_s
         self.max_pending = max_pending
         self.memory_bytes = memory_bytes
+        self.size = size
         self._idle: asyncio.Queue[_Child | None] = asyncio.Queue()
+        self._warming: set[asyncio.Task[None]] = set()
+        self._reaping: set[asyncio.Task[int]] = set()
         for _ in range(size):
             self._idle.put_nowait(None)  # a slot; its child starts on first use
         self._children: set[_Child] = set()
@@ -151,6 +163,33 @@ class SandboxPool:
     def pending(self) -> int:
         """Jobs waiting or running now."""
         return self._pending
+
+    def start(self) -> None:
+        """Start every child in the background (a job finds it ready instead of waiting for a
+        Python process to start); call with the event loop running."""
+        for _ in range(self.size):
+            self._background(self._warm())
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, child: _Child | None = None, *, take: bool = True) -> None:
+        """Start a child for an empty slot: one taken from the idle queue (``take``), or the slot
+        of a child just dropped."""
+        if take:
+            child = await self._idle.get()
+        try:
+            if child is None:
+                child = await self._spawn()
+        except SandboxError:
+            child = None
+        finally:
+            if not self._closed:
+                self._idle.put_nowait(child)
+            elif child is not None:
+                await self._drop(child)
 
     async def _spawn(self) -> _Child:
         proc = await asyncio.create_subprocess_exec(
@@ -166,49 +205,74 @@ class SandboxPool:
         )
         child = _Child(proc)
         self._children.add(child)
+        try:
+            await asyncio.wait_for(child.reply(), STARTUP_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            await self._drop(child)
+            raise SandboxCrashed(f"did not start: {type(exc).__name__}") from None
         return child
 
     async def run(self, job: Any) -> Any:
         """The handler's reply to ``job`` (msgpack values). Raises ``SandboxBusy``,
-        ``SandboxTimeout``, ``SandboxCrashed`` or ``SandboxJobError``."""
+        ``SandboxTimeout``, ``SandboxCrashed`` or ``SandboxJobError``. A caller cancelled while
+        its job runs kills that child (its late reply must not reach the next job)."""
         if self._closed:
             raise SandboxBusy(f"the {self.name} sandbox is closed")
         if self._pending >= self.max_pending:
             raise SandboxBusy(f"{self.max_pending} {self.name} jobs are already waiting")
         payload = self._encode.encode(job)
         self._pending += 1
-        child: _Child | None = None
         try:
             child = await self._idle.get()
+        except BaseException:
+            self._pending -= 1
+            raise
+        clean = False  # the slot goes back with ``child`` only when no job is left half-done on it
+        try:
             if child is None or not child.alive:
                 if child is not None:
-                    await self._drop(child)
+                    self._drop_now(child)
+                child = None
                 child = await self._spawn()
             try:
                 reply = await asyncio.wait_for(child.call(payload), self.timeout_s)
             except TimeoutError:
-                await self._drop(child)
-                child = None
                 raise SandboxTimeout(
                     f"the {self.name} ran past its time limit ({self.timeout_s:g} s)"
                 ) from None
             except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(child.proc.wait(), 5.0)
-                why = _died(child.proc.returncode)
-                await self._drop(child)
-                child = None
-                raise SandboxCrashed(why) from None
+                raise SandboxCrashed(_died(child.proc.returncode)) from None
+            clean = True
             ok, value = self._decode.decode(reply)
             if not ok:
                 raise SandboxJobError(str(value))
             return value
         finally:
             self._pending -= 1
-            if not self._closed:
+            if not clean and child is not None:
+                self._drop_now(child)
+                child = None
+            if self._closed:
+                if child is not None:
+                    self._drop_now(child)
+            elif child is None:  # dropped: its replacement starts now, not on the next job
+                self._background(self._warm(None, take=False))
+            else:
                 self._idle.put_nowait(child)
-            elif child is not None:
-                await self._drop(child)
+
+    def _drop_now(self, child: _Child) -> None:
+        """Kill ``child`` without waiting; it is reaped in the background."""
+        self._children.discard(child)
+        if child.alive:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.kill()
+        if child.proc.stdin is not None:
+            child.proc.stdin.close()
+        task = asyncio.ensure_future(child.proc.wait())
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     async def _drop(self, child: _Child) -> None:
         self._children.discard(child)
@@ -217,8 +281,14 @@ class SandboxPool:
     async def close(self) -> None:
         """Kill and reap every child; later ``run`` calls are ``SandboxBusy``."""
         self._closed = True
+        for task in list(self._warming):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         for child in list(self._children):
             await self._drop(child)
+        if self._reaping:
+            await asyncio.wait(list(self._reaping), timeout=10.0)
 
 
 # --- the child's side --------------------------------------------------------------------------
@@ -241,6 +311,9 @@ def serve(handler: Callable[[Any], Any]) -> None:
     _harden(int(sys.argv[1]), int(sys.argv[2]))
     rd, wr = sys.stdin.buffer, sys.stdout.buffer
     encode, decode = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    ready = encode.encode([True, None])
+    wr.write(_LEN.pack(len(ready)) + ready)
+    wr.flush()
     while True:
         head = rd.read(_LEN.size)
         if len(head) < _LEN.size:

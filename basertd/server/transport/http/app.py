@@ -113,7 +113,9 @@ class HttpServer:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind every listener (module docstring). Raises ``OSError``; nothing stays bound then."""
+        """Bind every listener (module docstring) and start the chat-template processes. Raises
+        ``OSError``; nothing stays bound then."""
+        self.templates.pool.start()
         runner = self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
         )
