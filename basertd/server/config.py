@@ -418,7 +418,8 @@ class CompileConfig(_Section):
     take to render (then 400); ``template_max_chars``: longest rendered chat (characters; longer
     is a 400); ``memory_mib``: address-space limit of each child (MiB); ``max_pending``: jobs one
     pool lets wait or run at once (more: 429 / QUEUE_FULL); ``max_tools``: most tools one request
-    may offer; ``max_tools_bytes``: largest ``tools`` array as compact JSON (bytes)."""
+    may offer; ``max_tools_bytes``: largest ``tools`` array as compact JSON (bytes);
+    ``max_messages``: most messages one chat may carry (each is converted on the event loop)."""
 
     processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
     grammar_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=600.0)] = 10.0
@@ -428,6 +429,7 @@ class CompileConfig(_Section):
     max_pending: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
     max_tools: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 128
     max_tools_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 1 << 20
+    max_messages: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
 
 
 def _default_workers() -> list[WorkerConfig]:

@@ -31,6 +31,7 @@ TEMPLATE = (
 TIMEOUT_S = 1.5
 MAX_TOOLS = 3
 MAX_TOOLS_BYTES = 2048
+MAX_MESSAGES = 50
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def daemon(tmp_path_factory):
     cfg = (
         f'[[workers]]\nengine = "basert"\nlanes = 2\ncontext_length = 2048\nchat_template = "{path}"\n'
         f"[compile]\ntemplate_timeout_s = {TIMEOUT_S}\ntemplate_max_chars = 65536\n"
-        f"max_tools = {MAX_TOOLS}\nmax_tools_bytes = {MAX_TOOLS_BYTES}\n"
+        f"max_tools = {MAX_TOOLS}\nmax_tools_bytes = {MAX_TOOLS_BYTES}\nmax_messages = {MAX_MESSAGES}\n"
         '[http]\nlisten = ["127.0.0.1:0"]\n'
     )
     with Daemon(cfg) as d:
@@ -63,6 +64,7 @@ def chat(oai, content: str, **kw):
 def test_a_template_that_loops_is_a_400_within_the_limit_while_other_connections_are_served(daemon, oai):
     latencies: list[float] = []
     done = threading.Event()
+    ready = threading.Event()
 
     def probe() -> None:
         with (
@@ -71,6 +73,9 @@ def test_a_template_that_loops_is_a_400_within_the_limit_while_other_connections
                 base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=30
             ) as other,
         ):
+            chat(other, "hello")  # the clients' first calls (imports, connects) are not the daemon's
+            c.generate("hi", max_tokens=2)
+            ready.set()
             while not done.is_set():
                 for fn in (c.health, lambda: chat(other, "hello"), lambda: c.generate("hi", max_tokens=2)):
                     t = time.monotonic()
@@ -79,6 +84,7 @@ def test_a_template_that_loops_is_a_400_within_the_limit_while_other_connections
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
+    assert ready.wait(60)
     t = time.monotonic()
     with pytest.raises(openai.BadRequestError) as err:
         chat(oai, "spin")
@@ -130,3 +136,21 @@ def test_tools_over_the_count_or_byte_cap_are_400s_naming_the_cap(daemon, oai):
     # within the caps: served (the reference engine takes the tool grammar's JSON schema)
     out = chat(oai, "hello", tools=[tool("f")], tool_choice="required")
     assert out.choices[0].finish_reason in ("length", "tool_calls", "stop")
+
+
+def test_a_chat_over_the_message_cap_is_a_400_naming_it_on_every_dialect(daemon, oai):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}] * (MAX_MESSAGES // 2)
+    turns.append({"role": "user", "content": "hi"})
+    with pytest.raises(openai.BadRequestError, match=f"at most {MAX_MESSAGES} messages"):
+        oai.chat.completions.create(model="", messages=turns, max_tokens=2)
+    for path, extra in (("/v1/messages", {"max_tokens": 2}), ("/api/chat", {"stream": False})):
+        req = urllib.request.Request(
+            daemon.http_url + path,
+            data=json.dumps({"model": "", "messages": turns, **extra}).encode(),
+            headers={"content-type": "application/json", "anthropic-version": "2023-06-01"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(req, timeout=30)
+        assert http_err.value.code == 400, path
+        assert f"at most {MAX_MESSAGES} messages" in http_err.value.read().decode(), path
+    assert chat(oai, "hello").choices[0].finish_reason == "length"

@@ -7,7 +7,8 @@ llguidance's native stack and dies of SIGSEGV). A thread cannot be stopped and s
 coordinator's fate, so such work runs in ``SandboxPool``'s children: ``size`` processes
 (``python -m <module>``, the module calling ``serve(handler)``), started in the background by
 ``start()`` (or on first use), each with
-``RLIMIT_AS`` of ``memory_bytes``, ``PR_SET_PDEATHSIG`` (it dies with the coordinator) and its
+``RLIMIT_AS`` of ``memory_bytes``, a nice value of ``CHILD_NICE`` (a spinning job yields the CPU to
+the coordinator and the engines), ``PR_SET_PDEATHSIG`` (it dies with the coordinator) and its
 stdin/stdout as the job pipe: a frame is a 4-byte little-endian length and a msgpack body
 (``msgspec``), one job in, one reply out. A child says it is ready (one frame) once its modules
 are imported; its start (``STARTUP_TIMEOUT_S`` at most) does not count against a job's time limit.
@@ -43,6 +44,8 @@ log = structlog.get_logger("basertd.sandbox")
 _LEN = struct.Struct("<I")
 MAX_FRAME_BYTES = 256 << 20
 """Largest frame either side accepts (bytes)."""
+CHILD_NICE = 10
+"""Added to each child's nice value."""
 STARTUP_TIMEOUT_S = 60.0
 """Seconds a child may take to start and say it is ready."""
 _PR_SET_PDEATHSIG = 1
@@ -295,14 +298,16 @@ class SandboxPool:
 
 
 def _harden(parent: int, memory_bytes: int) -> None:
-    """Die with the parent (PR_SET_PDEATHSIG, then a check that it has not already gone) and cap
-    the address space."""
+    """Die with the parent (PR_SET_PDEATHSIG, then a check that it has not already gone), cap the
+    address space, lower the priority."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:
         os._exit(0)
     if memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
 
 
 def serve(handler: Callable[[Any], Any]) -> None:

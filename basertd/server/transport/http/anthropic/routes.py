@@ -60,6 +60,7 @@ class AnthropicApi:
         return [web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count)]
 
     async def _prompt(self, req: CountRequest, plan: tool_calls.ToolPlan | None) -> tuple[int, list[int]]:
+        self.templates.check_messages(len(req.messages))
         messages, prefill = tr.conversation(req)
         if prefill and plan is not None:
             raise bad_request("a final assistant message (prefill) cannot be combined with tools", "messages")

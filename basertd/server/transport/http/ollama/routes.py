@@ -142,6 +142,7 @@ class OllamaApi:
         if not req.messages:
             head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
             return web.json_response(head | {"done": True, "done_reason": "load"})
+        self.templates.check_messages(len(req.messages or []))
         text, add_special = await self._render(model, tr.chat_messages(req))
         return await self._run(request, req, model, text, add_special, chat=True)
 

@@ -111,6 +111,7 @@ class OpenAiApi:
             return await self._resume(request, chat=True)
         req = body.decode(await body.read(request), wire.ChatRequest)
         tr.check_fields(req)
+        self.templates.check_messages(len(req.messages))
         messages = tr.message_dicts(req.messages)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         plan = await self.templates.tool_plan(
