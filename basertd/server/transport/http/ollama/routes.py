@@ -162,7 +162,9 @@ class OllamaApi:
         self, request: web.Request, req: Common, model: str, text: str, add_special: bool, *, chat: bool
     ) -> web.StreamResponse:
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
-        response_format = tr.response_format_of(req.format)
+        response_format, spec = tr.response_format_of(req.format)
+        if spec is not None:  # compiled now to name ``format`` in an error; admission finds it cached
+            await self.frontend.compile_spec(model, qos, spec)
         prompt = await self.frontend.tokenize(model, text, add_special=add_special)
         ctx = self.frontend.context_length(self.frontend.route(model))
         max_tokens = tr.max_tokens_of(req.options or Options(), ctx, len(prompt))
