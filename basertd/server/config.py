@@ -455,6 +455,30 @@ class HttpConfig(_Section):
         return out
 
 
+class CompileConfig(_Section):
+    """What a request brings that runs off the event loop, in child processes
+    (``basertd.server.request.sandbox``): grammar specs (``frontend.spec_compiler``) and chat
+    templates (``transport.http.templates``).
+
+    ``processes``: child processes of each pool (grammar, chat template); ``grammar_timeout_s``:
+    seconds one spec may take to compile (then 400); ``template_timeout_s``: seconds one chat may
+    take to render (then 400); ``template_max_chars``: longest rendered chat (characters; longer
+    is a 400); ``memory_mib``: address-space limit of each child (MiB); ``max_pending``: jobs one
+    pool lets wait or run at once (more: 429 / QUEUE_FULL); ``max_tools``: most tools one request
+    may offer; ``max_tools_bytes``: largest ``tools`` array as compact JSON (bytes);
+    ``max_messages``: most messages one chat may carry (each is converted on the event loop)."""
+
+    processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    grammar_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=600.0)] = 10.0
+    template_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=600.0)] = 5.0
+    template_max_chars: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20
+    memory_mib: Annotated[int, msgspec.Meta(ge=256, le=1 << 20)] = 2048
+    max_pending: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
+    max_tools: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 128
+    max_tools_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 1 << 20
+    max_messages: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
+
+
 def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
@@ -481,6 +505,7 @@ class Config(_Section):
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    compile: CompileConfig = msgspec.field(default_factory=CompileConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:

@@ -193,6 +193,7 @@ class Daemon:
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
         self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state, self.durability)
+        self.frontend.start()
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
@@ -220,6 +221,8 @@ class Daemon:
                 self.frontend,
                 socket_mode=int(cfg.socket_mode),
                 adopted=http_socks,
+                compile=cfg.compile,
+                on_sandbox_failure=self.metrics.sandbox_failed,
                 overview=self.control.overview,
                 metrics=self.metrics,
                 native_connections=cfg.limits.max_connections,
@@ -421,7 +424,7 @@ class Daemon:
         if self.api is not None:
             await self.api.stop()
         if self.frontend is not None:
-            self.frontend.close()
+            await self.frontend.close()
         self.metrics.close()
         with contextlib.suppress(Exception):  # export what is pending (the SDK's timeouts bound it)
             await asyncio.to_thread(self.metrics.tracing.close)

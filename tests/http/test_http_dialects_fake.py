@@ -30,6 +30,7 @@ from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
 from basertd.server.states import HealthStatus
@@ -135,6 +136,10 @@ class FakeFrontend:
     gens: list[tuple[api.Generate, str]] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     follows: list[tuple[str, int]] = field(default_factory=list)
+
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The fake has no compiler: every spec compiles as its first candidate."""
+        return GrammarSpec(spec.kind, spec.text, label=spec.label)
 
     def route(self, model: str) -> int:
         if model not in ("", MODEL):
@@ -260,8 +265,11 @@ def run(fake: FakeFrontend, fn: Call, **config: Any) -> Any:
 
     async def main() -> Any:
         server = HttpServer(HttpConfig(listen=[], **config), fake)  # type: ignore[arg-type]
-        async with TestClient(TestServer(server.app)) as client:
-            return await fn(client)
+        try:
+            async with TestClient(TestServer(server.app)) as client:
+                return await fn(client)
+        finally:
+            await server.templates.close()
 
     return asyncio.run(main())
 

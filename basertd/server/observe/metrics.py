@@ -366,6 +366,21 @@ class Metrics:
         self.windows = Windows()
         """Rolling windows of the same events for the live views (``basertctl top``, the page at
         ``/``): fed by the helpers below, never read back from the registry."""
+        self.grammar_compiles = Counter(
+            "grammar_compiles",
+            "Grammar specs compiled at admission (each distinct spec once; cached results not counted).",
+            namespace=ns,
+            registry=r,
+        )
+        self.sandbox_failures = Counter(
+            "sandbox_jobs_failed",
+            "Jobs of a sandbox pool (pool: grammar, chat_template) that gave no result, by reason: "
+            "refused (the spec or template is invalid), timeout, crash (the child process died), busy "
+            "(too many waiting).",
+            ["pool", "reason"],
+            namespace=ns,
+            registry=r,
+        )
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
@@ -482,6 +497,14 @@ class Metrics:
     def grammar_handles_held(self, worker_id: int, count: int) -> None:
         """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
         self.grammar_handles.labels(str(worker_id)).set(count)
+
+    def grammar_compiled(self) -> None:
+        """One grammar spec was compiled in a child process (a cache miss)."""
+        self.grammar_compiles.inc()
+
+    def sandbox_failed(self, pool: str, reason: str) -> None:
+        """A job of sandbox pool ``pool`` gave no result (``reason``: refused, timeout, crash, busy)."""
+        self.sandbox_failures.labels(pool, reason).inc()
 
     def connection_dropped(self, reason: str) -> None:
         """A client connection was refused or closed by a ``[limits]`` cap or an ``[http]`` bound

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import llama_cpp as L
 
+from basertd.grammar_compile import GRAMMAR_KINDS
 from basertd.schema.abi import SpaceKind, Status
 from basertd.schema.tick import MemCounters, StateSpaceDesc, TickEvents, TickPlan, TickTimings
 from basertd.worker.engines.base import (
@@ -236,6 +237,7 @@ class LlamaCppEngine(Engine):
                 "n_batch": str(self.n_batch),
                 "step_tokens": str(self.step_rows),
                 "prefill_rounds": "spread",
+                "grammar_kinds": ",".join(GRAMMAR_KINDS),
                 "description": m.description,
                 **({"yield": "step"} if self.rounds.control is not None else {}),
             },

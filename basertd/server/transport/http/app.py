@@ -40,7 +40,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from basertd.server.config import HttpConfig, parse_listen
+from basertd.server.config import CompileConfig, HttpConfig, parse_listen
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError
@@ -86,7 +86,8 @@ class HttpServer:
     permission bits of the Unix sockets it binds; ``adopted``: listening sockets passed by
     systemd; ``metrics`` counts connections the door drops (``door``); ``native_connections``
     (the native socket's ``[limits] max_connections``) sizes the descriptor limit
-    (``Door.fit_fd_limit``)."""
+    (``Door.fit_fd_limit``); ``compile``: the limits chats render under (``templates``),
+    ``on_sandbox_failure(pool, reason)`` counts a render that gave no text."""
 
     def __init__(
         self,
@@ -98,6 +99,8 @@ class HttpServer:
         overview: OverviewSource | None = None,
         metrics: Metrics | None = None,
         native_connections: int = 0,
+        compile: CompileConfig | None = None,
+        on_sandbox_failure: Any = None,
     ) -> None:
         self.config = config
         self.frontend = frontend
@@ -108,7 +111,7 @@ class HttpServer:
         self.hosts = HostPolicy(config.allowed_hosts)
         self.door = Door(config, metrics)
         self.native_connections = native_connections
-        self.templates = Templates(frontend)
+        self.templates = Templates(frontend, compile, on_sandbox_failure)
         self.resumes = resume.ResumeIndex()
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
@@ -139,7 +142,9 @@ class HttpServer:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind every listener (module docstring). Raises ``OSError``; nothing stays bound then."""
+        """Bind every listener (module docstring) and start the chat-template processes. Raises
+        ``OSError``; nothing stays bound then."""
+        self.templates.pool.start()
         self.door.fit_fd_limit(self.native_connections)
         accept_errors.install(asyncio.get_running_loop())
         cfg = self.config
@@ -211,6 +216,7 @@ class HttpServer:
                 if path.lstat().st_ino == inode:
                     path.unlink()
         self._unix.clear()
+        await self.templates.close()
 
     # --- middleware ------------------------------------------------------------------------------
 

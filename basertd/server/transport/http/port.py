@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from basertd.schema import client as api
 from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.states import HealthStatus
 
 
@@ -120,6 +121,11 @@ class FrontendPort(Protocol):
         """Pooled, unit-length embeddings of texts or token lists, row i of input i (``truncate``:
         an input over the context length keeps its first tokens). Raises ``AdmissionError``
         (INVALID_REQUEST for an engine without embeddings)."""
+        ...
+
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The candidate of ``spec`` that compiles (cached for admission), after the queue caps of
+        ``model``'s worker for ``qos``. Raises ``AdmissionError`` (INVALID_REQUEST, QUEUE_FULL)."""
         ...
 
     def route(self, model: str) -> int:

@@ -142,11 +142,15 @@ class OpenAiApi:
             return await self._resume(request, chat=True)
         req = body.decode(await body.read(request), wire.ChatRequest)
         tr.check_fields(req)
+        self.templates.check_messages(len(req.messages))
         messages = tr.message_dicts(req.messages)
-        plan = tool_calls.plan_of(req.tools, req.tool_choice, req.parallel_tool_calls)
+        qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
+        plan = await self.templates.tool_plan(
+            req.model, qos, req.tools, req.tool_choice, req.parallel_tool_calls
+        )
         try:
             wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages, plan)
+            text = await self.templates.render_chat(template, messages, plan)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", code="chat_template") from None
         prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
