@@ -271,7 +271,8 @@ class DurabilityConfig(_Section):
     with one group commit (one write, one fsync) per tick before that tick's tokens are delivered,
     so a restart resumes every unfinished request; "off" keeps no log (a restart loses what was
     in flight). ``result_ttl_s``: seconds a finished request's result stays resumable (0: not
-    after it finished; it also bounds how long a result stays on disk: about twice this).
+    after it finished; it also bounds how long a result stays on disk: about twice this, or a
+    minute).
     ``min_free_bytes``: free bytes ``state_dir`` must have for the daemon to start (it refuses
     otherwise, saying so; default 64 MiB, one log segment)."""
 

@@ -1,7 +1,7 @@
 """What the journal keeps on disk stays bounded, and a start refuses a state directory it could
 not keep writing (``basertd.server.durability.wal``): frames cut by bytes, a large checkpoint that
-does not rotate at every commit, results gone from disk within about twice ``result_ttl_s`` (an
-idle journal too, through ``maintain``), quarantined ``*.corrupt`` segments bounded, a state
+does not rotate at every commit, results gone from disk within about twice ``result_ttl_s`` or a
+minute (an idle journal too, through ``maintain``), quarantined ``*.corrupt`` segments bounded, a state
 directory short of ``min_free_bytes`` or not writable refused, and a finished result read
 without waiting for an fsync in flight."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.durability import wal_format
+from basertd.server.durability import wal, wal_format
 from basertd.server.durability.wal import Journal, RequestRecord, StateDirFull, StateDirUnwritable
 from basertd.server.durability.wal_format import WAL_DIR, list_segments, read_segment
 
@@ -70,6 +70,8 @@ def test_results_leave_the_disk_within_twice_their_ttl(tmp_path: Path) -> None:
         j.commit()
         assert j.result("secret-result") is not None
         clock.now += 11
+        assert not j.maintain()  # expired, but the segment is younger than MIN_AGE_ROTATION_S
+        clock.now += wal.MIN_AGE_ROTATION_S
         assert j.maintain()  # idle: no commit since, the segment is older than the TTL
         assert j.result("secret-result") is None
         assert not j.maintain()  # nothing new: no rotation
@@ -78,11 +80,26 @@ def test_results_leave_the_disk_within_twice_their_ttl(tmp_path: Path) -> None:
         j.accepted(_rec("another"))
         j.finished("another", "stop")
         j.commit()
-        clock.now += 11
+        clock.now += wal.MIN_AGE_ROTATION_S + 1
         j.accepted(_rec("later"))
         j.commit()  # a commit past the TTL rotates too
         on_disk = b"".join(p.read_bytes() for p in (tmp_path / WAL_DIR).iterdir())
         assert b"another" not in on_disk and b"later" in on_disk
+
+
+def test_a_zero_ttl_does_not_rotate_at_every_commit(tmp_path: Path) -> None:
+    clock = Clock()
+    with Journal.open(tmp_path, result_ttl_s=0, clock=clock) as j:
+        for i in range(30):
+            j.accepted(_rec(f"r{i}"))
+            j.finished(f"r{i}", "stop")
+            j.commit()
+            clock.now += 1
+        assert j.stats.rotations == 0  # 30 s: younger than MIN_AGE_ROTATION_S
+        clock.now += wal.MIN_AGE_ROTATION_S
+        j.accepted(_rec("last"))
+        j.commit()
+        assert j.stats.rotations == 1
 
 
 def test_quarantined_segments_are_bounded(tmp_path: Path) -> None:

@@ -33,8 +33,9 @@ stamped with an older epoch (lane tags, shm names, worker generations) belongs t
 
 Rotation and compaction: when a segment has grown ``segment_bytes`` past its own checkpoint (so a
 checkpoint larger than ``segment_bytes`` does not rotate at every commit), or once it is older than
-``result_ttl_s`` (so a finished result leaves the disk within about twice its TTL even when little
-is written; ``maintain()`` checks the age between commits), ``commit`` writes a checkpoint of the
+``result_ttl_s`` (at least ``MIN_AGE_ROTATION_S``) while it holds an expired result (so a
+finished result leaves the disk within about twice its TTL, or a minute, even when little is
+written; ``maintain()`` checks it between commits), ``commit`` writes a checkpoint of the
 durable state into a new segment (finished requests older than ``result_ttl_s`` left out), makes
 it durable, then deletes the old segments; ``compact()`` does the same on demand. Frames, the
 checkpoint's included, are cut by bytes (``wal_format.FRAME_BYTES``), far under what the reader accepts
@@ -120,6 +121,9 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 """A segment is rotated (checkpoint + compaction) once it passes this many bytes."""
 LOCK_FILE = "lock"
 EPOCH_FILE = "epoch"
+MIN_AGE_ROTATION_S = 60.0
+"""A segment rotates for its expired results only once it is this old (a ``result_ttl_s`` of 0
+must not rotate the whole state at every commit)."""
 DEFAULT_MIN_FREE_BYTES = 64 << 20
 """Free bytes ``state_dir`` must have at open (one segment's worth: a rotation writes a checkpoint)."""
 
@@ -256,9 +260,9 @@ class Journal:
         raise NotImplementedError
 
     def maintain(self) -> bool:
-        """Rotate when the segment is older than ``result_ttl_s`` (expired results leave the disk
-        even when nothing is committed); returns whether it rotated. Blocks for the fsyncs: call
-        it from a thread. Raises ``JournalFailed``."""
+        """Rotate when the segment is older than ``result_ttl_s`` and holds an expired result
+        (they leave the disk even when nothing is committed); returns whether it rotated. Blocks
+        for the fsyncs: call it from a thread. Raises ``JournalFailed``."""
         raise NotImplementedError
 
     def result(self, request_id: str) -> FinishedResult | None:
@@ -558,11 +562,17 @@ class _FileJournal(Journal):
             return len(data)
 
     def _rotation_due(self) -> bool:
-        """The segment grew ``segment_bytes`` past its checkpoint, or is older than the TTL with
-        more than its checkpoint in it (module docstring)."""
+        """The segment grew ``segment_bytes`` past its checkpoint, or is older than the TTL (and
+        ``MIN_AGE_ROTATION_S``) while an expired result is still on disk (module docstring)."""
         grown = self._seg_size - self._checkpoint_size
-        old = self.clock() - self._seg_started > self.ttl_s
-        return grown >= self.segment_bytes or (grown > 0 and old)
+        if grown >= self.segment_bytes:
+            return True
+        now = self.clock()
+        if now - self._seg_started <= max(self.ttl_s, MIN_AGE_ROTATION_S):
+            return False
+        with self._state_lock:
+            oldest = next(iter(self._durable.results.values()), None)  # in finishing order
+        return oldest is not None and now - oldest.t_finished > self.ttl_s
 
     def _rotate_or_fail(self) -> None:
         try:
