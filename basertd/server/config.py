@@ -284,10 +284,14 @@ class DurabilityConfig(_Section):
     with one group commit (one write, one fsync) per tick before that tick's tokens are delivered,
     so a restart resumes every unfinished request; "off" keeps no log (a restart loses what was
     in flight). ``result_ttl_s``: seconds a finished request's result stays resumable (0: not
-    after it finished)."""
+    after it finished; it also bounds how long a result stays on disk: about twice this, or a
+    minute).
+    ``min_free_bytes``: free bytes ``state_dir`` must have for the daemon to start (it refuses
+    otherwise, saying so; default 64 MiB, one log segment)."""
 
     mode: Literal["tick", "off"] = "tick"
     result_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=30.0 * 86400)] = 600.0
+    min_free_bytes: _NonNeg = 64 << 20
 
 
 class MetricsConfig(_Section):

@@ -439,6 +439,25 @@ def test_a_poison_request_fails_after_max_crash_resumes_without_a_token():
     assert len(core.queues) == 0
 
 
+def test_partial_emits_of_a_tick_that_died_are_no_progress_a_completed_tick_past_the_crash_is():
+    core = make_core(max_crash_resumes=3)
+    req, sink = make_req("poison", max_tokens=50)
+    core.submit(req)
+    for crash in range(2):  # each incarnation streams a token, then dies before its result
+        _, _ = launch(core)
+        (tag,) = core.lanes
+        on_emit(core, tag, [70 + crash])
+        for r in apply(core, None, Lost(f"crash {crash}")).resume:
+            core.requeue(r)
+    assert req.crash_streak == 2 and sink.ids() == [70, 71] and sink.end() is None
+    plan, _ = launch(core)  # a completed tick that only replays what was delivered: no progress
+    (tag,) = core.lanes
+    accept(core, plan, *events(plan, emits={tag: ([], Finish.NONE)}))
+    assert req.crash_streak == 2
+    plan = tick(core, emits={tag: ([72], Finish.NONE)})  # past its last crash, and the tick ended
+    assert req.crash_streak == 0 and sink.ids() == [70, 71, 72]
+
+
 def test_requests_one_crash_from_failing_run_one_at_a_time():
     core = make_core(max_crash_resumes=2)
     reqs = [make_req(f"suspect {i}")[0] for i in range(3)]

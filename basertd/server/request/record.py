@@ -165,8 +165,12 @@ class GenerationRequest:
 
     Worker crashes (DESIGN.md "Scheduling": a crash is a preemption): ``crash_resumes`` (times it
     was requeued because its worker died while it ran; the access log's field) and
-    ``crash_streak`` (crashes it ran at with no token delivered in between; at the scheduler's
-    ``max_crash_resumes`` it fails WORKER_FAILED).
+    ``crash_streak`` (crashes of the workers it ran on, counted across workers, since it last made
+    progress; at the scheduler's ``max_crash_resumes`` it fails WORKER_FAILED) and ``crash_mark``
+    (its generated-token count at its last crash). Progress is a tick that *completed* on a worker
+    and delivered this request tokens past ``crash_mark`` (``basertd.server.sched.apply``): tokens
+    of a partial emit whose tick then died prove nothing, as a poison request may emit before it
+    kills its worker.
 
     Structured output: ``grammar`` (the validated spec, ``basertd.server.request.grammar.GrammarSpec``, or
     None; its handle on the worker is booked by the scheduler, ``basertd.server.sched.grammar_handles``)."""
@@ -201,6 +205,7 @@ class GenerationRequest:
     ttft_ticks: int | None = None
     crash_resumes: int = 0
     crash_streak: int = 0
+    crash_mark: int = 0
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
@@ -315,8 +320,6 @@ class GenerationRequest:
         else:
             text = self._detok.feed(take)
         self.generated.extend(take)
-        if take:
-            self.crash_streak = 0  # progress: a later crash starts a new streak
         if reason is None and self.remaining <= 0:
             reason = "length"
         send = self.sink.send if out is None else out.append

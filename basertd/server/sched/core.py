@@ -487,10 +487,11 @@ class SchedulerCore(SchedulerState):
     def _worker_lost(self, error: str, stalled: str | None, now: float, out: Outbox, res: Applied) -> None:
         """The worker died or broke the link (``error``): a preemption of every live lane. Each
         request is to resume with its delivered tokens (``res.resume``, youngest first: the loop
-        requeues each, here or on a peer); one that ran at ``max_crash_resumes`` crashes in a row
-        without a token in between fails WORKER_FAILED, and so does every one when the progress
-        watchdog restarted the worker (``stalled``: its running work is what stalled). Grammar
-        handles of the incarnation are forgotten."""
+        requeues each, here or on a peer); one that ran at ``max_crash_resumes`` crashes, counted
+        across workers, without progress in between (``GenerationRequest.crash_streak``: a
+        completed tick delivering tokens past its last crash) fails WORKER_FAILED, and so does
+        every one when the progress watchdog restarted the worker (``stalled``: its running work
+        is what stalled). Grammar handles of the incarnation are forgotten."""
         live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
         self.flight = None
@@ -499,6 +500,7 @@ class SchedulerCore(SchedulerState):
         for lane in live:
             req = lane.request
             req.crash_streak += 1
+            req.crash_mark = len(req.generated)
             if stalled is not None:
                 self.fail(
                     req,
@@ -513,8 +515,8 @@ class SchedulerCore(SchedulerState):
                 self.fail(
                     req,
                     ErrorCode.WORKER_FAILED,
-                    f"worker {self.worker_id} died {req.crash_streak} times in a row while this request "
-                    f"ran, without a token in between (last: {error})",
+                    f"the worker died {req.crash_streak} times in a row while this request ran, "
+                    "without progress in between",
                     now,
                     out,
                 )

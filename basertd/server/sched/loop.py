@@ -176,10 +176,16 @@ class Scheduler:
         return len(out)
 
     def on_give_up(self, last_error: str) -> None:
-        """The supervisor stopped retrying: queued requests cannot be served, fail them typed."""
-        n = self.fail_queued(ErrorCode.WORKER_FAILED, f"worker {self.worker_id} is unavailable: {last_error}")
+        """The supervisor stopped retrying: queued requests cannot be served, fail them typed.
+        Clients get a generic message; ``last_error`` (the worker's own line: file paths, exit
+        status) stays in the log and the operator views (``basertctl status``, Health)."""
+        n = self.fail_queued(
+            ErrorCode.WORKER_FAILED,
+            f"worker {self.worker_id} is unavailable: it could not be started "
+            "(the operator finds why in `basertctl status` and the daemon's log)",
+        )
         if n:
-            log.warning("queued_requests_failed", worker_id=self.worker_id, count=n)
+            log.warning("queued_requests_failed", worker_id=self.worker_id, count=n, last_error=last_error)
 
     def reconfigure(self, config: SchedulerConfig, cache: CacheConfig) -> None:
         """Take a reload's ``[scheduler]`` and ``[cache]`` knobs (``basertd.server.ops.reload``):
