@@ -48,6 +48,7 @@ from basertd.server.frontend.limits import (
 )
 from basertd.server.frontend.streams import GenerationStream, QueueSink, ResumedStream
 from basertd.server.observe.metrics import Metrics
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.grammar import GrammarRequestError, spec_from_request
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.request.tokenizer import TokenizerError
@@ -186,6 +187,10 @@ class Frontend:
     def workers_ready(self) -> int:
         """Workers that serve now."""
         return self.fleet.ready_count
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by id (``Fleet.snapshots``; on the event loop)."""
+        return self.fleet.snapshots()
 
     def metrics_exposition(self) -> str:
         """The Prometheus text exposition of the daemon's registry."""

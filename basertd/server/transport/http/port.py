@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from basertd.schema import client as api
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.states import HealthStatus
 
 
@@ -130,6 +131,11 @@ class FrontendPort(Protocol):
 
     def workers_ready(self) -> int:
         """Workers that serve now."""
+        ...
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by worker handle (``WorkerSnapshot``: lanes, queues, limits); cheap,
+        read on the event loop (the endpoints routers poll, ``router_api``)."""
         ...
 
     def metrics_exposition(self) -> str:
