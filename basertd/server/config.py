@@ -68,6 +68,7 @@ Example (every key shown with its default)::
 
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
     endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
+    bind = "auto"               # "auto": the rule above; "bind" any address (tcp://127.0.0.1:5557); "connect"
     replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
     topic = ""                  # first frame of every message; $VARS expanded (e.g. "kv@${POD_IP}@model")
     buffer_steps = 10000        # batches kept for replay, per worker
@@ -290,8 +291,10 @@ _ZMQ_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 class KvEventsConfig(_Section):
     """KV-cache events in vLLM's wire format (``basertd.server.observe.kv_events``, docs/scale-out.md).
 
-    ``endpoint``: the ZMQ PUB address ("" = off); it binds when it holds ``*`` or ``::`` or is
-    ``ipc://`` / ``inproc://``, else connects (vLLM's rule); a bound endpoint is per worker: worker
+    ``endpoint``: the ZMQ PUB address ("" = off); with ``bind = "auto"`` it binds when it holds
+    ``*`` or ``::`` or is ``ipc://`` / ``inproc://``, else connects (vLLM's rule); ``bind =
+    "bind"`` binds any address (one interface, e.g. ``tcp://127.0.0.1:5557``, where a router's SUB
+    connects), ``"connect"`` always connects; a bound endpoint is per worker: worker
     ``i`` binds the TCP port plus ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``), while every
     worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
@@ -301,6 +304,7 @@ class KvEventsConfig(_Section):
     publisher thread (more are dropped and counted)."""
 
     endpoint: str = ""
+    bind: Literal["auto", "bind", "connect"] = "auto"
     replay_endpoint: str = ""
     topic: str = ""
     buffer_steps: _Pos = 10_000

@@ -81,7 +81,9 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 class BlockStored(KVCacheEvent):
     """Pages entered the cache: ``block_hashes`` (a chain, parent first), the hash of the page
     before the first one (None at the start of a prompt), their ``token_ids`` (``block_size``
-    per page, concatenated), ``lora_id`` (None: no adapters here), ``medium``."""
+    per page, concatenated), ``lora_id`` (None: no adapters here), ``medium``, ``lora_name``
+    (None; current vLLM sends it, and vllm-router skips a ``BlockStored`` of fewer than these 8
+    array elements as malformed), ``extra_keys`` (None, omitted)."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -89,6 +91,8 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -126,8 +130,9 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 
 
 def binds(endpoint: str) -> bool:
-    """Whether the PUB socket binds ``endpoint`` (wildcard host, ``::``, ipc or inproc) rather than
-    connecting to a subscriber that bound it (vLLM's rule)."""
+    """Whether the PUB socket binds ``endpoint`` under ``[kv_events] bind = "auto"`` (wildcard
+    host, ``::``, ipc or inproc) rather than connecting to a subscriber that bound it (vLLM's
+    rule); ``bind = "bind"`` binds any address, ``"connect"`` never binds."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -154,7 +159,8 @@ class KvEventsPublisher:
         self.medium = medium
         # a bound address is one per worker; connecting publishers share the subscriber's address
         # (ZMQ fans them in; the batches carry data_parallel_rank)
-        self.endpoint = offset_endpoint(config.endpoint, rank) if binds(config.endpoint) else config.endpoint
+        self.binding = config.bind == "bind" or (config.bind == "auto" and binds(config.endpoint))
+        self.endpoint = offset_endpoint(config.endpoint, rank) if self.binding else config.endpoint
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else ""
         self.topic = (os.path.expandvars(config.topic) if topic is None else topic).encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -177,7 +183,7 @@ class KvEventsPublisher:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.LINGER, 0)
-            if binds(self.endpoint):
+            if self.binding:
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
@@ -214,6 +220,7 @@ class KvEventsPublisher:
                 block_size=block,
                 lora_id=None,
                 medium=self.medium,
+                lora_name=None,
             )
         )
 
