@@ -52,6 +52,7 @@ Example (every key shown with its default)::
     [operators]                 # DESIGN.md "Operators"
     operator_group = ""         # members may use control verbs (as root and the daemon's user always may)
     drain_timeout_s = 30.0      # SIGTERM: seconds in-flight requests get to finish before they are cancelled
+    drain_grace_s = 0.0         # a drain turns /health 503 at once but refuses requests only after this long
     metrics_listen = ""         # "127.0.0.1:9464": also serve /metrics over HTTP (loopback addresses only)
 
     [durability]                # DESIGN.md "Crash = preemption; acceptance is durable"
@@ -236,11 +237,15 @@ class OperatorsConfig(_Section):
     ``operator_group``: name of the group whose members may use control verbs besides root and
     the daemon's own user ("" = nobody else); ``drain_timeout_s``: seconds a SIGTERM drain lets
     in-flight requests finish before cancelling them (keep it below the unit's TimeoutStopSec);
+    ``drain_grace_s``: seconds a drain (SIGTERM or ``basertctl drain``) reports not ready on
+    ``/health`` while still accepting requests, before it refuses new ones, so that a router's
+    health checks take the daemon out first (docs/scale-out.md; the drain timeout runs after it);
     ``metrics_listen``: ``host:port`` on a loopback address (``127.0.0.1``, ``[::1]``,
     ``localhost``) to also serve ``/metrics`` over HTTP ("" = only ``basertctl metrics``)."""
 
     operator_group: str = ""
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
+    drain_grace_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
     metrics_listen: str = ""
 
     def __post_init__(self) -> None:
