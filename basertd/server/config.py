@@ -70,6 +70,7 @@ Example (every key shown with its default)::
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
     endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
     bind = "auto"               # "auto": the rule above; "bind" any address (tcp://127.0.0.1:5557); "connect"
+    layout = "array"            # events as positional arrays (vLLM before 0.28); "map": tagged maps (0.28 on)
     replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
     topic = ""                  # first frame of every message; $VARS expanded (e.g. "kv@${POD_IP}@model")
     buffer_steps = 10000        # batches kept for replay, per worker
@@ -299,7 +300,10 @@ class KvEventsConfig(_Section):
     ``endpoint``: the ZMQ PUB address ("" = off); with ``bind = "auto"`` it binds when it holds
     ``*`` or ``::`` or is ``ipc://`` / ``inproc://``, else connects (vLLM's rule); ``bind =
     "bind"`` binds any address (one interface, e.g. ``tcp://127.0.0.1:5557``, where a router's SUB
-    connects), ``"connect"`` always connects; a bound endpoint is per worker: worker
+    connects), ``"connect"`` always connects; ``layout``: each event a positional array
+    (``"array"``, vLLM before 0.28 and subscribers written for it) or a map tagged by ``type``
+    (``"map"``, vLLM 0.28 on; vllm-router's ``kv_aware`` decodes only this); a bound endpoint is
+    per worker: worker
     ``i`` binds the TCP port plus ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``), while every
     worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
@@ -310,6 +314,7 @@ class KvEventsConfig(_Section):
 
     endpoint: str = ""
     bind: Literal["auto", "bind", "connect"] = "auto"
+    layout: Literal["array", "map"] = "array"
     replay_endpoint: str = ""
     topic: str = ""
     buffer_steps: _Pos = 10_000

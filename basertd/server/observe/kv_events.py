@@ -10,9 +10,11 @@ incarnation (its cache starts empty) is ``AllBlocksCleared``. Page = the engine'
 ``block_size`` is the page size in tokens, hashes are the index's ``page_hashes``
 (``h_i = xxh3_64(tokens of page i, seed=h_(i-1))``, unsigned 64-bit).
 
-**Wire** (vLLM's ``vllm/distributed/kv_events.py``): msgspec structs, ``array_like`` with
-``omit_defaults``; events are tagged unions (the tag is the class name, the first array
-element). One publisher per worker, ``data_parallel_rank`` = worker index. Every batch is the
+**Wire** (vLLM's ``vllm/distributed/kv_events.py``): msgspec structs with ``omit_defaults``;
+the batch is ``array_like``; events are tagged unions whose tag is the class name: the first
+array element (``[kv_events] layout = "array"``, vLLM before 0.28) or the ``type`` key of a map
+(``layout = "map"``, vLLM 0.28 on, what vllm-router's ``kv_aware`` decodes). One publisher per
+worker, ``data_parallel_rank`` = worker index. Every batch is the
 multipart message ``[topic, seq (8-byte big-endian unsigned), payload]`` on a PUB-compatible
 socket; ``seq`` counts batches of that worker from 0. A bound endpoint is one per worker (the TCP
 port plus the worker index, ``_dp<i>`` after an ipc/inproc path, as vLLM offsets data-parallel
@@ -106,6 +108,47 @@ class AllBlocksCleared(KVCacheEvent):
     """Every page of this publisher's worker is gone (a new worker incarnation)."""
 
 
+class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events in vLLM's current layout (0.28 on): a map whose ``type`` is the class
+    name (``[kv_events] layout = "map"``); the fields are those of the array-like events."""
+
+
+class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` as a map."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+
+
+class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
+    """``BlockRemoved`` as a map."""
+
+    block_hashes: list[int]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+    """``AllBlocksCleared`` as a map."""
+
+
+_AS_MAP: dict[type, type] = {
+    BlockStored: MapBlockStored,
+    BlockRemoved: MapBlockRemoved,
+    AllBlocksCleared: MapAllBlocksCleared,
+}
+
+
+def as_map(event: KVCacheEvent) -> MapKVCacheEvent:
+    """``event`` in the map layout (same fields, tag ``type``)."""
+    return _AS_MAP[type(event)](**msgspec.structs.asdict(event))
+
+
 class KVEventBatch(EventBatch):
     """``EventBatch`` whose events decode as the three event types."""
 
@@ -163,6 +206,7 @@ class KvEventsPublisher:
         self.endpoint = offset_endpoint(config.endpoint, rank) if self.binding else config.endpoint
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else ""
         self.topic = (os.path.expandvars(config.topic) if topic is None else topic).encode()
+        self.maps = config.layout == "map"
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.batches = 0
         self.sent = 0
@@ -255,7 +299,8 @@ class KvEventsPublisher:
         if not self._events or self._closed:
             self._events.clear()
             return
-        batch = EventBatch(ts=time.time(), events=self._events, data_parallel_rank=self.rank)
+        events: list[Any] = [as_map(e) for e in self._events] if self.maps else self._events
+        batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=self.rank)
         self._events = []
         payload = self._encoder.encode(batch)
         try:
