@@ -236,3 +236,28 @@ def test_a_drain_turns_health_503_before_it_refuses_work():
         t.join(30)
         assert out[0].returncode == 0, out[0].stderr
         assert d.ctl("resume").returncode == 0
+
+
+def test_a_stopping_daemon_ends_its_open_streams_with_an_error_event():
+    """What a router forwards to the client when the daemon can still say why the stream ends."""
+    d = Daemon(config("[operators]\ndrain_timeout_s = 0.5\n"))
+    try:
+        url = "http://" + d.http_addresses()[0]
+        lines: list[str] = []
+        body = {"prompt": "Hi", "max_tokens": 500, "stream": True}
+
+        def read() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                lines.extend(x for x in r.iter_lines() if x)
+
+        t = threading.Thread(target=read)
+        t.start()
+        wait_until(lambda: httpx.get(url + "/get_load").json()["load"] == 1, 30, what="the stream runs")
+        d.stop()  # SIGTERM: the drain times out while the stream runs
+        t.join(30)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        err = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert err["code"] == "shutting_down", err
+    except BaseException:
+        d.kill()
+        raise
