@@ -77,10 +77,12 @@ class Box:
 @pytest.fixture(scope="module")
 def boxes():
     out: list[Box] = []
+    ports = [free_port() for _ in range(3)]
     try:
-        for _ in range(3):
-            port = free_port()
-            out.append(Box(port, Daemon(box_config(port))))
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # start them side by side
+            futs = [pool.submit(Daemon, box_config(p)) for p in ports]
+            for p, f in zip(ports, futs, strict=True):
+                out.append(Box(p, f.result()))
         yield out
         for b in out:
             b.daemon.stop()
@@ -250,19 +252,18 @@ def test_router_in_front_of_three_daemons(boxes, kind):
         assert min(sticky) >= 0.9, per_group
         assert cached / prompt >= 0.6, (cached, prompt)
 
-        # 2. SIGKILL the daemon serving group 0 while its requests run
-        victim = boxes[per_group[0].most_common(1)[0][0]]
+        # 2. SIGKILL the first daemon seen running two requests (the router's own choice)
+        victims: list[Box] = []
+
+        def busy() -> Box | None:
+            return next((b for b in boxes if httpx.get(b.url + "/get_load").json()["load"] >= 2), None)
 
         def kill_when_busy() -> None:
-            wait_until(
-                lambda: httpx.get(victim.url + "/get_load").json()["load"] >= 2,
-                30,
-                interval=0.02,
-                what="busy",
-            )
-            victim.daemon.proc.send_signal(signal.SIGKILL)
+            victims.append(wait_until(busy, 30, interval=0.02, what="a daemon running two requests"))
+            victims[0].daemon.proc.send_signal(signal.SIGKILL)
 
         outs2 = run(client, model, f"{kind}-kill", [0, 3], 6, 160, workers=8, before=kill_when_busy)
+        victim = victims[0]
         victim.daemon.proc.wait(10)
         victim.daemon.kill()  # its workers and directory
         lost = [o for o in outs2 if not o.stream and (o.error or o.finish is None)]
