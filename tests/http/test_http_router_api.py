@@ -86,7 +86,7 @@ def test_router_bodies_are_served_unchanged(daemon):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("echo", True),
+        ("no_stop_trim", True),
         ("skip_special_tokens", False),
         ("best_of", 3),
         ("min_tokens", 2),
@@ -94,7 +94,7 @@ def test_router_bodies_are_served_unchanged(daemon):
         ("use_beam_search", True),
         ("cache_prompt", False),
         ("priority", 1),
-        ("echo", 0),  # a number is not the boolean it equals
+        ("return_hidden_states", 0),  # a number is not the boolean it equals
         ("mirostat", 2),
     ],
 )
@@ -110,7 +110,7 @@ def test_an_extension_field_at_another_value_is_a_400_naming_it(daemon, field, v
 
 
 def test_every_no_op_value_of_the_table_is_accepted(daemon):
-    chat_only = {"continue_final_message", "add_generation_prompt", "separate_reasoning"}
+    chat_only = {"echo", "continue_final_message", "add_generation_prompt", "separate_reasoning"}
     chat_only |= {"stream_reasoning", "include_reasoning", "chat_template", "chat_template_kwargs"}
     chat_only |= {"documents", "reasoning_effort", "add_special_tokens"}
     noop = {k: v[0] for k, v in NO_OP.items() if v}

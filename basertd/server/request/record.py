@@ -169,9 +169,7 @@ class GenerationRequest:
     ``max_crash_resumes`` it fails WORKER_FAILED).
 
     Structured output: ``grammar`` (the validated spec, ``basertd.server.request.grammar.GrammarSpec``, or
-    None) and ``grammar_handle`` (its handle on the current worker incarnation while the request
-    owns a lane, else 0: a handle lives from the plan that admits the lane to the plan that retires
-    it, ABI rule 74)."""
+    None; its handle on the worker is booked by the scheduler, ``basertd.server.sched.grammar_handles``)."""
 
     request_id: str
     prompt: list[int]
@@ -204,7 +202,6 @@ class GenerationRequest:
     crash_resumes: int = 0
     crash_streak: int = 0
     grammar: GrammarSpec | None = None
-    grammar_handle: int = 0
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)

@@ -263,6 +263,7 @@ class SchedulerCore(SchedulerState):
             req = requests[cand.key]
             sampler = req.sampler
             seed = plan.seeds.get(cand.key)
+            grammar = self.grammars.get(req)
             admits.append(
                 LaneAdmit(
                     lane_tag=tag,
@@ -272,8 +273,8 @@ class SchedulerCore(SchedulerState):
                     params=sampler.params,
                     rng_counter_base=sampler.rng_counter_base(len(req.generated)),
                     decode_replay=len(req.generated),
-                    grammar_handle=req.grammar_handle,
-                    grammar_replay=len(req.generated) if req.grammar_handle else 0,
+                    grammar_handle=grammar,
+                    grammar_replay=len(req.generated) if grammar else 0,
                     logit_bias_handle=biases.get(cand.key, 0),
                     want_logprobs=sampler.want_logprobs,
                 )
@@ -493,12 +494,10 @@ class SchedulerCore(SchedulerState):
         live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
         self.flight = None
-        for req in self.queues:  # handles made for a plan that never ran
-            req.grammar_handle = 0
+        self.grammars.forget()  # those of lanes and of plans that never ran died with the worker
         live.sort(key=lambda lane: -lane.request.t_received)
         for lane in live:
             req = lane.request
-            req.grammar_handle = 0
             req.crash_streak += 1
             if stalled is not None:
                 self.fail(
@@ -523,11 +522,13 @@ class SchedulerCore(SchedulerState):
                 continue
             req.crash_resumes += 1
             self.crash_resumes += 1
-            self.metrics.crash_resumed(self.worker_id)
+            self.metrics.crash_resumed(self.worker_id, req.key)
             res.resume.append(req)
 
     def detach(self) -> None:
-        """The incarnation is gone: its leases, grammar handles and plan caps go with it."""
+        """The incarnation is gone: its leases, grammar handles, plan caps and memory counters go
+        with it."""
         self.to_release.clear()
+        self.last_mem = None
         self.grammars.forget()
         self.flight = None

@@ -6,8 +6,9 @@ clients as ``Delivery`` records; the loop hands them to the requests' sinks (``_
 gives the core the clock (``time.monotonic()``). Each turn it:
 
 1. runs the commands queued for the gap between two ticks (``basertd.server.cache.commands``:
-   the cache verbs, pin holds), releases unused seed leases, frees dropped grammar handles, reads
-   the engine's rate curve, renews pin leases and evicts down to the low watermark;
+   the cache verbs, pin holds), releases unused seed leases, frees the worker-held handles no
+   lane needs (grammars, logit-bias tables: ``basertd.server.sched.handles``), reads the engine's
+   rate curve, renews pin leases and evicts down to the low watermark;
 2. resolves every cached-prefix hint of the coming plan first (``core.hint_requests``: writes the
    prompt into ring 1, ``space_match`` then ``seed_acquire``), then has the plan drafted once
    (``core.draft``);
@@ -54,9 +55,9 @@ from basertd.server.observe.notify import Heartbeat
 from basertd.server.observe.snapshot import LaneSnapshot, QueueSnapshot, WorkerSnapshot
 from basertd.server.request.record import AdmissionError, GenerationRequest
 from basertd.server.request.tokenizer import Tokenizer
+from basertd.server.sched import grammar_handles, logit_bias
 from basertd.server.sched.core import QUEUED_FIRST_S, SchedulerCore
 from basertd.server.sched.draft import Plan, Resolved
-from basertd.server.sched.logit_bias import BiasTables
 from basertd.server.sched.outcome import Accepted, Delivery, Lost, Rejected
 from basertd.server.sched.pin_warmup import rewarm, warm_prefix
 from basertd.server.sched.plan_builder import rate_curve
@@ -135,11 +136,12 @@ class Scheduler:
         self._commands: deque[tuple[Command, asyncio.Future]] = deque()
         self._wake = asyncio.Event()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
-        self._biases = BiasTables()  # logit-bias tables of this incarnation's requests
+        self._biases = logit_bias.bias_tables(slot.worker_id)  # this incarnation's requests'
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._stalled: str | None = None
         self._curve_at = 0.0
+        self._watermark_tick = 0  # core.ticks_run when the pool was last held to the watermarks
         self._phase = Phase.NO_WORKER
 
     # --- API side -------------------------------------------------------------------------------
@@ -300,7 +302,7 @@ class Scheduler:
                 self._yield.proc = None
                 core.cache_policy.detach()
                 core.detach()  # leases and grammar handles die with the incarnation
-                self._biases.clear()
+                self._biases.forget()
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
@@ -396,9 +398,11 @@ class Scheduler:
                 fut.set_result(result)
         while core.to_release:
             await wc.release(port, core.to_release.pop())
-        await core.grammars.free_pending(proc.link)
+        laned = {lane.request.key for lane in core.lanes.values()}
+        for handles in (core.grammars, self._biases):  # sched.handles: freed between ticks
+            handles.drop_where(lambda req: req.finished and req.key not in laned)
+            await handles.free_pending(proc.link)
         await self._read_curve(proc)
-        await self._biases.sweep(proc.link, {lane.request.key for lane in core.lanes.values()})
         if wc.renewals_due():
             for pin in await wc.renew(port):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -406,9 +410,9 @@ class Scheduler:
         for pin in wc.pins.values():
             if not pin.handle and pin.pin_id not in self._warming and now >= pin.retry_at:
                 self._spawn(self._rewarm(pin.pin_id))
-        if core.last_mem is not None:
+        if core.last_mem is not None and self._watermark_tick != core.ticks_run:
+            self._watermark_tick = core.ticks_run  # once per accepted tick
             target = wc.watermark_target(core.last_mem)
-            core.last_mem = None  # re-read after the next tick
             if target:
                 try:
                     freed = await wc.evict(port, target)
@@ -470,9 +474,9 @@ class Scheduler:
         made: list[GenerationRequest] = []
         for _, cand in plan.draft.admitted:
             req = plan.requests[cand.key]
-            if not req.finished and req.grammar is not None and not req.grammar_handle:
+            if not req.finished and req.grammar is not None and not core.grammars.get(req):
                 await self._create_grammar(proc, req)
-                if req.grammar_handle:
+                if core.grammars.get(req):
                     made.append(req)
         if any(req.finished for req in plan.requests.values()):
             core.abandon(plan)
@@ -484,7 +488,7 @@ class Scheduler:
     async def _create_grammar(self, proc: WorkerProcess, req: GenerationRequest) -> None:
         """A grammar handle for ``req``'s admission; a worker that gives none fails ``req``
         INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
-        why = await self.core.grammars.create(proc.link, req)
+        why = await grammar_handles.create(self.core.grammars, proc.link, req)
         if why is None or req.grammar is None:
             return
         log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
@@ -514,7 +518,7 @@ class Scheduler:
         core, requests = self.core, plan.requests
         now = time.monotonic()
         reqs = [requests[c.key] for _, c in plan.draft.admitted]
-        biases, refused = await self._biases.handles(proc.link, reqs)
+        biases, refused = await logit_bias.handles(self._biases, proc.link, reqs)
         for req, why in refused:
             self._deliver(core.drop(req, ErrorCode.INVALID_REQUEST, str(why), time.monotonic()))
         if refused or any(requests[key].finished for key in biases):

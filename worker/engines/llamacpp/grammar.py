@@ -152,11 +152,12 @@ class GrammarSet:
 
     # -- handles
 
-    def create(self, text: str, kind: str = "json_schema") -> int:
-        """A handle for a compiled spec (see ``compile_spec``), or 0 when it does not compile
-        (the Engine protocol's failure value)."""
+    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
+        """A handle for a spec of ``kind`` ("json_schema", "lark" or "regex"; ``compile_spec``),
+        or 0 when it does not compile (the Engine protocol's failure value). Lanes admitted with it
+        sample only what it allows and finish with Finish.GRAMMAR when it is complete."""
         try:
-            grammar = compile_spec(kind, text)
+            grammar = compile_spec(kind, json_schema)
         except GrammarSpecError:
             return 0
         m = llguidance.LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
@@ -167,8 +168,8 @@ class GrammarSet:
         self._templates[h] = m
         return h
 
-    def free(self, handle: int) -> None:
-        """Drop a handle (lanes keep their matchers). EngineError(ERR_UNKNOWN_HANDLE) when absent
+    def grammar_free(self, handle: int) -> None:
+        """Drop a handle (live lanes keep their matchers). EngineError(ERR_UNKNOWN_HANDLE) when absent
         (ABI rule 113)."""
         if self._templates.pop(handle, None) is None:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no grammar {handle}")

@@ -25,7 +25,6 @@ from basertd.server.transport.http.errors import HttpError
 
 NO_OP: dict[str, tuple[Any, ...]] = {
     # vLLM and SGLang (the routers send these on every request)
-    "echo": (False,),
     "no_stop_trim": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
@@ -71,6 +70,7 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "post_sampling_probs": (False,),
     "lora": ([],),
     # chat only (vLLM, SGLang)
+    "echo": (False,),
     "continue_final_message": (False,),
     "add_generation_prompt": (True,),
     "separate_reasoning": (True,),
@@ -86,6 +86,7 @@ NO_OP: dict[str, tuple[Any, ...]] = {
 
 CHAT_ONLY = frozenset(
     {
+        "echo",
         "continue_final_message",
         "add_generation_prompt",
         "separate_reasoning",
@@ -98,8 +99,12 @@ CHAT_ONLY = frozenset(
         "add_special_tokens",
     }
 )
-"""Fields only a chat request may carry (the chat endpoint's no-op values; on completions
-``add_special_tokens`` would mean something else and stays unknown)."""
+"""Fields checked on chat requests only: on completions ``echo`` is served (``openai/echo.py``,
+the completions struct's own field) and the others are unknown (``add_special_tokens`` would mean
+something else there)."""
+
+SERVED_ON_COMPLETIONS = frozenset({"echo"})
+"""Table fields the completions endpoint serves itself: never checked there."""
 
 
 class Extensions(msgspec.Struct, kw_only=True):
@@ -186,7 +191,7 @@ def check(req: Extensions, *, chat: bool) -> None:
     a chat-only field on completions is refused as unknown (code ``invalid_request``)."""
     for name, accepted in NO_OP.items():
         value = getattr(req, name)
-        if value is None:
+        if value is None or (not chat and name in SERVED_ON_COMPLETIONS):
             continue
         if name in CHAT_ONLY and not chat:
             raise HttpError(

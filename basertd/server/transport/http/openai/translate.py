@@ -1,10 +1,11 @@
 """OpenAI request bodies to the front end's ``Generate`` (DESIGN.md "Client API").
 
 A field we do not serve or a wrong type is a 400 naming the field (``body.decode``), never silently
-ignored; other servers' extension fields (``echo``, ``skip_special_tokens``, ``best_of``, ...) are
-accepted at their no-op values only (``extensions``). ``logprobs`` (completions: 0..20
-alternatives; chat: ``logprobs`` true with ``top_logprobs`` 0..20) and ``logit_bias`` (token-id
-strings to a bias in [-100, 100], at most 300) map to the ``Generate`` fields of the same names.
+ignored; other servers' extension fields (``skip_special_tokens``, ``best_of``, ...) are accepted at
+their no-op values only (``extensions``); ``echo`` on completions is ``openai/echo.py``.
+``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs`` true with ``top_logprobs``
+0..20) and ``logit_bias`` (token-id strings to a bias in [-100, 100], at most 300) map to the
+``Generate`` fields of the same names.
 Extensions: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``qos`` (also the
 header ``X-Basertd-QoS``).
 
