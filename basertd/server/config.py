@@ -70,6 +70,15 @@ Example (every key shown with its default)::
     listen = ["127.0.0.1:8000"] # "HOST:PORT" and "unix:PATH" entries; [] = off
     api_key_file = ""           # one key per line; required for a non-loopback TCP address
     max_body_bytes = 8388608    # larger request bodies are refused 413
+    resume_grace_s = 0.0        # seconds a streamed request outlives its client, for Last-Event-ID
+    max_connections = 512       # open HTTP connections in all (more: 503 and closed)
+    max_connections_per_peer = 256  # open HTTP connections of one remote IP / Unix peer uid (more: 429)
+    header_timeout_s = 10.0     # a request head must be complete this long after its first byte (408)
+    body_timeout_s = 60.0       # a request body must be complete this long after its head (408)
+    idle_timeout_s = 60.0       # close a connection with no request in progress that sent nothing
+    write_timeout_s = 30.0      # replies unread this long: the stream is cancelled, the connection closed
+    write_buffer_bytes = 262144 # reply bytes queued per connection before the writer waits
+    allowed_hosts = []          # Host names served on loopback TCP besides the loopback names
 
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
     endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
@@ -415,12 +424,33 @@ class HttpConfig(_Section):
     are authorised by the socket's mode (``socket_mode``) and peer credentials instead.
     ``max_body_bytes``: largest request body (bytes), larger ones are refused 413.
     ``resume_grace_s``: seconds a streamed request keeps running after its client went away, for a
-    reconnect with ``Last-Event-ID`` (``basertd.server.transport.http.resume``); 0 = cancel at once."""
+    reconnect with ``Last-Event-ID`` (``basertd.server.transport.http.resume``); 0 = cancel at once.
+
+    Connection bounds (``basertd.server.transport.http.door``), the HTTP twins of ``[limits]``:
+    ``max_connections`` open connections in all (one more is answered 503 and closed) and
+    ``max_connections_per_peer`` of one peer (remote IP on TCP, uid on a Unix socket; 429);
+    ``header_timeout_s``: seconds from a request head's first byte to its end, ``body_timeout_s``:
+    from the head's end to the body's (both 408 and closed); ``idle_timeout_s``: seconds a
+    connection with no request in progress may stay silent (closed); ``write_timeout_s``: seconds
+    replies may stay over ``write_buffer_bytes`` unread (bytes queued in the daemon per connection;
+    the writer waits beyond it) before the connection is closed and its requests cancelled.
+    ``allowed_hosts``: host names (no port) a loopback TCP listener serves besides ``localhost``,
+    127.0.0.0/8 and ``::1`` (``Host`` and ``Origin`` checks, ``basertd.server.transport.http.origin``)."""
 
     listen: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8000"])
     api_key_file: str = ""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20
     resume_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 512
+    max_connections_per_peer: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 60.0
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 60.0
+    write_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    write_buffer_bytes: Annotated[int, msgspec.Meta(ge=4096, le=1 << 30)] = 256 * 1024
+    allowed_hosts: list[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._\-\[\]:]{1,253}$")]] = (
+        msgspec.field(default_factory=list)
+    )
 
     def __post_init__(self) -> None:
         for entry in self.listen:

@@ -221,6 +221,8 @@ class Daemon:
                 socket_mode=int(cfg.socket_mode),
                 adopted=http_socks,
                 overview=self.control.overview,
+                metrics=self.metrics,
+                native_connections=cfg.limits.max_connections,
             )
             await self.http.start()
 

@@ -311,13 +311,21 @@ class Metrics:
         self.connections_dropped = Counter(
             "connections_dropped",
             "Client connections refused or closed by a [limits] cap, by reason (total_cap, uid_cap, "
-            "buffer_budget, frame_timeout, idle_timeout, slow_reader).",
+            "buffer_budget, frame_timeout, idle_timeout, slow_reader), or by an [http] bound "
+            "(http_total_cap, http_peer_cap, http_header_timeout, http_body_timeout, "
+            "http_idle_timeout, http_write_timeout).",
             ["reason"],
             namespace=ns,
             registry=r,
         )
         self.connections_open = Gauge(
             "client_connections", "Open client-socket connections.", namespace=ns, registry=r
+        )
+        self.http_connections_open = Gauge(
+            "http_connections",
+            "Open HTTP connections (counted against http.max_connections).",
+            namespace=ns,
+            registry=r,
         )
         self.request_buffer_bytes = Gauge(
             "request_buffer_bytes",
@@ -476,7 +484,8 @@ class Metrics:
         self.grammar_handles.labels(str(worker_id)).set(count)
 
     def connection_dropped(self, reason: str) -> None:
-        """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""
+        """A client connection was refused or closed by a ``[limits]`` cap or an ``[http]`` bound
+        (``reason``)."""
         self.connections_dropped.labels(reason).inc()
 
     def wal_commit(self, nbytes: int, fsync_s: float) -> None:

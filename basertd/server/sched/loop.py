@@ -52,7 +52,7 @@ from basertd.server.cache.policy import WorkerCache
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.notify import Heartbeat
-from basertd.server.observe.snapshot import LaneSnapshot, QueueSnapshot, WorkerSnapshot
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.record import AdmissionError, GenerationRequest
 from basertd.server.request.tokenizer import Tokenizer
 from basertd.server.sched import grammar_handles, logit_bias
@@ -61,6 +61,7 @@ from basertd.server.sched.draft import Plan, Resolved
 from basertd.server.sched.outcome import Accepted, Delivery, Lost, Rejected
 from basertd.server.sched.pin_warmup import rewarm, warm_prefix
 from basertd.server.sched.plan_builder import rate_curve
+from basertd.server.sched.view import worker_snapshot
 from basertd.server.sched.watchdog import Phase, ProgressWatchdog
 from basertd.server.states import SlotState
 from basertd.server.workers.limits import WorkerLimits
@@ -192,44 +193,14 @@ class Scheduler:
 
     def snapshot(self) -> WorkerSnapshot:
         """This worker now, as operators and metrics see it (``basertd.server.observe.snapshot``):
-        a frozen copy, taken on the event loop."""
-        core, slot, now = self.core, self.slot, time.monotonic()
-        lanes = tuple(
-            LaneSnapshot(
-                tag=lane.tag,
-                request_id=lane.request.request_id,
-                qos=lane.request.qos,
-                phase=lane.phase,
-                prompt_tokens=lane.prompt_len,
-                generated_tokens=len(lane.request.generated),
-                cached_tokens=lane.request.cached_tokens,
-                reserved_tokens=lane.reserved,
-                admitted_at=lane.admitted_at,
-            )
-            for lane in core.lanes.values()
-        )
-        return WorkerSnapshot(
-            worker_id=self.worker_id,
-            taken_at=now,
-            state=slot.state,
-            pid=slot.proc.pid if slot.proc is not None else 0,
-            respawns=slot.respawns,
-            last_error="" if slot.state is SlotState.READY else slot.last_error,
-            limits=core.limits,
-            lanes=lanes,
-            queues=tuple(QueueSnapshot(q, depth, wait) for q, depth, wait in core.queue_rows(now)),
-            mem=core.last_mem,
-            stall_reason=self.watchdog.reason,
-            prefix_caching=core.cache.enabled,
-            ticks_run=core.ticks_run,
-            plans_rejected=core.plans_rejected,
-            requests_done=core.requests_done,
-            prefill_tokens=core.prefill_tokens_total,
-            decode_tokens=core.decode_tokens_total,
-            preemptions=core.preemptions,
-            checkpoints=core.checkpoints,
-            crash_resumes=core.crash_resumes,
-            yields_requested=self._yield.requested,
+        a frozen copy, taken on the event loop (``sched.view.worker_snapshot``)."""
+        return worker_snapshot(
+            self.worker_id,
+            self.core,
+            self.slot,
+            self.watchdog.reason,
+            self._yield.requested,
+            time.monotonic(),
         )
 
     async def ticked(self) -> None:

@@ -286,6 +286,7 @@ class LlamaCppEngine(Engine):
             grammar_handles=len(self.grammars),
             live_logit_biases=len(self.logit_biases),
             cache_entries=len(self.cache.entries),
+            cache_bytes=self.seeds.cached_cells() * self.bytes_per_token,
             pool_bytes_used=self.ledger.used * self.bytes_per_token,
             pool_bytes_total=self.n_cells * self.bytes_per_token,
         )

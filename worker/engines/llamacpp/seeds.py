@@ -86,6 +86,12 @@ class Seeds:
 
     # ------------------------------------------------------------------ matches
 
+    def cached_cells(self) -> int:
+        """KV cells the cache entries hold (each cell once, however many entries or lanes share
+        it): what ``cache stats`` reports as the cache's bytes."""
+        seqs = [self.cells.ledger.cells(e.seq) for e in self.cache.entries.values()]
+        return int(np.unique(np.concatenate(seqs)).size) if seqs else 0
+
     def servable_len(self, entry: CacheEntry, limit: int) -> int:
         """Longest page multiple <= ``limit`` of ``entry`` that can seed a lane (0 if none)."""
         q = (min(limit, entry.length) // self.page) * self.page

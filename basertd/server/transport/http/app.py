@@ -18,7 +18,10 @@ belongs to (``error_response``; OpenAI's by default).
 
 A client that disconnects cancels its request at once: aiohttp cancels the handler
 (``handler_cancellation``), and leaving the handler closes every stream (the lane retires in the
-next plan; a queued request never starts).
+next plan; a queued request never starts). Every connection enters through the ``door``
+(``door.Door``: caps, head / body / idle deadlines, the write timeout that closes a connection
+whose replies go unread, cancelling its requests the same way); on a loopback TCP listener every
+request first passes the ``Host`` / ``Origin`` checks (``origin.HostPolicy``, 403).
 
 ``HttpServer(config, frontend, ...)``: ``start()`` binds every ``[http] listen`` entry and each
 adopted socket (systemd's ``FileDescriptorName=http``); ``addresses`` lists what it serves;
@@ -40,14 +43,17 @@ import structlog
 from aiohttp import web
 
 from basertd.server.config import HttpConfig, parse_listen
+from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError
 from basertd.server.states import HealthStatus
+from basertd.server.transport import accept_errors
 from basertd.server.transport.http import opsview, resume
 from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
 from basertd.server.transport.http.auth import Authorizer, load_api_keys
-from basertd.server.transport.http.body import json_response
+from basertd.server.transport.http.body import BODY_TIMEOUT_S, json_response
+from basertd.server.transport.http.door import Door, DoorRunner, door_middleware
 from basertd.server.transport.http.embeddings import EmbeddingsApi
 from basertd.server.transport.http.errors import HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
@@ -55,6 +61,7 @@ from basertd.server.transport.http.ollama.routes import OllamaApi
 from basertd.server.transport.http.openai.render import RenderApi
 from basertd.server.transport.http.openai.routes import OpenAiApi
 from basertd.server.transport.http.opsview import OpsView, OverviewSource
+from basertd.server.transport.http.origin import HostPolicy
 from basertd.server.transport.http.port import FrontendPort
 from basertd.server.transport.http.router_api import RouterApi
 from basertd.server.transport.http.templates import Templates
@@ -81,7 +88,9 @@ def error_response(err: HttpError, path: str = "") -> web.Response:
 class HttpServer:
     """The HTTP APIs of one daemon over ``frontend`` (module docstring). ``socket_mode``:
     permission bits of the Unix sockets it binds; ``adopted``: listening sockets passed by
-    systemd."""
+    systemd; ``metrics`` counts connections the door drops (``door``); ``native_connections``
+    (the native socket's ``[limits] max_connections``) sizes the descriptor limit
+    (``Door.fit_fd_limit``)."""
 
     def __init__(
         self,
@@ -91,6 +100,8 @@ class HttpServer:
         socket_mode: int = 0o660,
         adopted: list[socket.socket] | None = None,
         overview: OverviewSource | None = None,
+        metrics: Metrics | None = None,
+        native_connections: int = 0,
     ) -> None:
         self.config = config
         self.frontend = frontend
@@ -98,13 +109,19 @@ class HttpServer:
         self.adopted = list(adopted or [])
         keys = load_api_keys(config.api_key_file) if config.api_key_file else []
         self.auth = Authorizer(keys)
+        self.hosts = HostPolicy(config.allowed_hosts)
+        self.door = Door(config, metrics)
+        self.native_connections = native_connections
         self.templates = Templates(frontend)
         self.resumes = resume.ResumeIndex()
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
         self._unix: list[tuple[Path, int]] = []
         self.addresses: list[str] = []
-        app = web.Application(middlewares=[self._middleware], client_max_size=config.max_body_bytes)
+        app = web.Application(
+            middlewares=[door_middleware(self.door), self._middleware], client_max_size=config.max_body_bytes
+        )
+        app[BODY_TIMEOUT_S] = config.body_timeout_s
         openai_api = OpenAiApi(frontend, self.templates, self.resumes, self.releaser)
         ollama_api = OllamaApi(frontend, self.templates)
         ollama_routes = ollama_api.routes()
@@ -129,8 +146,17 @@ class HttpServer:
 
     async def start(self) -> None:
         """Bind every listener (module docstring). Raises ``OSError``; nothing stays bound then."""
-        runner = self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        self.door.fit_fd_limit(self.native_connections)
+        accept_errors.install(asyncio.get_running_loop())
+        cfg = self.config
+        runner = self._runner = DoorRunner(
+            self.app,
+            self.door,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            # the door closes idle connections (idle_timeout_s); aiohttp's own timer is a backstop
+            keepalive_timeout=cfg.idle_timeout_s + cfg.header_timeout_s,
         )
         await runner.setup()
         try:
@@ -201,6 +227,7 @@ class HttpServer:
             authorization = request.headers.get("Authorization")
             if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
                 authorization = "Bearer " + request.headers["x-api-key"]
+            self.hosts.check(request)
             public = request.path == "/health" or opsview.is_public(request.path)
             self.auth.check(sock, authorization, public=public)
             TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only

@@ -72,7 +72,7 @@ class AnthropicApi:
         return wid, tokens
 
     async def count(self, request: web.Request) -> web.Response:
-        req = body.decode(await request.read(), CountRequest)
+        req = body.decode(await body.read(request), CountRequest)
         _, tokens = await self._prompt(req, tr.tools_of(req))
         return web.json_response({"input_tokens": len(tokens)})
 
