@@ -48,17 +48,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def box_config(port: int) -> str:
+def box_config(port: int, kv_port: int) -> str:
+    """A box: HTTP on ``port``, KV events bound on ``kv_port`` in vLLM 0.28's layout."""
     return ref_toml(lanes=4, context=1024, grant=4, ref=REF, worker='chat_template = "chatml"') + (
         f'[http]\nlisten = ["127.0.0.1:{port}"]\n'
+        f'[kv_events]\nendpoint = "tcp://127.0.0.1:{kv_port}"\nbind = "bind"\nlayout = "map"\n'
     )
 
 
 @dataclass
 class Box:
-    """One daemon and the HTTP port it keeps across a restart."""
+    """One daemon and the HTTP and KV-event ports it keeps across a restart."""
 
     port: int
+    kv_port: int
     daemon: Daemon
 
     @property
@@ -77,12 +80,12 @@ class Box:
 @pytest.fixture(scope="module")
 def boxes():
     out: list[Box] = []
-    ports = [free_port() for _ in range(3)]
+    ports = [(free_port(), free_port()) for _ in range(3)]
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # start them side by side
-            futs = [pool.submit(Daemon, box_config(p)) for p in ports]
+            futs = [pool.submit(Daemon, box_config(*p)) for p in ports]
             for p, f in zip(ports, futs, strict=True):
-                out.append(Box(p, f.result()))
+                out.append(Box(*p, f.result()))
         yield out
         for b in out:
             b.daemon.stop()
@@ -98,16 +101,18 @@ class Router:
 
     kind: str
     urls: list[str]
+    policy: str = "cache_aware"
+    extra: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="brt-router-")))
 
     def __post_init__(self) -> None:
         common = [
             "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *self.urls,
-            "--policy", "cache_aware", "--prometheus-host", "127.0.0.1",
+            "--policy", self.policy, "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()), "--health-check-interval-secs", "1",
             "--health-failure-threshold", "1", "--health-success-threshold", "1",
-            "--cb-timeout-duration-secs", "2",
+            "--cb-timeout-duration-secs", "2", *self.extra,
         ]  # fmt: skip
         argv = (
             [str(BIN / "vllm-router"), *common]
@@ -277,7 +282,7 @@ def test_router_in_front_of_three_daemons(boxes, kind):
         assert not silent, silent[:3]
 
         # 3. the daemon restarted on its port is used again
-        victim.daemon = Daemon(box_config(victim.port))
+        victim.daemon = Daemon(box_config(victim.port, victim.kv_port))
         k = boxes.index(victim)
         tags = iter(range(1000))
 
@@ -287,5 +292,33 @@ def test_router_in_front_of_three_daemons(boxes, kind):
 
         wait_until(used_again, 60, interval=0.5, what=f"{kind} sends to the restarted daemon")
         print(f"{kind} log (last lines):\n{router.log_tail()}")
+    finally:
+        router.close()
+
+
+def test_vllm_router_kv_aware_credits_the_cached_prefix_from_our_events(boxes):
+    """vllm-router's ``kv_aware`` subscribes to each box's KV events (``bind``, ``layout = "map"``)
+    and credits a request with the prefix a box already holds; before, it decoded none of our
+    batches and credited 0 tokens in every decision."""
+    model = httpx.get(boxes[0].url + "/v1/models").json()["data"][0]["id"]
+    sources = [a for b in boxes for a in ("--kv-event-source", f"{b.url}=tcp://127.0.0.1:{b.kv_port}")]
+    extra = [*sources, "--kv-event-block-size", "16", "--kv-event-model", model, "--log-level", "debug"]
+    router = Router("vllm-router", [b.url for b in boxes], policy="kv_aware", extra=extra)
+    try:
+        client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0, timeout=60)
+        wait_until(
+            lambda: not one(client, model, "kv-ping", 0, 0, 1).error, 60, interval=0.5, what="kv_aware serves"
+        )
+        outs = run(client, model, "kv", range(2), 5, 4, workers=1)  # each sees the events of the last
+        assert not [o for o in outs if o.error or o.finish is None]
+        placed = wait_until(lambda: placed_all(boxes, outs), 20, what="every request's access line")
+        per_group: dict[int, Counter] = defaultdict(Counter)
+        for o in outs:
+            per_group[o.group][placed[o.rid][0]] += 1
+        log = re.sub(r"\x1b\[[0-9;]*m", "", router.log_path.read_text(errors="replace"))
+        credited = [int(x) for x in re.findall(r"credited_prefix_tokens=(\d+)", log)]
+        print(f"\nvllm-router kv_aware: credited prefix tokens {credited}; groups {dict(per_group)}")
+        assert max(credited) >= 10 * 16, credited  # at least 10 of the shared 20 pages
+        assert all(max(c.values()) / sum(c.values()) >= 0.8 for c in per_group.values()), per_group
     finally:
         router.close()
