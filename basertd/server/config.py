@@ -52,6 +52,7 @@ Example (every key shown with its default)::
     [operators]                 # DESIGN.md "Operators"
     operator_group = ""         # members may use control verbs (as root and the daemon's user always may)
     drain_timeout_s = 30.0      # SIGTERM: seconds in-flight requests get to finish before they are cancelled
+    drain_grace_s = 0.0         # a drain turns /health 503 at once but refuses requests only after this long
     metrics_listen = ""         # "127.0.0.1:9464": also serve /metrics over HTTP (loopback addresses only)
 
     [durability]                # DESIGN.md "Crash = preemption; acceptance is durable"
@@ -81,6 +82,8 @@ Example (every key shown with its default)::
 
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
     endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
+    bind = "auto"               # "auto": the rule above; "bind" any address (tcp://127.0.0.1:5557); "connect"
+    layout = "array"            # events as positional arrays (vLLM before 0.28); "map": tagged maps (0.28 on)
     replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
     topic = ""                  # first frame of every message; $VARS expanded (e.g. "kv@${POD_IP}@model")
     buffer_steps = 10000        # batches kept for replay, per worker
@@ -248,11 +251,15 @@ class OperatorsConfig(_Section):
     ``operator_group``: name of the group whose members may use control verbs besides root and
     the daemon's own user ("" = nobody else); ``drain_timeout_s``: seconds a SIGTERM drain lets
     in-flight requests finish before cancelling them (keep it below the unit's TimeoutStopSec);
+    ``drain_grace_s``: seconds a drain (SIGTERM or ``basertctl drain``) reports not ready on
+    ``/health`` while still accepting requests, before it refuses new ones, so that a router's
+    health checks take the daemon out first (docs/scale-out.md; the drain timeout runs after it);
     ``metrics_listen``: ``host:port`` on a loopback address (``127.0.0.1``, ``[::1]``,
     ``localhost``) to also serve ``/metrics`` over HTTP ("" = only ``basertctl metrics``)."""
 
     operator_group: str = ""
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
+    drain_grace_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
     metrics_listen: str = ""
 
     def __post_init__(self) -> None:
@@ -320,8 +327,13 @@ class TracingConfig(_Section):
 class KvEventsConfig(_Section):
     """KV-cache events in vLLM's wire format (``basertd.server.observe.kv_events``, docs/scale-out.md).
 
-    ``endpoint``: the ZMQ PUB address ("" = off); it binds when it holds ``*`` or ``::`` or is
-    ``ipc://`` / ``inproc://``, else connects (vLLM's rule); a bound endpoint is per worker: worker
+    ``endpoint``: the ZMQ PUB address ("" = off); with ``bind = "auto"`` it binds when it holds
+    ``*`` or ``::`` or is ``ipc://`` / ``inproc://``, else connects (vLLM's rule); ``bind =
+    "bind"`` binds any address (one interface, e.g. ``tcp://127.0.0.1:5557``, where a router's SUB
+    connects), ``"connect"`` always connects; ``layout``: each event a positional array
+    (``"array"``, vLLM before 0.28 and subscribers written for it) or a map tagged by ``type``
+    (``"map"``, vLLM 0.28 on; vllm-router's ``kv_aware`` decodes only this); a bound endpoint is
+    per worker: worker
     ``i`` binds the TCP port plus ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``), while every
     worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
@@ -331,6 +343,8 @@ class KvEventsConfig(_Section):
     publisher thread (more are dropped and counted)."""
 
     endpoint: str = ""
+    bind: Literal["auto", "bind", "connect"] = "auto"
+    layout: Literal["array", "map"] = "array"
     replay_endpoint: str = ""
     topic: str = ""
     buffer_steps: _Pos = 10_000

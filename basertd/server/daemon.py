@@ -360,7 +360,8 @@ class Daemon:
         self.notifier.stopping(f"draining for up to {timeout_s:g} s")
         log.info("shutdown_draining", timeout_s=timeout_s, in_flight=self.drainer.in_flight)
         try:
-            outcome = await self.drainer.drain(timeout_s, ErrorCode.SHUTTING_DOWN)
+            grace = self.config.operators.drain_grace_s
+            outcome = await self.drainer.drain(timeout_s, ErrorCode.SHUTTING_DOWN, grace)
             log.info(
                 "shutdown_drained",
                 drained=outcome.drained,

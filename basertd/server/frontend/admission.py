@@ -53,6 +53,7 @@ from basertd.server.frontend.limits import (
 from basertd.server.frontend.spec_compiler import SpecCompiler
 from basertd.server.frontend.streams import GenerationStream, QueueSink, ResumedStream
 from basertd.server.observe.metrics import Metrics
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, spec_from_request
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.request.tokenizer import TokenizerError
@@ -245,6 +246,10 @@ class Frontend:
     def workers_ready(self) -> int:
         """Workers that serve now."""
         return self.fleet.ready_count
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by id (``Fleet.snapshots``; on the event loop)."""
+        return self.fleet.snapshots()
 
     def metrics_exposition(self) -> str:
         """The Prometheus text exposition of the daemon's registry."""

@@ -2,7 +2,9 @@
 (``basertd.server.transport.native_api``). It serves three dialects, one package each with its
 ``routes`` (aiohttp handlers), ``wire`` (request and response shapes) and ``translate`` (wire to
 ``Generate`` and back): ``openai/`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/tokenize``, ``/detokenize``), ``anthropic/`` (``/v1/messages``) and ``ollama/`` (``/api/...``).
+``/tokenize``, ``/detokenize``; ``openai/render.py``: vLLM's ``/v1/*/render``), ``anthropic/``
+(``/v1/messages``) and ``ollama/`` (``/api/...``); ``router_api`` serves what routers poll
+(``/server_info``, ``/model_info``, ``/get_load``).
 Every handler sees the front end only through ``port.FrontendPort``; shared pieces are ``body``
 (reading and decoding bodies), ``templates`` (chat templates per worker), ``resume``
 (``Last-Event-ID``, closing streams), ``sse``, ``errors``, ``auth`` and ``tool_calls``.
@@ -56,10 +58,12 @@ from basertd.server.transport.http.embeddings import EmbeddingsApi
 from basertd.server.transport.http.errors import HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
 from basertd.server.transport.http.ollama.routes import OllamaApi
+from basertd.server.transport.http.openai.render import RenderApi
 from basertd.server.transport.http.openai.routes import OpenAiApi
 from basertd.server.transport.http.opsview import OpsView, OverviewSource
 from basertd.server.transport.http.origin import HostPolicy
 from basertd.server.transport.http.port import FrontendPort
+from basertd.server.transport.http.router_api import RouterApi
 from basertd.server.transport.http.templates import Templates
 
 log = structlog.get_logger("basertd.http")
@@ -135,6 +139,8 @@ class HttpServer:
                 *AnthropicApi(frontend, self.templates, self.resumes, self.releaser).routes(),
                 *ollama_routes,
                 *EmbeddingsApi(frontend).routes(),
+                *RenderApi(frontend, self.templates).routes(),
+                *RouterApi(frontend).routes(),
             ]
         )
         self.app = app

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from basertd.schema import client as api
 from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.grammar import GrammarSpec
 from basertd.server.states import HealthStatus
 
@@ -155,6 +156,11 @@ class FrontendPort(Protocol):
 
     def workers_ready(self) -> int:
         """Workers that serve now."""
+        ...
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by worker handle (``WorkerSnapshot``: lanes, queues, limits); cheap,
+        read on the event loop (the endpoints routers poll, ``router_api``)."""
         ...
 
     def metrics_exposition(self) -> str:
