@@ -73,6 +73,7 @@ Example (every key shown with its default)::
     buffer_steps = 10000        # batches kept for replay, per worker
     hwm = 100000                # ZMQ high-water mark (messages) per subscriber
     max_queue_size = 100000     # batches waiting for the publisher thread; more are dropped (counted)
+    include_token_ids = false   # BlockStored carries the pages' token ids (prompt content); off: hashes only
 
     [limits]                    # the client socket's resources (DESIGN.md "Client API")
     max_connections = 1024      # open client connections in all
@@ -296,13 +297,17 @@ class KvEventsConfig(_Section):
     worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
     ``topic``: the first frame of every message, ``$VAR`` / ``${VAR}`` expanded from the
-    environment at start. ``buffer_steps``: batches kept for replay per worker; ``hwm``: the
-    per-subscriber high-water mark (messages); ``max_queue_size``: batches waiting for the
-    publisher thread (more are dropped and counted)."""
+    environment at start (``replay_endpoint`` too, so a pod binds ``tcp://${POD_IP}:5600``).
+    ``buffer_steps``: batches kept for replay per worker; ``hwm``: the per-subscriber high-water
+    mark (messages); ``max_queue_size``: batches waiting for the publisher thread (more are
+    dropped and counted). ``include_token_ids``: ``BlockStored`` carries each page's token ids
+    (prompt content, readable by anyone who reaches the sockets); off (the default) its
+    ``token_ids`` is empty and only the page hashes leave the process."""
 
     endpoint: str = ""
     replay_endpoint: str = ""
     topic: str = ""
+    include_token_ids: bool = False
     buffer_steps: _Pos = 10_000
     hwm: _Pos = 100_000
     max_queue_size: _Pos = 100_000
