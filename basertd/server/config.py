@@ -57,6 +57,8 @@ Example (every key shown with its default)::
     [durability]                # DESIGN.md "Crash = preemption; acceptance is durable"
     mode = "tick"               # "tick": write-ahead log, one fsync per tick before delivery; "off": none
     result_ttl_s = 600.0        # seconds a finished request's result can still be resumed
+    resumes_per_s = 20.0        # resumes one requester (uid or API key) may make per second ...
+    resume_burst = 40           # ... with this many at once; more: queue_full (HTTP 429)
 
     [metrics]                   # docs/scale-out.md
     vllm_compat = true          # also export vllm:* series (what the endpoint picker reads)
@@ -272,10 +274,15 @@ class DurabilityConfig(_Section):
     with one group commit (one write, one fsync) per tick before that tick's tokens are delivered,
     so a restart resumes every unfinished request; "off" keeps no log (a restart loses what was
     in flight). ``result_ttl_s``: seconds a finished request's result stays resumable (0: not
-    after it finished)."""
+    after it finished). ``resumes_per_s`` and ``resume_burst``: each requester's resumes (native
+    ``Resume``, HTTP ``Last-Event-ID``) are a token bucket of ``resume_burst`` refilled at
+    ``resumes_per_s``; one over it is refused ``queue_full`` (HTTP 429)
+    (``basertd.server.frontend.resume_limits``)."""
 
     mode: Literal["tick", "off"] = "tick"
     result_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=30.0 * 86400)] = 600.0
+    resumes_per_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 20.0
+    resume_burst: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 40
 
 
 class MetricsConfig(_Section):

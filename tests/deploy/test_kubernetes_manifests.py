@@ -175,7 +175,7 @@ def test_the_pod_drains_before_it_stops_and_serves_both_sockets():
 
 
 def test_kv_events_bind_the_pod_ip_carry_no_token_ids_and_only_the_picker_reaches_them():
-    data, cfg = embedded_config()
+    _, cfg = embedded_config()
     kv = cfg.kv_events
     assert not kv.include_token_ids  # page hashes only
     for endpoint in (kv.endpoint, kv.replay_endpoint):

@@ -89,7 +89,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ``prompt``: prompt token ids; ``max_tokens``: tokens to generate; ``seed``: the resolved
     sampling seed (``rng_counter_base = seed << 32``, ABI rule 73); the sampling knobs as in the
     client's Generate; ``qos`` the class; ``t_accepted`` wall-clock seconds (``time.time()``);
-    ``extra``: front-end fields the journal keeps opaquely (msgpack-able values)."""
+    ``extra``: front-end fields the journal keeps opaquely (msgpack-able values); ``client``: who
+    sent it and how to answer a resume (small msgpack-able values), kept with its result too."""
 
     request_id: str
     prompt: list[int]
@@ -110,6 +111,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     model: str = ""
     t_accepted: float = 0.0
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    client: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @classmethod
     def from_generate(
@@ -147,7 +149,8 @@ class FinishedResult(msgspec.Struct, kw_only=True):
     """A finished request that ``Resume`` can still answer: its generated ``tokens``,
     ``finish_reason`` (stop, length, eos, cancelled, error), usage and timings, the client
     ``ErrorCode`` value and message when it ended with an Error ("" otherwise), and ``t_finished``
-    (wall-clock seconds). Dropped ``result_ttl_s`` after ``t_finished``."""
+    (wall-clock seconds), and its record's ``client``. Dropped ``result_ttl_s`` after
+    ``t_finished``."""
 
     request_id: str
     tokens: list[int]
@@ -157,6 +160,7 @@ class FinishedResult(msgspec.Struct, kw_only=True):
     error_code: str = ""
     error_message: str = ""
     t_finished: float = 0.0
+    client: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class UnfinishedRequest(msgspec.Struct, kw_only=True):
@@ -390,7 +394,8 @@ class LogState:
             if req is None:
                 raise _Inconsistent(f"finish of request {rec.request_id!r}, which is not running")
             fields = msgspec.structs.asdict(rec)
-            self.results[rec.request_id] = FinishedResult(tokens=req.tokens, **fields)
+            client = req.record.client
+            self.results[rec.request_id] = FinishedResult(tokens=req.tokens, client=client, **fields)
         else:
             self._apply_checkpoint(rec)
 

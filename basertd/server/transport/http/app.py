@@ -41,7 +41,7 @@ from basertd.server.states import HealthStatus
 from basertd.server.transport.http import resume
 from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
-from basertd.server.transport.http.auth import Authorizer, load_api_keys
+from basertd.server.transport.http.auth import REQUESTER, Authorizer, load_api_keys
 from basertd.server.transport.http.body import json_response
 from basertd.server.transport.http.errors import HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
@@ -89,19 +89,18 @@ class HttpServer:
         keys = load_api_keys(config.api_key_file) if config.api_key_file else []
         self.auth = Authorizer(keys)
         self.templates = Templates(frontend)
-        self.resumes = resume.ResumeIndex()
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
         self._unix: list[tuple[Path, int]] = []
         self.addresses: list[str] = []
         app = web.Application(middlewares=[self._middleware], client_max_size=config.max_body_bytes)
-        openai_api = OpenAiApi(frontend, self.templates, self.resumes, self.releaser)
+        openai_api = OpenAiApi(frontend, self.templates, self.releaser)
         app.add_routes(
             [
                 *openai_api.routes(),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
-                *AnthropicApi(frontend, self.templates, self.resumes, self.releaser).routes(),
+                *AnthropicApi(frontend, self.templates, self.releaser).routes(),
                 *OllamaApi(frontend, self.templates).routes(),
             ]
         )
@@ -183,7 +182,7 @@ class HttpServer:
             authorization = request.headers.get("Authorization")
             if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
                 authorization = "Bearer " + request.headers["x-api-key"]
-            self.auth.check(sock, authorization, public=request.path == "/health")
+            request[REQUESTER] = self.auth.check(sock, authorization, public=request.path == "/health")
             return await handler(request)
         except HttpError as err:
             return error_response(err, request.path)

@@ -58,6 +58,13 @@ class StreamPort(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
 
+class ResumedPort(StreamPort, Protocol):
+    """A followed stream (``FrontendPort.follow``): a ``StreamPort`` plus the ``context`` the
+    dialect journaled with the request (``resume.context_of``; {} when none)."""
+
+    context: dict[str, Any]
+
+
 class TemplateInputs(Protocol):
     """What a worker's chat template is built from (``chat_template.template_source``):
     ``configured`` the worker key ``chat_template`` ("" = none), ``own`` the model's own template
@@ -84,14 +91,24 @@ class TemplateInputs(Protocol):
 class FrontendPort(Protocol):
     """The front end as the HTTP dialects see it (module docstring)."""
 
-    async def stream(self, gen: api.Generate, *, api_name: str) -> StreamPort:
-        """Admit ``gen`` and return its replies; ``api_name`` labels it in logs and metrics.
-        Raises ``AdmissionError`` with nothing queued."""
+    async def stream(
+        self,
+        gen: api.Generate,
+        *,
+        api_name: str,
+        requester: str = "",
+        context: dict[str, Any] | None = None,
+    ) -> StreamPort:
+        """Admit ``gen`` and return its replies; ``api_name`` labels it in logs and metrics; the
+        request is bound to ``requester`` (``basertd.server.request.requester``) and ``context``
+        is journaled with it for a later ``follow``. Raises ``AdmissionError`` with nothing
+        queued."""
         ...
 
-    def follow(self, resume_id: str, after: int) -> StreamPort:
+    async def follow(self, resume_id: str, after: int, requester: str) -> ResumedPort:
         """The replies of the durable request ``resume_id`` after its first ``after`` tokens,
-        then its live ones. Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST, SHUTTING_DOWN)."""
+        then its live ones, for ``requester``. Raises ``AdmissionError`` (NOT_FOUND,
+        PERMISSION_DENIED, INVALID_REQUEST, SHUTTING_DOWN, QUEUE_FULL: too many resumes)."""
         ...
 
     async def tokenize(self, model: str, text: str, *, add_special: bool = True) -> list[int]:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from basertd.schema import client as api
 from basertd.server.transport.http import body
+from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
 from basertd.server.transport.http.ollama import translate as tr
@@ -180,7 +181,8 @@ class OllamaApi:
             out = {"message": {"role": "assistant", "content": s}} if chat else {"response": s}
             return head | {"created_at": created_at()} | out
 
-        async with await self.frontend.stream(gen, api_name=API_NAME) as out:
+        stream = await self.frontend.stream(gen, api_name=API_NAME, requester=requester_of(request))
+        async with stream as out:
             if not gen.stream:
                 parts, done = [], None
                 async for msg in out:
