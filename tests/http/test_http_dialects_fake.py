@@ -177,6 +177,16 @@ class FakeFrontend:
         self.route(model)
         return text_of(tokens)
 
+    async def control_texts(self, model: str, texts: list[str]) -> frozenset[str]:
+        self.route(model)
+        return frozenset()  # the fake's byte vocabulary has no control token
+
+    async def tokenize_parts(
+        self, model: str, parts: list[tuple[str, bool]], *, add_special: bool
+    ) -> list[int]:
+        self.route(model)
+        return ids("".join(text for text, _ in parts))
+
     def _replies(self, gen: api.Generate, prompt_len: int, after: int = 0) -> list[Any]:
         rid = gen.request_id
         out: list[Any] = []

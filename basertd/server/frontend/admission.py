@@ -139,6 +139,52 @@ class Frontend:
         check_prompt_bytes(text, m.config.context_length, m.tokenizer, what="text")
         return await self.encode(wid, text, add_special=add_special)
 
+    async def control_texts(self, model: str, texts: list[str]) -> frozenset[str]:
+        """The control-token texts of ``model``'s vocabulary (``<start_of_turn>``, ...) that occur
+        in ``texts`` (chat message contents); empty for a vocabulary without any (the byte
+        vocabulary) or a tokenizer that cannot tell (a libbaseRT bundle's). Raises
+        ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST)."""
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        find = getattr(m.tokenizer, "control_texts_in", None)
+        joined = "\x00".join(texts)  # no control text spans a NUL
+        if find is None or not joined:
+            return frozenset()
+        check_prompt_bytes(joined, m.config.context_length, m.tokenizer, what="messages")
+        try:
+            if len(joined) <= INLINE_TOKENIZE_CHARS:
+                return find(joined)
+            return await self._off_loop(find, joined)
+        except TokenizerError as exc:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    async def tokenize_parts(
+        self, model: str, parts: list[tuple[str, bool]], *, add_special: bool
+    ) -> list[int]:
+        """Token ids of the concatenated ``parts`` (``(text, special)``: with ``special`` False
+        the text is plain text, control-token text included), BOS as the worker wants it when
+        ``add_special``. One part with special on tokenizes exactly like ``tokenize``. Raises
+        ``AdmissionError`` like ``tokenize``."""
+        if len(parts) == 1 and parts[0][1]:
+            return await self.tokenize(model, parts[0][0], add_special=add_special)
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        tok = m.tokenizer
+        check_prompt_bytes("".join(t for t, _ in parts), m.config.context_length, tok, what="text")
+        bos = add_special and self.fleet.add_bos(wid)
+
+        encode_parts = getattr(tok, "encode_parts", None)
+
+        def run() -> list[int]:
+            if encode_parts is None:  # a vocabulary without control texts: one text
+                return tok.encode("".join(t for t, _ in parts), add_bos=bos)
+            return encode_parts(parts, add_bos=bos)
+
+        try:
+            return await self._off_loop(run)
+        except TokenizerError as exc:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (ids outside the vocabulary are INVALID_REQUEST); special tokens
         render as nothing, invalid UTF-8 as U+FFFD."""

@@ -116,6 +116,19 @@ class FrontendPort(Protocol):
         ``add_special``). Raises ``AdmissionError``."""
         ...
 
+    async def control_texts(self, model: str, texts: list[str]) -> frozenset[str]:
+        """The texts of ``model``'s control tokens (``<start_of_turn>``, ...) that occur in
+        ``texts``; empty when none does (or the vocabulary has none). Raises ``AdmissionError``."""
+        ...
+
+    async def tokenize_parts(
+        self, model: str, parts: list[tuple[str, bool]], *, add_special: bool
+    ) -> list[int]:
+        """Token ids of the concatenated ``parts``, each ``(text, special)``: with ``special``
+        False control-token text is plain text (``literal.encode_chat``). Raises
+        ``AdmissionError``."""
+        ...
+
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (invalid UTF-8 as U+FFFD). Raises ``AdmissionError``."""
         ...

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from basertd.schema import client as api
-from basertd.server.transport.http import body, resume, sse, tool_calls
+from basertd.server.transport.http import body, literal, resume, sse, tool_calls
 from basertd.server.transport.http.anthropic import translate as tr
 from basertd.server.transport.http.anthropic.wire import (
     TEXT_BLOCK,
@@ -59,10 +59,16 @@ class AnthropicApi:
             raise bad_request("a final assistant message (prefill) cannot be combined with tools", "messages")
         try:
             wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages, plan) + prefill
+            tokens = await literal.encode_chat(
+                self.frontend,
+                req.model,
+                messages,
+                lambda m: tool_calls.render(template, m, plan),
+                template.needs_bos,
+                suffix=prefill,
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        tokens = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
         return wid, tokens
 
     async def count(self, request: web.Request) -> web.Response:

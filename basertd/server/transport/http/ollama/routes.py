@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from basertd.schema import client as api
-from basertd.server.transport.http import body
+from basertd.server.transport.http import body, literal
 from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
@@ -130,11 +130,11 @@ class OllamaApi:
         if not req.prompt:
             loaded = {"response": "", "done": True, "done_reason": "load"}
             return web.json_response(self._head(model) | loaded)
-        if req.raw:
-            text, add_special = req.prompt, True
+        if req.raw:  # the client's own prompt, markup included: control texts stay control tokens
+            prompt = await self.frontend.tokenize(model, req.prompt, add_special=True)
         else:
-            text, add_special = self._render(model, tr.generate_messages(req))
-        return await self._run(request, req, model, text, add_special, chat=False)
+            prompt = await self._render(model, tr.generate_messages(req))
+        return await self._run(request, req, model, prompt, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = body.decode(await body.read(request), ChatRequest)
@@ -143,27 +143,32 @@ class OllamaApi:
         if not req.messages:
             head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
             return web.json_response(head | {"done": True, "done_reason": "load"})
-        text, add_special = self._render(model, tr.chat_messages(req))
-        return await self._run(request, req, model, text, add_special, chat=True)
+        prompt = await self._render(model, tr.chat_messages(req))
+        return await self._run(request, req, model, prompt, chat=True)
 
-    def _render(self, model: str, messages: list[dict[str, Any]]) -> tuple[str, bool]:
+    async def _render(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids of ``messages`` (``literal.encode_chat``: client text stays text)."""
         try:
             _, template = self.templates.for_model(model)
-            text = template.render(messages, add_generation_prompt=True)
+            return await literal.encode_chat(
+                self.frontend,
+                model,
+                messages,
+                lambda m: template.render(m, add_generation_prompt=True),
+                template.needs_bos,
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        return text, template.needs_bos(text)
 
     def _head(self, model: str) -> dict[str, Any]:
         name = model or self._model_entries(False)[0]["name"]
         return {"model": name if ":" in name else f"{name}:latest", "created_at": created_at()}
 
     async def _run(
-        self, request: web.Request, req: Common, model: str, text: str, add_special: bool, *, chat: bool
+        self, request: web.Request, req: Common, model: str, prompt: list[int], *, chat: bool
     ) -> web.StreamResponse:
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         response_format = tr.response_format_of(req.format)
-        prompt = await self.frontend.tokenize(model, text, add_special=add_special)
         ctx = self.frontend.context_length(self.frontend.route(model))
         max_tokens = tr.max_tokens_of(req.options or Options(), ctx, len(prompt))
         gen = tr.generate_of(

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from basertd.schema import client as api
-from basertd.server.transport.http import body, resume, sse, tool_calls
+from basertd.server.transport.http import body, literal, resume, sse, tool_calls
 from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
@@ -109,10 +109,15 @@ class OpenAiApi:
         plan = tool_calls.plan_of(req.tools, req.tool_choice, req.parallel_tool_calls)
         try:
             wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages, plan)
+            prompt = await literal.encode_chat(
+                self.frontend,
+                req.model,
+                messages,
+                lambda m: tool_calls.render(template, m, plan),
+                template.needs_bos,
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages", code="chat_template") from None
-        prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.frontend.context_length(wid) - len(prompt))
