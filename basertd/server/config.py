@@ -209,7 +209,10 @@ class CacheConfig(_Section):
     ``high_watermark`` / ``low_watermark``: pool occupancy fractions between which eviction keeps
     the pool (0: no watermark eviction); ``index_entries``: published prefixes remembered per worker;
     ``route_slack``: load difference (requests per lane) up to which a request still goes to the
-    worker holding its longest prefix."""
+    worker holding its longest prefix. ``isolate_by_api_key``: each API key's requests hash their
+    pages with a salt of their own (``requester.cache_salt``), so they are seeded only from
+    prefixes that key's requests published, never another tenant's, and ``cached_tokens`` tells
+    nothing about other tenants' prompts (README "Tenants and the prefix cache")."""
 
     publish_on_retire: bool = True
     evict_in_tick: bool = True
@@ -219,6 +222,7 @@ class CacheConfig(_Section):
     high_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.9
     low_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.75
     index_entries: _Pos = 1024
+    isolate_by_api_key: bool = False
     route_slack: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
 
     def __post_init__(self) -> None:

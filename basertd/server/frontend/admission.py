@@ -51,7 +51,7 @@ from basertd.server.frontend.streams import GenerationStream, QueueSink, Resumed
 from basertd.server.observe.metrics import Metrics
 from basertd.server.request.grammar import GrammarRequestError, spec_from_request
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
-from basertd.server.request.requester import UNBOUND
+from basertd.server.request.requester import UNBOUND, cache_salt
 from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.states import DaemonState, HealthStatus
 
@@ -302,7 +302,8 @@ class Frontend:
         self._admissible()  # the daemon may have begun draining while the prompt was tokenized
         if sink.closed:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
-        wid = self.fleet.route_prefix(wid, prompt)
+        salt = cache_salt(requester) if self.fleet.config.cache.isolate_by_api_key else 0
+        wid = self.fleet.route_prefix(wid, prompt, salt)
         m = self.fleet[wid]
         m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
@@ -317,6 +318,7 @@ class Frontend:
             qos=gen.qos,
             stream=gen.stream,
             grammar=spec,
+            cache_salt=salt,
         )
         if self.durability is not None:
             accepted = self.durability.wrap(gen, prompt, req, observed, requester=requester, context=context)

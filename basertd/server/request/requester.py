@@ -35,6 +35,17 @@ def of_api_key(key: bytes) -> str:
     return "key:" + hashlib.sha256(b"basertd requester\0" + key).hexdigest()[:32]
 
 
+def cache_salt(requester: str) -> int:
+    """The prefix-cache salt of ``requester`` under ``[cache] isolate_by_api_key``: a u64 of its
+    own for an API key, 0 (the shared cache) for any other requester."""
+    if not requester.startswith("key:"):
+        return 0
+    return (
+        int.from_bytes(hashlib.sha256(b"basertd cache salt\0" + requester.encode()).digest()[:8], "little")
+        or 1
+    )
+
+
 def may_follow(owner: str, requester: str, *, operator: bool = False) -> bool:
     """Whether ``requester`` (an operator when ``operator``) may read or resume a request owned
     by ``owner``."""
