@@ -46,6 +46,7 @@ Example (every key shown with its default)::
     high_watermark = 0.9        # pool occupancy above which unpinned prefixes are evicted (0: off)
     low_watermark = 0.75        # ... down to this occupancy
     index_entries = 1024        # published prefixes the coordinator remembers per worker
+    isolate_by_api_key = false  # each API key is seeded only from its own prefixes (README "Tenants ...")
     route_slack = 1.0           # route to the worker holding the longest prefix unless its load
                                 # (queued + running per lane) exceeds the least loaded one's by more
 

@@ -46,7 +46,7 @@ def cache_salt(requester: str) -> int:
     )
 
 
-def may_follow(owner: str, requester: str, *, operator: bool = False) -> bool:
-    """Whether ``requester`` (an operator when ``operator``) may read or resume a request owned
-    by ``owner``."""
-    return operator or owner in (UNBOUND, requester)
+def may_follow(bound_to: str, requester: str, *, operator: bool = False) -> bool:
+    """Whether ``requester`` (an operator when ``operator``) may read or resume a request bound to
+    requester ``bound_to``."""
+    return operator or bound_to in (UNBOUND, requester)
