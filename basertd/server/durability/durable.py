@@ -484,10 +484,11 @@ class Durability:
 
     async def _catch_up(self, resume_id: str, entry: ReplayText, ids: list[int]) -> None:
         """Feed ``entry`` up to ``len(ids)`` tokens; more than ``INLINE_REPLAY_TOKENS`` missing
-        are fed in a thread under the entry's lock (other resumes of it wait, then look again)."""
-        if len(ids) - entry.fed <= INLINE_REPLAY_TOKENS:
+        are fed in a thread under the entry's lock (other resumes of it wait for the lock, then
+        look again)."""
+        if len(ids) - entry.fed <= INLINE_REPLAY_TOKENS and not entry.lock.locked():
             return
-        async with entry.lock:
+        async with entry.lock:  # another resume may be feeding it: wait for that one
             todo = ids[entry.fed : len(ids)]
             if len(todo) > INLINE_REPLAY_TOKENS:
                 await asyncio.to_thread(entry.extend, todo)
