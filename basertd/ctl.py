@@ -1,9 +1,9 @@
 """``basertctl``: the operator's client of the daemon socket (DESIGN.md "Operators").
 
-Verbs: ``status``, ``workers``, ``lanes``, ``queue``, ``cache stats|ls|pin|unpin|evict``,
-``drain [--timeout S]``, ``resume``, ``restart-worker ID``, ``generate``, ``metrics``,
-``shutdown`` and ``config check FILE``. Every verb prints a human table by default and one JSON
-document with ``--json`` (before or after the verb). These two forms are stable:
+Verbs: ``status``, ``top`` (a live view, ``basertd.ctl_top``), ``workers``, ``lanes``, ``queue``,
+``cache stats|ls|pin|unpin|evict``, ``drain [--timeout S]``, ``resume``, ``restart-worker ID``,
+``generate``, ``metrics``, ``shutdown`` and ``config check FILE``. Every verb prints a human
+table by default and one JSON document with ``--json`` (before or after the verb). These two forms are stable:
 ``basertctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--seed S] [--qos CLASS]
 PROMPT`` streams the text to stdout, ``basertctl [--socket PATH] status [--json]`` prints the
 summary. ``--socket`` defaults to ``$BASERTD_SOCKET``, then the default socket path
@@ -320,6 +320,32 @@ def _cache_table(rows: list[dict]) -> None:
 
 
 @cli.command(epilog=EPILOG)
+@click.option("--once", is_flag=True, help="print one frame and exit (for scripts)")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="seconds per frame"
+)
+@json_flag
+@click.pass_context
+def top(ctx: click.Context, once: bool, interval: float, as_json: bool) -> None:
+    """A live view: workers, lanes, queues, tokens/s, TTFT and inter-token latency, cache and
+    WAL; `q` quits. --json prints one overview document."""
+    from basertd import ctl_top
+
+    with _connect(ctx) as client:
+
+        def fetch() -> control.OverviewResult:
+            return client.request(control.Overview())
+
+        try:
+            if as_json or ctx.obj.get("json"):
+                click.echo(json.dumps(_plain(fetch()), indent=2, sort_keys=True))
+                return
+            ctl_top.run(fetch, once=once, interval_s=interval)
+        except ClientError as exc:
+            _client_error(ctx, exc)
+
+
+@cli.command(epilog=EPILOG)
 @json_flag
 @click.pass_context
 def workers(ctx: click.Context, as_json: bool) -> None:
@@ -618,6 +644,10 @@ def wal_check(ctx: click.Context, state_dir: Path | None, as_json: bool) -> None
     from basertd.server.paths import resolve_state_dir
 
     path = state_dir or resolve_state_dir(None, create=False)
+    if not path.is_dir():
+        # No directory is not an empty log: the daemon's state directory is elsewhere (give it as
+        # STATE_DIR) or the daemon never ran with durability on.
+        _fail(f"no state directory at {path}: give the daemon's state_dir as STATE_DIR", EXIT_REFUSED)
     try:
         data = check_log(path)
     except OSError as exc:

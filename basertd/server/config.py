@@ -64,6 +64,10 @@ Example (every key shown with its default)::
     [metrics]                   # docs/scale-out.md
     vllm_compat = true          # also export vllm:* series (what the endpoint picker reads)
 
+    [tracing]                   # OpenTelemetry spans per request (basertd.server.observe.tracing)
+    otlp_endpoint = ""          # "": off; "http://collector:4318/v1/traces": OTLP/HTTP (basertd[tracing])
+    service_name = "basertd"    # the traces' service.name
+
     [http]                      # the OpenAI-compatible API (README "OpenAI-compatible API")
     listen = ["127.0.0.1:8000"] # "HOST:PORT" and "unix:PATH" entries; [] = off
     api_key_file = ""           # one key per line; required for a non-loopback TCP address
@@ -300,6 +304,19 @@ class MetricsConfig(_Section):
 _ZMQ_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry traces (``basertd.server.observe.tracing``). ``otlp_endpoint``: the OTLP/HTTP
+    traces URL of a collector ("" = no tracing, nothing recorded; needs the ``basertd[tracing]``
+    extra); ``service_name``: the ``service.name`` resource attribute of the spans."""
+
+    otlp_endpoint: str = ""
+    service_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] = "basertd"
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint and not re.fullmatch(r"https?://\S+", self.otlp_endpoint):
+            raise ValueError(f"otlp_endpoint must be an http:// or https:// URL, got {self.otlp_endpoint!r}")
+
+
 class KvEventsConfig(_Section):
     """KV-cache events in vLLM's wire format (``basertd.server.observe.kv_events``, docs/scale-out.md).
 
@@ -451,6 +468,7 @@ class Config(_Section):
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode

@@ -66,6 +66,7 @@ from basertd.server.observe.notify import (
     listen_fds,
     watchdog_interval,
 )
+from basertd.server.observe.tracing import Tracing
 from basertd.server.ops.cache_verbs import PolicyCacheControl
 from basertd.server.ops.control import CacheControl, ControlService
 from basertd.server.ops.reload import apply_reload
@@ -188,6 +189,7 @@ class Daemon:
         remove_stale_worker_dirs(self.runtime_dir)  # left by a coordinator killed with SIGKILL
         self.workers_dir.mkdir(mode=0o700, exist_ok=True)
         os.chmod(self.workers_dir, 0o700)
+        self.metrics.tracing = Tracing.start(cfg.tracing)
         self.durability = self._open_journal()
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
@@ -218,7 +220,11 @@ class Daemon:
         http_socks = adopt_named(self._listen_fds, HTTP_FD_NAME)
         if cfg.http.listen or http_socks:
             self.http = HttpServer(
-                cfg.http, self.frontend, socket_mode=int(cfg.socket_mode), adopted=http_socks
+                cfg.http,
+                self.frontend,
+                socket_mode=int(cfg.socket_mode),
+                adopted=http_socks,
+                overview=self.control.overview,
             )
             await self.http.start()
 
@@ -419,6 +425,8 @@ class Daemon:
         if self.frontend is not None:
             self.frontend.close()
         self.metrics.close()
+        with contextlib.suppress(Exception):  # export what is pending (the SDK's timeouts bound it)
+            await asyncio.to_thread(self.metrics.tracing.close)
         if self.kv_events is not None:
             for m in self.fleet or []:
                 m.cache.observe(None)

@@ -101,3 +101,15 @@ def test_a_runtime_directory_the_daemon_created_is_removed_at_exit(tmp_path):
         assert rt.exists() == pre_existing, (pre_existing, rt.exists())
         if pre_existing:
             assert not any(rt.iterdir())
+
+
+def test_a_clean_stop_logs_no_worker_death():
+    # SIGTERM drains, sends SHUTDOWN, and the worker exits 0: that is a closed link, not a death.
+    with Daemon(REF_WORKER) as d:
+        with d.client() as c:
+            assert c.generate("bye", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0
+        events = d.log_events()  # read before the context's stop() checks the release and cleans up
+    assert any(e.get("event") == "link_closed" for e in events), [e.get("event") for e in events]
+    assert not any(e.get("event") == "link_down" or "WorkerDied" in str(e) for e in events)

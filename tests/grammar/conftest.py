@@ -34,3 +34,13 @@ def make_engine(tiny_gguf):
     for eng, coord in made:
         eng.close()
         coord.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_gguf):
+    """The tiny GGUF's llguidance tokenizer (one engine per module, for its loaded model)."""
+    from basertd.worker.engines.llamacpp.grammar import tokenizer_for
+
+    eng = LlamaCppEngine(tiny_gguf, lanes=1, context_length=64, n_threads=1)
+    yield tokenizer_for(eng.model)
+    eng.close()

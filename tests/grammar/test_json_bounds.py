@@ -8,13 +8,13 @@ import copy
 import json
 
 import jsonschema
-import llguidance
 import pytest
+from matching import accepts
 from schemas import schemas
 
 from basertd.json_bounds import FRACTION_STEP, NUMBER_LIMIT, bound_numbers
 from basertd.worker.engines.llamacpp import grammar as grammar_mod
-from basertd.worker.engines.llamacpp.grammar import GrammarSpecError, compile_spec, tokenizer_for
+from basertd.worker.engines.llamacpp.grammar import GrammarSpecError, compile_spec
 
 DEFAULTS = {"minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
 
@@ -71,25 +71,6 @@ def test_the_schemas_own_bounds_win_and_no_bound_empties_a_range():
     # A range too narrow for a multiple of the step keeps the schema's own digits.
     tiny = {"type": "number", "minimum": 0.5e-9, "maximum": 1.5e-9}
     assert bound_numbers(tiny) == tiny
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gguf):
-    from basertd.worker.engines.llamacpp import LlamaCppEngine
-
-    eng = LlamaCppEngine(tiny_gguf, lanes=1, context_length=64, n_threads=1)
-    yield tokenizer_for(eng.model)
-    eng.close()
-
-
-def accepts(tok, schema, text: str) -> bool:
-    """True when the compiled JSON-schema grammar takes ``text`` whole and accepts there."""
-    m = llguidance.LLMatcher(tok, compile_spec("json_schema", json.dumps(schema)), log_level=0)
-    ids = tok.tokenize_str(text)
-    if m.validate_tokens(ids) != len(ids):
-        return False
-    assert m.consume_tokens(ids)
-    return m.is_accepting()
 
 
 def test_compiled_numbers_refuse_runaway_digits_and_exponents(tokenizer):

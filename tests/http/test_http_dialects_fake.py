@@ -11,6 +11,7 @@ tests against a daemon are the other files of this folder.
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import json
 import typing
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -25,6 +27,8 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.config import HttpConfig
 from basertd.server.frontend.admission import Frontend
+from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -186,6 +190,28 @@ class FakeFrontend:
     ) -> list[int]:
         self.route(model)
         return ids("".join(text for text, _ in parts))
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        self.route(model)
+        return [TOK.piece(t) for t in tokens]
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> PromptScores:
+        """Token i+1 scores -(i+1)/10 after tokens 0..i; the alternatives are the token itself."""
+        self.route(model)
+        n = len(tokens) - 1
+        lps = np.array([-(i + 1) / 10 for i in range(n)], np.float32)
+        top = np.array([[t] * top_k for t in tokens[1:]], np.uint32).reshape(n, top_k)
+        return PromptScores(lps, top, np.repeat(lps[:, None], top_k, axis=1))
+
+    async def embed(self, model: str, inputs: list[Any], *, truncate: bool = False) -> Embeddings:
+        """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8."""
+        self.route(model)
+        lists = [ids(x) if isinstance(x, str) else list(x) for x in inputs]
+        vecs = np.zeros((len(lists), 8), np.float32)
+        for i, toks in enumerate(lists):
+            np.add.at(vecs[i], np.array(toks) % 8, 1.0)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        return Embeddings(vecs, sum(map(len, lists)))
 
     def _replies(self, gen: api.Generate, prompt_len: int, after: int = 0) -> list[Any]:
         rid = gen.request_id
@@ -507,6 +533,55 @@ def test_chat_tools_stream_one_tool_calls_chunk_once_the_call_is_complete():
     assert datas(sse(text))[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+CUT_CALL = '{"name": "get_weather", "arguments": {"ci'
+"""A call cut by max_tokens: no complete call, and no text either."""
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_call_cut_by_max_tokens_is_length_with_no_content_pretending_to_be_text(choice):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL], "tool_choice": choice}
+    status, out = post(FakeFrontend(reply=CUT_CALL, finish="length"), "/v1/chat/completions", body)
+    assert status == 200
+    (c,) = out["choices"]
+    assert c["finish_reason"] == "length" and c["message"]["content"] is None
+    assert "tool_calls" not in c["message"]
+    status, text = post_raw(
+        FakeFrontend(reply=CUT_CALL, finish="length"), "/v1/chat/completions", {**body, "stream": True}
+    )
+    chunks = datas(sse(text))
+    assert status == 200 and not any(ch["choices"][0]["delta"].get("content") for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # Under "auto" text that is no call is content, as before.
+    status, out = post(
+        FakeFrontend(reply="sunny", finish="length"), "/v1/chat/completions", {**body, "tool_choice": "auto"}
+    )
+    assert out["choices"][0]["message"]["content"] == "sunny"
+
+
+def test_messages_a_cut_call_is_max_tokens_with_no_text():
+    tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    fake = FakeFrontend(reply=CUT_CALL, finish="length")
+    status, out = post(fake, "/v1/messages", msg_body(tools=[tool], tool_choice={"type": "any"}))
+    assert status == 200 and out["stop_reason"] == "max_tokens"
+    assert all(b.get("text", "") == "" for b in out["content"]) and not any(
+        b["type"] == "tool_use" for b in out["content"]
+    )
+
+
+def test_parallel_calls_are_bounded_by_the_tools_offered():
+    def schema_of(tools):
+        fake = FakeFrontend(reply=CALL_TEXT)
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required"}
+        assert post(fake, "/v1/chat/completions", body)[0] == 200  # parallel_tool_calls defaults to true
+        return fake.gens[0][0].response_format["json_schema"]["schema"]
+
+    one = schema_of([WEATHER_TOOL])
+    assert one["type"] == "object" and one["properties"]["name"] == {"const": "get_weather"}  # one call
+    time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    two = schema_of([WEATHER_TOOL, time_tool])
+    assert two["type"] == "array" and (two["minItems"], two["maxItems"]) == (1, 2)
+
+
 def test_chat_structured_output_passes_to_the_generate_and_refuses_tools_with_it():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
@@ -526,7 +601,7 @@ def test_chat_structured_output_passes_to_the_generate_and_refuses_tools_with_it
     [
         (b"", None, "the request body is empty"),
         (b"{not json", None, "not valid JSON"),
-        (json.dumps({"prompt": "x", "echo": True}).encode(), "echo", "unsupported field 'echo'"),
+        (json.dumps({"prompt": "x", "suffix": "s"}).encode(), "suffix", "unsupported field 'suffix'"),
         (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), "max_tokens", "invalid request body"),
         (json.dumps({"prompt": "x", "n": 99}).encode(), "n", "n must be an integer"),
         (json.dumps({"prompt": []}).encode(), "prompt", "the prompt is empty"),
@@ -905,7 +980,13 @@ def test_ollama_without_a_prompt_answers_load_at_once():
             400,
             "images",
         ),
-        ("/api/chat", {"model": MODEL, "tools": [{}], "messages": []}, 400, "tools is not supported"),
+        (
+            "/api/chat",
+            {"model": MODEL, "tools": [{}], "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "tools[0] must be",
+        ),
+        ("/api/chat", {"model": MODEL, "think": True, "messages": []}, 400, "think is not supported"),
         ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"num_predict": 0}}, 400, "num_predict"),
         (
             "/api/generate",
@@ -985,3 +1066,79 @@ def test_the_ollama_client_package_reads_our_chat():
         assert err.value.status_code == 404
 
     run(fake, fn)
+
+
+def test_ollama_tools_come_back_as_tool_calls_and_results_go_back_into_the_template():
+    ollama = pytest.importorskip("ollama")
+    fake = FakeFrontend(reply=CALL_TEXT)
+
+    async def fn(client: TestClient) -> None:
+        c = ollama.AsyncClient(host=str(client.make_url("")))
+        msgs = [{"role": "user", "content": "weather in Paris?"}]
+        out = await c.chat(model=MODEL, messages=msgs, tools=[WEATHER_TOOL])
+        (call,) = out.message.tool_calls
+        assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+        assert out.message.content == "" and out.done_reason == "stop"
+        lines = [p async for p in await c.chat(model=MODEL, messages=msgs, tools=[WEATHER_TOOL], stream=True)]
+        assert not any(p.message.content for p in lines)  # the call's JSON is never streamed as text
+        (streamed,) = [p for p in lines if p.message.tool_calls]
+        assert streamed.message.tool_calls[0].function.arguments == {"city": "Paris"} and lines[-1].done
+        turns = [
+            *msgs,
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+            },
+            {"role": "tool", "content": "sunny, 21 C", "tool_name": "get_weather"},
+        ]
+        fake.reply = "It is sunny."
+        out = await c.chat(model=MODEL, messages=turns, tools=[WEATHER_TOOL])
+        assert out.message.content == "It is sunny." and not out.message.tool_calls
+        prompt = text_of(fake.gens[-1][0].prompt_tokens)
+        assert "Result of get_weather" in prompt and "sunny, 21 C" in prompt and '"city":"Paris"' in prompt
+        out = await c.chat(model=MODEL, messages=msgs)  # the client sends tools: [] without tools
+        assert out.message.content == "It is sunny."
+
+    run(fake, fn)
+
+
+def test_embeddings_in_openais_and_ollamas_shapes():
+    fake = FakeFrontend()
+    status, out = post(fake, "/v1/embeddings", {"input": ["ab", "ab", "b"], "encoding_format": "float"})
+    assert status == 200 and [d["index"] for d in out["data"]] == [0, 1, 2]
+    assert out["model"] == MODEL and out["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    status, b64 = post(fake, "/v1/embeddings", {"input": ["ab"], "encoding_format": "base64"})
+    raw = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4")
+    assert np.allclose(raw, out["data"][0]["embedding"])
+    status, o = post(fake, "/api/embed", {"model": MODEL, "input": "ab"})
+    assert status == 200 and np.allclose(o["embeddings"][0], out["data"][0]["embedding"])
+    status, o = post(fake, "/api/embeddings", {"model": MODEL, "prompt": "b"})
+    assert status == 200 and np.allclose(o["embedding"], out["data"][2]["embedding"])
+    status, o = post(fake, "/api/embed", {"model": "nope", "input": "ab"})
+    assert status == 404 and set(o) == {"error"}  # Ollama's error shape on /api/
+
+
+def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs():
+    fake = FakeFrontend(reply="ok")
+    status, out = post(
+        fake, "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 2}
+    )
+    assert status == 200
+    (c,) = out["choices"]
+    assert c["text"] == "abok"
+    lp = c["logprobs"]
+    assert lp["tokens"] == ["a", "b", "o", "k"] and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"][:2] == [None, pytest.approx(-0.1)] and lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {"b": pytest.approx(-0.1)}
+    assert fake.gens[0][0].prompt_tokens == ids("ab")  # generated from the tokens it echoed
+    status, out = post(fake, "/v1/completions", {"prompt": ["ab", "c"], "echo": True, "max_tokens": 0})
+    assert status == 200 and [c["text"] for c in out["choices"]] == ["ab", "c"]
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 0 and len(fake.gens) == 1  # nothing generated
+    status, text = post_raw(
+        fake, "/v1/completions", {"prompt": "ab", "echo": True, "stream": True, "max_tokens": 2}
+    )
+    chunks = datas(sse(text))
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == "abok"
+    assert chunks[0]["choices"][0]["text"] == "ab"

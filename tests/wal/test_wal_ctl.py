@@ -63,6 +63,21 @@ def test_wal_check_exit_codes(tmp_path: Path) -> None:
     assert _check(tmp_path / "missing").returncode == 2
 
 
+def test_wal_check_without_a_state_dir_is_no_empty_log(tmp_path: Path) -> None:
+    # Without STATE_DIR the daemon's default is read; a directory that does not exist is an
+    # error naming it, not an "empty" log that exits 0.
+    missing = tmp_path / "never-ran"
+    out = subprocess.run(
+        [BIN / "basertctl", "wal", "check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STATE_DIRECTORY": str(missing)},
+    )
+    assert out.returncode == 1, out.stdout
+    assert f"no state directory at {missing}" in out.stderr and "empty" not in out.stdout
+
+
 def test_serve_knows_wal_recover() -> None:
     out = subprocess.run(
         [BIN / "basertd", "serve", "--help"], capture_output=True, text=True, timeout=60

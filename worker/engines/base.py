@@ -123,6 +123,8 @@ class Capability(enum.Enum):
     GRAMMAR = "grammar"  # grammar handles for constrained lanes (rule 113)
     LOGIT_BIAS = "logit_bias"  # logit-bias handles (rule 113)
     TICK_YIELD = "tick_yield"  # ending a tick early at a step boundary (DESIGN.md "Front ends ... yield")
+    EMBEDDINGS = "embeddings"  # pooled embeddings of inputs, between ticks (Link W EMBED)
+    SCORING = "scoring"  # prompt log-probabilities, between ticks (Link W SCORE)
 
 
 CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
@@ -154,6 +156,8 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.GRAMMAR: ("grammar_create", "grammar_free"),
     Capability.LOGIT_BIAS: ("logit_bias_create", "logit_bias_free"),
     Capability.TICK_YIELD: ("attach_control",),
+    Capability.EMBEDDINGS: ("embed",),
+    Capability.SCORING: ("score",),
 }
 """The methods of each capability: an engine defines all of them or none."""
 
@@ -369,3 +373,20 @@ class Engine(abc.ABC):
         record then says ``extra["yield"] = "step"``). The worker calls it only when
         ``supports(Capability.TICK_YIELD)``."""
         raise unsupported(self, Capability.TICK_YIELD, "attach_control")
+
+    # -- Capability.EMBEDDINGS ---------------------------------------------------------------------
+
+    def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
+        """The pooled, L2-normalised embeddings of ``inputs`` (token-id arrays) as an
+        ``(len(inputs), dim)`` float32 array; called between ticks. EngineError(REJECT_BOUNDS) for
+        an empty or over-long input or an id outside the vocabulary."""
+        raise unsupported(self, Capability.EMBEDDINGS, "embed")
+
+    # -- Capability.SCORING ------------------------------------------------------------------------
+
+    def score(self, tokens: np.ndarray, top_k: int) -> Any:
+        """Each token's log-probability after the ones before it and the ``top_k`` likeliest
+        tokens there (``llamacpp.score.Scores``: ``logprobs`` (n-1,), ``top_ids`` /
+        ``top_logprobs`` (n-1, top_k)); called between ticks. EngineError(REJECT_BOUNDS) for
+        fewer than 2 or over context-length tokens, an id outside the vocabulary, a bad top_k."""
+        raise unsupported(self, Capability.SCORING, "score")

@@ -38,6 +38,7 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.durability.durable import Durability
 from basertd.server.fleet import Fleet
+from basertd.server.frontend import embeddings, scoring
 from basertd.server.frontend.access import ObservedSink
 from basertd.server.frontend.drain import Drainer
 from basertd.server.frontend.limits import (
@@ -184,6 +185,34 @@ class Frontend:
             return await self._off_loop(run)
         except TokenizerError as exc:
             raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    async def embed(
+        self, model: str, inputs: list[str] | list[list[int]], *, truncate: bool = False
+    ) -> embeddings.Embeddings:
+        """Pooled embeddings of ``inputs`` (``frontend.embeddings.embed``: its errors, and
+        SHUTTING_DOWN / DRAINING as for a generation)."""
+        self._admissible()
+        return await embeddings.embed(
+            self.fleet,
+            lambda wid, text: self.encode(wid, text),
+            lambda wid: self.fleet[wid].tokenizer.vocab_size,
+            lambda wid: self.fleet[wid].tokenizer,
+            model,
+            inputs,
+            truncate=truncate,
+        )
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        """The bytes of each of ``tokens`` in ``model``'s vocabulary (ids already checked)."""
+        tok = self.fleet[self.fleet.route(model)].tokenizer
+        return [tok.piece(t) for t in tokens]
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> scoring.PromptScores:
+        """Prompt log-probabilities of ``tokens`` (``frontend.scoring.score``: its errors, and
+        SHUTTING_DOWN / DRAINING as for a generation)."""
+        self._admissible()
+        vocab = self.fleet[self.fleet.route(model)].tokenizer.vocab_size
+        return await scoring.score(self.fleet, vocab, model, tokens, top_k)
 
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (ids outside the vocabulary are INVALID_REQUEST); special tokens

@@ -524,7 +524,7 @@ class SchedulerCore(SchedulerState):
                 continue
             req.crash_resumes += 1
             self.crash_resumes += 1
-            self.metrics.crash_resumed(self.worker_id)
+            self.metrics.crash_resumed(self.worker_id, req.key)
             res.resume.append(req)
 
     def detach(self) -> None:

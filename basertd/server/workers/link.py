@@ -254,11 +254,13 @@ class WorkerLink:
         if self._error is not None:
             return
         self._error = error
-        expected = isinstance(error, LinkClosed) or (
-            self._shutdown_sent and isinstance(error, WorkerDied) and error.returncode == 0
-        )
-        level = "info" if expected else "warning"
-        getattr(self._log, level)("link_down", error=type(error).__name__, reason=str(error))
+        if self._shutdown_sent and isinstance(error, WorkerDied) and error.returncode == 0:
+            # The worker did what SHUTDOWN asked: a clean exit, not a death.
+            self._log.info("link_closed", reason="the worker exited after shutdown (exit code 0)")
+        elif isinstance(error, LinkClosed):
+            self._log.info("link_closed", reason=str(error))
+        else:
+            self._log.warning("link_down", error=type(error).__name__, reason=str(error))
         self._disarm()
         for fut in self._pending.values():
             if not fut.done():

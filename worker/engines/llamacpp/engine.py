@@ -68,6 +68,7 @@ from basertd.worker.engines.base import (
 )
 from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.context import Sizes, open_context
+from basertd.worker.engines.llamacpp.embed import EMBED_INPUTS, Embedder
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.model import LlamaModel
@@ -77,6 +78,7 @@ from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.rounds import Rounds
 from basertd.worker.engines.llamacpp.sampling import LogitBiases
+from basertd.worker.engines.llamacpp.score import Scorer, Scores
 from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID, Seeds
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.tick import Tick, TickParts, new_stats
@@ -165,6 +167,11 @@ class LlamaCppEngine(Engine):
         # size, so a respawned worker with another pool still restores.
         self.identity = compat_identity(self.model.model_id, "kv-f16", "unified", swa_full, L.__version__)
         self._stats = stats = new_stats()
+        threads_batch = n_threads if n_threads_batch is None else n_threads_batch
+        self.scorer = Scorer(self.model, max_tokens=context_length, n_threads=threads_batch)
+        self.embedder = Embedder(
+            self.model, max_tokens=context_length, max_inputs=EMBED_INPUTS, n_threads=threads_batch
+        )
         self.cells = cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max)
         self.ledger = cells.ledger  # read by validation (``validate.EngineState``)
         self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
@@ -512,10 +519,22 @@ class LlamaCppEngine(Engine):
             return
         self._closed = True
         self.rings.close()
+        self.embedder.close()
+        self.scorer.close()
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
         self.model.close()
+
+    def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
+        """Pooled embeddings between ticks (``embed.Embedder``: a context of its own, made on
+        first use; base.Engine.embed)."""
+        return self.embedder.embed(inputs)
+
+    def score(self, tokens: np.ndarray, top_k: int) -> Scores:
+        """Prompt log-probabilities between ticks (``score.Scorer``: a context of its own, made on
+        first use; base.Engine.score)."""
+        return self.scorer.score(tokens, top_k)
 
     def __enter__(self) -> LlamaCppEngine:
         return self

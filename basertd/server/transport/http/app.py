@@ -8,7 +8,9 @@ Every handler sees the front end only through ``port.FrontendPort``; shared piec
 (``Last-Event-ID``, closing streams), ``sse``, ``errors``, ``auth`` and ``tool_calls``.
 
 This module adds ``GET /health`` (200 while every worker serves, else 503 with the reason,
-draining included) and ``GET /metrics`` (the daemon's registry), API keys, and one error shape
+draining included), ``GET /metrics`` (the daemon's registry), the operator's page at ``/`` with
+its JSON (``opsview``, given an ``overview`` source), API keys, W3C ``traceparent`` handed to the
+request's trace (``observe.tracing``), and one error shape
 per dialect: every failure is an ``HttpError`` rendered as the error object of the API its path
 belongs to (``error_response``; OpenAI's by default).
 
@@ -36,17 +38,20 @@ import structlog
 from aiohttp import web
 
 from basertd.server.config import HttpConfig, parse_listen
+from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError
 from basertd.server.states import HealthStatus
-from basertd.server.transport.http import resume
+from basertd.server.transport.http import opsview, resume
 from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
 from basertd.server.transport.http.auth import REQUESTER, Authorizer, load_api_keys
 from basertd.server.transport.http.body import json_response
+from basertd.server.transport.http.embeddings import EmbeddingsApi
 from basertd.server.transport.http.errors import HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
 from basertd.server.transport.http.ollama.routes import OllamaApi
 from basertd.server.transport.http.openai.routes import OpenAiApi
+from basertd.server.transport.http.opsview import OpsView, OverviewSource
 from basertd.server.transport.http.port import FrontendPort
 from basertd.server.transport.http.templates import Templates
 
@@ -81,6 +86,7 @@ class HttpServer:
         *,
         socket_mode: int = 0o660,
         adopted: list[socket.socket] | None = None,
+        overview: OverviewSource | None = None,
     ) -> None:
         self.config = config
         self.frontend = frontend
@@ -95,13 +101,19 @@ class HttpServer:
         self.addresses: list[str] = []
         app = web.Application(middlewares=[self._middleware], client_max_size=config.max_body_bytes)
         openai_api = OpenAiApi(frontend, self.templates, self.releaser)
+        ollama_api = OllamaApi(frontend, self.templates)
+        ollama_routes = ollama_api.routes()
+        if overview is not None:  # the page at / (opsview); Ollama's / answers non-browsers
+            ollama_routes = [r for r in ollama_routes if getattr(r, "path", None) != "/"]
+            ollama_routes += OpsView(overview, ollama_api.root).routes()
         app.add_routes(
             [
                 *openai_api.routes(),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
                 *AnthropicApi(frontend, self.templates, self.releaser).routes(),
-                *OllamaApi(frontend, self.templates).routes(),
+                *ollama_routes,
+                *EmbeddingsApi(frontend).routes(),
             ]
         )
         self.app = app
@@ -182,7 +194,9 @@ class HttpServer:
             authorization = request.headers.get("Authorization")
             if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
                 authorization = "Bearer " + request.headers["x-api-key"]
-            request[REQUESTER] = self.auth.check(sock, authorization, public=request.path == "/health")
+            public = request.path == "/health" or opsview.is_public(request.path)
+            request[REQUESTER] = self.auth.check(sock, authorization, public=public)
+            TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only
             return await handler(request)
         except HttpError as err:
             return error_response(err, request.path)

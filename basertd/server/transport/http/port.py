@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from basertd.schema import client as api
+from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.scoring import PromptScores
 from basertd.server.states import HealthStatus
 
 
@@ -131,6 +133,23 @@ class FrontendPort(Protocol):
 
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         """The text of ``tokens`` (invalid UTF-8 as U+FFFD). Raises ``AdmissionError``."""
+        ...
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        """The bytes of each of ``tokens`` in ``model``'s vocabulary (ids below its size)."""
+        ...
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> PromptScores:
+        """Each prompt token's log-probability after the first, with ``top_k`` alternatives
+        (``echo`` with ``logprobs``). Raises ``AdmissionError``."""
+        ...
+
+    async def embed(
+        self, model: str, inputs: list[str] | list[list[int]], *, truncate: bool = False
+    ) -> Embeddings:
+        """Pooled, unit-length embeddings of texts or token lists, row i of input i (``truncate``:
+        an input over the context length keeps its first tokens). Raises ``AdmissionError``
+        (INVALID_REQUEST for an engine without embeddings)."""
         ...
 
     def route(self, model: str) -> int:

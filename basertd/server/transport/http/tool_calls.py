@@ -28,7 +28,9 @@ from basertd.server.transport.http.chat_template import ChatTemplate, ChatTempla
 from basertd.server.transport.http.errors import bad_request
 
 MAX_PARALLEL_CALLS = 8
-"""Most calls one reply may make when ``parallel_tool_calls`` allows several."""
+"""Most calls one reply may make when ``parallel_tool_calls`` allows several; a reply makes at
+most as many calls as it is offered tools, and one call when it is offered one tool (the call
+list closes where the grammar ends it, never running on to ``max_tokens``)."""
 TOOL_RESULT = "Result of {name} (call {id}):\n{content}"
 """The text form of a ``role: tool`` turn."""
 
@@ -50,6 +52,12 @@ class ToolPlan:
     def names(self) -> set[str]:
         return {t.name for t in self.tools}
 
+    @property
+    def calls_only(self) -> bool:
+        """The output can only be a call (``required`` or a named function): text that is no
+        complete call is a call cut short, never content."""
+        return self.mode != "auto"
+
 
 def plan_of(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
     """The plan of a request's tool fields; None when they ask for no tool call (no tools, or
@@ -59,7 +67,9 @@ def plan_of(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> T
     if tools is not None and not tools:
         raise bad_request("tools must be a non-empty array (leave it out for no tools)", "tools")
     try:
-        spec = grammar.tool_grammar(tools, tool_choice, parallel, max_calls=MAX_PARALLEL_CALLS)
+        offered = len(tools) if isinstance(tools, list) else 0
+        max_calls = min(MAX_PARALLEL_CALLS, offered)
+        spec = grammar.tool_grammar(tools, tool_choice, parallel and max_calls > 1, max_calls=max_calls)
         if spec is None:
             return None
         parsed = grammar.parse_tools(tools)
@@ -67,7 +77,7 @@ def plan_of(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> T
     except GrammarRequestError as exc:
         param = "tool_choice" if "tool_choice" in str(exc) else "tools"
         raise bad_request(str(exc), param) from None
-    return ToolPlan(list(tools), parsed, mode, name, parallel and mode != "function", spec)
+    return ToolPlan(list(tools), parsed, mode, name, parallel and mode != "function" and max_calls > 1, spec)
 
 
 def generate_fields(spec: GrammarSpec) -> dict[str, Any]:
@@ -155,6 +165,12 @@ def parse(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:
     return grammar.parse_tool_calls(text, plan.names)
 
 
+def content_of(plan: ToolPlan | None, text: str) -> str:
+    """The content a finished output that holds no complete call shows: ``text``, except under a
+    choice that only allows calls, where it is a call cut short (``max_tokens``) and shows ""."""
+    return "" if plan is not None and plan.calls_only else text
+
+
 class ToolStream:
     """Streams one choice of a request with tools: ``feed(text)`` returns the text to send now
     (nothing while the output may be a call: it starts with ``{`` or ``[`` after optional
@@ -183,4 +199,4 @@ class ToolStream:
         if self.passing or not text:
             return None, text
         calls = parse(self.plan, text)
-        return (calls, "") if calls else (None, text)
+        return (calls, "") if calls else (None, content_of(self.plan, text))

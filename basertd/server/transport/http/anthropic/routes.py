@@ -122,7 +122,8 @@ class AnthropicApi:
             stop = None if calls else await self.stop_string(req.model, done, out, ids, gen.stop)
             usage = usage_of(done, len(prompt), len(ids))
             reason = tr.stop_reason(done, stop, calls)
-            return web.json_response(message_object(mid, model, out, reason, stop, usage, calls))
+            shown = out if calls else tool_calls.content_of(plan, out)
+            return web.json_response(message_object(mid, model, shown, reason, stop, usage, calls))
 
     async def stop_string(
         self, model: str, done: api.Done, text: str, ids: list[int], stops: list[str]

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from basertd.schema import client as api
-from basertd.server.transport.http import body, literal
+from basertd.server.transport.http import body, literal, tool_calls
 from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
@@ -107,7 +107,7 @@ class OllamaApi:
                 "template": source,
                 "details": self._model_entries(False)[0]["details"],
                 "model_info": {"general.context_length": info.context_length, "vocab_size": info.vocab_size},
-                "capabilities": ["completion"],
+                "capabilities": ["completion", "tools"],
                 "modified_at": created_at(),
             }
         )
@@ -138,15 +138,20 @@ class OllamaApi:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = body.decode(await body.read(request), ChatRequest)
-        tr.refuse(req, ("tools", "think"))
+        tr.refuse(req, ("think",))
         model = self.resolve(req.model)
         if not req.messages:
             head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
             return web.json_response(head | {"done": True, "done_reason": "load"})
-        prompt = await self._render(model, tr.chat_messages(req))
-        return await self._run(request, req, model, prompt, chat=True)
+        plan = tool_calls.plan_of(req.tools, None, True) if req.tools else None  # the client sends []
+        if plan is not None and req.format:
+            raise bad_request("format and tools cannot be used together", "format")
+        prompt = await self._render(model, tr.chat_messages(req), plan)
+        return await self._run(request, req, model, prompt, chat=True, plan=plan)
 
-    async def _render(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
+    async def _render(
+        self, model: str, messages: list[dict[str, Any]], plan: tool_calls.ToolPlan | None = None
+    ) -> list[int]:
         """The prompt ids of ``messages`` (``literal.encode_chat``: client text stays text)."""
         try:
             _, template = self.templates.for_model(model)
@@ -154,7 +159,7 @@ class OllamaApi:
                 self.frontend,
                 model,
                 messages,
-                lambda m: template.render(m, add_generation_prompt=True),
+                lambda m: tool_calls.render(template, m, plan),
                 template.needs_bos,
             )
         except ChatTemplateError as exc:
@@ -165,10 +170,21 @@ class OllamaApi:
         return {"model": name if ":" in name else f"{name}:latest", "created_at": created_at()}
 
     async def _run(
-        self, request: web.Request, req: Common, model: str, prompt: list[int], *, chat: bool
+        self,
+        request: web.Request,
+        req: Common,
+        model: str,
+        prompt: list[int],
+        *,
+        chat: bool,
+        plan: tool_calls.ToolPlan | None = None,
     ) -> web.StreamResponse:
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         response_format = tr.response_format_of(req.format)
+        grammar = None
+        if plan is not None:
+            fields = tool_calls.generate_fields(plan.spec)
+            response_format, grammar = fields.get("response_format"), fields.get("grammar")
         ctx = self.frontend.context_length(self.frontend.route(model))
         max_tokens = tr.max_tokens_of(req.options or Options(), ctx, len(prompt))
         gen = tr.generate_of(
@@ -179,11 +195,17 @@ class OllamaApi:
             max_tokens=max_tokens,
             qos=qos,
             response_format=response_format,
+            grammar=grammar,
         )
         head = self._head(model)
 
-        def piece(s: str) -> dict[str, Any]:  # each line stamped when written, as Ollama does
-            out = {"message": {"role": "assistant", "content": s}} if chat else {"response": s}
+        def piece(s: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            # each line stamped when written, as Ollama does
+            out: dict[str, Any] = {"response": s}
+            if chat:
+                out = {"message": {"role": "assistant", "content": s}}
+                if calls:
+                    out["message"]["tool_calls"] = tr.tool_calls_of(calls)
             return head | {"created_at": created_at()} | out
 
         stream = await self.frontend.stream(gen, api_name=API_NAME, requester=requester_of(request))
@@ -199,13 +221,23 @@ class OllamaApi:
                         raise from_code(msg.code, msg.message)
                 if done is None:
                     raise HttpError(500, "the generation ended without a result", code="internal")
-                return web.json_response(piece("".join(parts)) | done_fields(done))
+                whole = "".join(parts)
+                calls = tool_calls.parse(plan, whole) if plan is not None else None
+                shown = "" if calls else tool_calls.content_of(plan, whole)
+                return web.json_response(piece(shown, calls) | done_fields(done))
             resp = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-cache"})
             await resp.prepare(request)
+            held = tool_calls.ToolStream(plan) if plan is not None else None
             async for msg in out:
                 if isinstance(msg, api.Tokens) and msg.text:
-                    await resp.write(_encode(piece(msg.text) | {"done": False}) + b"\n")
+                    now = held.feed(msg.text) if held is not None else msg.text
+                    if now:
+                        await resp.write(_encode(piece(now) | {"done": False}) + b"\n")
                 elif isinstance(msg, api.Done):
+                    if held is not None:  # a call is sent whole, in the line before the last
+                        calls, rest = held.finish()
+                        if calls or rest:
+                            await resp.write(_encode(piece(rest, calls) | {"done": False}) + b"\n")
                     await resp.write(_encode(piece("") | done_fields(msg)) + b"\n")
                 elif isinstance(msg, api.Error):
                     await resp.write(_encode(error_body(from_code(msg.code, msg.message))) + b"\n")

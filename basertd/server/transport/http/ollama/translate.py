@@ -8,12 +8,17 @@
 (``num_ctx``, ``num_gpu``, ``num_thread``, ...) are ignored (the daemon's configuration decides
 them), as is ``keep_alive``; ``format`` ``"json"`` (any JSON object) or a JSON schema constrains
 the output (``basertd.server.request.grammar``; an invalid schema is a 400 with llguidance's
-message); ``images``, ``tools``, ``suffix``, ``template``, ``context`` and ``think`` are a 400
-naming the field. ``qos`` (or the header ``X-Basertd-QoS``) is our extension.
+message); ``tools`` are served as on the OpenAI API with ``tool_choice`` "auto" (Ollama has no
+choice field): an assistant turn's ``tool_calls`` (``{"function": {"name", "arguments": {...}}}``)
+and ``role: "tool"`` turns (``tool_name``) go back into the template (``tool_calls.render``), and
+a reply that is a call comes back as ``message.tool_calls`` with ``arguments`` an object;
+``images``, ``suffix``, ``template``, ``context`` and ``think`` are a 400 naming the field. ``qos``
+(or the header ``X-Basertd-QoS``) is our extension.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from basertd.schema import client as api
@@ -55,13 +60,43 @@ def generate_messages(req: GenerateRequest) -> list[dict[str, Any]]:
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """The chat-template messages of ``/api/chat``. Raises 400 for images or tool calls."""
-    messages = req.messages or []
-    for i, m in enumerate(messages):
-        if m.images or m.tool_calls:
-            field = "images" if m.images else "tool_calls"
-            raise bad_request(f"messages[{i}].{field} is not supported yet", f"messages[{i}].{field}")
-    return [{"role": m.role, "content": m.content} for m in messages]
+    """The chat-template messages of ``/api/chat``, in the OpenAI shape ``tool_calls.render``
+    reads (an assistant turn's calls as ``{"id", "type": "function", "function": {"name",
+    "arguments"}}``, a tool turn's ``tool_name`` as ``name``). Raises 400 for images or a
+    malformed call."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages or []):
+        if m.images:
+            raise bad_request(f"messages[{i}].images is not supported yet", f"messages[{i}].images")
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [_openai_call(i, k, c) for k, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_name:
+            d["name"] = m.tool_name
+        out.append(d)
+    return out
+
+
+def _openai_call(i: int, k: int, call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(
+            f"messages[{i}].tool_calls[{k}] must be {{'function': {{'name': ..., 'arguments': {{...}}}}}}",
+            f"messages[{i}].tool_calls",
+        )
+    return {
+        "id": f"call_{i}_{k}",
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": fn.get("arguments", {})},
+    }
+
+
+def tool_calls_of(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama's ``message.tool_calls`` of OpenAI ``tool_calls``: ``arguments`` an object."""
+    return [
+        {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in calls
+    ]
 
 
 def max_tokens_of(o: Options, context_length: int, prompt_len: int) -> int:
@@ -82,6 +117,7 @@ def generate_of(
     max_tokens: int,
     qos: QosClass,
     response_format: dict[str, Any] | None,
+    grammar: str | None = None,
 ) -> api.Generate:
     """The ``Generate`` of a request with its rendered ``prompt`` tokens; a request streams unless
     ``stream`` is false (the limits table checks the values at admission)."""
@@ -103,4 +139,5 @@ def generate_of(
         stream=req.stream is None or req.stream,
         model=model,
         response_format=response_format,
+        grammar=grammar,
     )

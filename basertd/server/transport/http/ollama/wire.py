@@ -86,6 +86,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
+    tool_name: str | None = None
     thinking: str | None = None
 
 

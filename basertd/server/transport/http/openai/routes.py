@@ -23,8 +23,8 @@ from basertd.server.transport.http import body, literal, resume, sse, tool_calls
 from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.openai import echo, wire
 from basertd.server.transport.http.openai import translate as tr
-from basertd.server.transport.http.openai import wire
 from basertd.server.transport.http.port import FrontendPort, StreamPort
 from basertd.server.transport.http.templates import Templates
 
@@ -98,7 +98,38 @@ class OpenAiApi:
         tr.check_fields(req)
         prompts = tr.prompts_of(req.prompt)
         max_tokens = tr.COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
+        if not req.echo:
+            return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
+        k = tr.logprobs_of(req)
+        echoes = [await echo.echo_of(self.frontend, req.model, p, k) for p in prompts]
+        if max_tokens == 0:  # the prompts alone (vLLM's answer)
+            return await self._echo_only(request, req, echoes)
+        jobs = [(e.tokens, max_tokens) for e in echoes]
+        return await self._generate(request, req, jobs, chat=False, echoes=echoes)
+
+    async def _echo_only(
+        self, request: web.Request, req: wire.CompletionRequest, echoes: list[echo.Echo]
+    ) -> web.StreamResponse:
+        """``echo`` with ``max_tokens: 0``: each prompt (n times) with ``finish_reason`` "length"."""
+        n = req.n or 1
+        shape = wire.Shape(
+            False, body.new_id("cmpl"), self.frontend.model_name(self.frontend.route(req.model))
+        )
+        usage = wire.usage_of(sum(len(e.tokens) for e in echoes), 0, 0)
+        choices = [(e.text, "length", e.logprobs) for e in echoes for _ in range(n)]
+        if not req.stream:
+            return body.json_response(shape.full(choices, usage))
+        resp = web.StreamResponse(headers=sse.HEADERS)
+        await resp.prepare(request)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        for i, (text, finish, lp) in enumerate(choices):
+            await resp.write(
+                sse.event(shape.chunk(i, text, finish, include_usage=include_usage, logprobs=lp))
+            )
+        if include_usage:
+            await resp.write(sse.event(shape.usage_chunk(usage)))
+        await resp.write(sse.DONE)
+        return resp
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if resume.HEADER in request.headers:
@@ -131,7 +162,10 @@ class OpenAiApi:
         *,
         chat: bool,
         tools: tool_calls.ToolPlan | None = None,
+        echoes: list[echo.Echo] | None = None,
     ) -> web.StreamResponse:
+        """One ``Generate`` per prompt and choice, answered whole or as SSE; ``echoes`` (one per
+        prompt, ``echo: true``) start each choice."""
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         stream = bool(req.stream)
         if req.stream_options is not None and not stream:
@@ -155,7 +189,7 @@ class OpenAiApi:
         shape = wire.Shape(chat, rid, model_name, tools)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         context = None
-        if stream and len(gens) == 1 and tools is None:  # one id to resume
+        if stream and len(gens) == 1 and tools is None and echoes is None:  # one id to resume
             context = resume.context_of(
                 _kind(chat), response_id=rid, model=model_name, include_usage=include_usage
             )
@@ -171,8 +205,8 @@ class OpenAiApi:
                 key = resume.key_of(streams[0]) if context is not None else ""
                 resumable = bool(key)
                 ids = [key] if resumable else None
-                return await self._sse(request, shape, streams, n, include_usage, ids=ids)
-            return await self._collect(shape, streams, n)
+                return await self._sse(request, shape, streams, n, include_usage, ids=ids, echoes=echoes)
+            return await self._collect(shape, streams, n, echoes)
         finally:
             await self.releaser.release(streams, resumable)
 
@@ -185,21 +219,25 @@ class OpenAiApi:
             usage = ctx["include_usage"]
             return await self._sse(request, shape, [followed], 1, usage, ids=[key], after=after)
 
-    async def _collect(self, shape: wire.Shape, streams: list[StreamPort], n: int) -> web.Response:
-        async def one(s: StreamPort) -> tuple[wire.Choice, api.Done]:
-            parts = []
-            lp = wire.Logprobs(shape.chat, s.piece)
+    async def _collect(
+        self, shape: wire.Shape, streams: list[StreamPort], n: int, echoes: list[echo.Echo] | None = None
+    ) -> web.Response:
+        async def one(c: int, s: StreamPort) -> tuple[wire.Choice, api.Done]:
+            e = echoes[c // n] if echoes else None
+            parts = [e.text] if e else []
+            lp = wire.Logprobs(shape.chat, s.piece, offset=len(e.text) if e else 0)
             async for msg in s:
                 if isinstance(msg, api.Tokens):
                     parts.append(msg.text)
                     lp.add(msg.logprobs)
                 elif isinstance(msg, api.Done):
-                    return ("".join(parts), wire.finish_reason(msg), lp.take()), msg
+                    lps = echo.join(e.logprobs, lp.take()) if e else lp.take()
+                    return ("".join(parts), wire.finish_reason(msg), lps), msg
                 elif isinstance(msg, api.Error):
                     raise from_code(msg.code, msg.message)
             raise HttpError(500, "the generation ended without a result", code="internal")
 
-        results = await asyncio.gather(*(one(s) for s in streams))
+        results = await asyncio.gather(*(one(c, s) for c, s in enumerate(streams)))
         choices = [choice for choice, _ in results]
         return body.json_response(shape.full(choices, tr.usage([d for _, d in results], n)))
 
@@ -213,11 +251,12 @@ class OpenAiApi:
         *,
         ids: list[str] | None = None,
         after: int = 0,
+        echoes: list[echo.Echo] | None = None,
     ) -> web.StreamResponse:
         """Stream ``streams`` as SSE, event ids ``<ids[i]>:<tokens so far>`` (``ids``: the resume
         key of a resumable stream, sent as ``resume.KEY_HEADER`` too; else the request ids); a
         resumed stream (``after`` > 0 tokens the client has) gets no role chunk and its ids count
-        on from ``after``."""
+        on from ``after``; ``echoes`` (per prompt) come first."""
         headers = dict(sse.HEADERS)
         if ids:
             headers[resume.KEY_HEADER] = ids[0]
@@ -225,6 +264,11 @@ class OpenAiApi:
         await resp.prepare(request)
         counts = [after] * len(streams)
         ids = ids or [s.request_id for s in streams]
+        offsets = [0] * len(streams)
+        for c in range(len(streams) if echoes else 0):
+            e = echoes[c // n]  # type: ignore[index]
+            offsets[c] = len(e.text)
+            await resp.write(sse.event(shape.chunk(c, e.text, logprobs=e.logprobs), f"{ids[c]}:0"))
         if shape.chat and after == 0:
             first = b"".join(
                 sse.event(shape.chunk(i, "", role=True, include_usage=include_usage), f"{ids[i]}:0")
@@ -232,7 +276,7 @@ class OpenAiApi:
             )
             await resp.write(first)
         dones: list[api.Done | None] = [None] * len(streams)
-        lps = [wire.Logprobs(shape.chat, s.piece) for s in streams]
+        lps = [wire.Logprobs(shape.chat, s.piece, offset=offsets[c]) for c, s in enumerate(streams)]
         held = [shape.tool_stream() for _ in streams]  # tool calls wait until complete
         async for i, msg in _merge(streams):
             if isinstance(msg, api.Tokens):

@@ -1,9 +1,10 @@
 """OpenAI request bodies to the front end's ``Generate`` (DESIGN.md "Client API").
 
-A field we do not serve (``echo``, ``suffix``, ``best_of``, ...) or a wrong type is a 400 naming
-the field (``body.decode``), never silently ignored. ``logprobs`` (completions: 0..20
-alternatives; chat: ``logprobs`` true with ``top_logprobs`` 0..20) and ``logit_bias`` (token-id
-strings to a bias in [-100, 100], at most 300) map to the ``Generate`` fields of the same names.
+A field we do not serve (``suffix``, ``best_of``, ...) or a wrong type is a 400 naming the field
+(``body.decode``), never silently ignored; ``echo`` on completions is ``openai/echo.py``.
+``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs`` true with ``top_logprobs``
+0..20) and ``logit_bias`` (token-id strings to a bias in [-100, 100], at most 300) map to the
+``Generate`` fields of the same names.
 Extensions: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``qos`` (also the
 header ``X-Basertd-QoS``).
 

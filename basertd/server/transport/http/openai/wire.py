@@ -57,6 +57,7 @@ class CompletionRequest(Common):
 
     prompt: str | list[Any] | None = None
     logprobs: int | None = None
+    echo: bool | None = None
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -143,12 +144,12 @@ class Logprobs:
     chunk carries its own tokens; ``text_offset`` (completions) counts characters of the generated
     text before each token, across chunks."""
 
-    def __init__(self, chat: bool, piece: Callable[[int], bytes]) -> None:
+    def __init__(self, chat: bool, piece: Callable[[int], bytes], offset: int = 0) -> None:
         self.chat = chat
         self.piece = piece
         self._pending: list[api.TokenLogprob] = []
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        self._chars = 0
+        self._chars = offset  # characters before the first token (an echoed prompt's)
 
     def add(self, entries: list[api.TokenLogprob] | None) -> None:
         if entries:
@@ -172,6 +173,29 @@ class Logprobs:
             d["top_logprobs"] = [item(t.id, t.logprob) for t in e.top]
             content.append(d)
         return {"content": content, "refusal": None}
+
+    def prompt_object(
+        self,
+        tokens: list[int],
+        logprobs: list[float],
+        top_ids: list[list[int]],
+        top_logprobs: list[list[float]],
+    ) -> dict[str, Any]:
+        """The completions object of a prompt's ``tokens`` (echo): the first token's logprob and
+        alternatives ``None``, token i's those of position i-1 of the scores."""
+        first = api.TokenLogprob(id=tokens[0], logprob=0.0)
+        rest = [
+            api.TokenLogprob(
+                id=t,
+                logprob=lp,
+                top=[api.TopLogprob(id=i, logprob=v) for i, v in zip(ids, vals, strict=True)],
+            )
+            for t, lp, ids, vals in zip(tokens[1:], logprobs, top_ids, top_logprobs, strict=True)
+        ]
+        obj = self._completion([first, *rest])
+        obj["token_logprobs"][0] = None
+        obj["top_logprobs"][0] = None
+        return obj
 
     def _completion(self, entries: list[api.TokenLogprob]) -> dict[str, Any]:
         tokens, offsets, tops = [], [], []
@@ -217,7 +241,7 @@ class Shape:
         calls = tool_calls.parse(self.tools, text) if self.tools is not None else None
         if calls:
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": tool_calls.content_of(self.tools, text) or None}, finish
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
