@@ -278,6 +278,20 @@ def _written_past(data: bytes, pos: int) -> bool:
     return data.count(0, end) != len(data) - end
 
 
+def _length_flipped(data: bytes, pos: int, segment: int) -> bool:
+    """True when the bad frame at ``pos`` is the segment's last frame whole but for one flipped
+    bit of its length field (the checksum validates with that bit restored and the frame then
+    ends the file): the bytes after its declared end are its own, not a later write."""
+    magic, length, checksum = HEADER.unpack_from(data, pos)
+    for bit in range(32):
+        alt = length ^ (1 << bit)
+        end = pos + HEADER.size + alt
+        if 0 < alt <= MAX_FRAME_BYTES and end == len(data):
+            head = magic + struct.pack("<I", alt)
+            return _checksum(head, memoryview(data)[pos + HEADER.size : end], segment) == checksum
+    return False
+
+
 @dataclass
 class SegmentScan:
     """One segment read: ``batches`` with their end offsets, ``good_end`` (bytes of valid frames),
@@ -311,7 +325,8 @@ def read_segment(path: Path, seq: int) -> SegmentScan:
         end = _frame_at(data, pos, seq)
         if end is None:
             scan.bad_offset = pos
-            scan.valid_after_bad = _written_past(data, pos) or _next_valid_frame(data, pos, seq) is not None
+            written = _written_past(data, pos) and not _length_flipped(data, pos, seq)
+            scan.valid_after_bad = written or _next_valid_frame(data, pos, seq) is not None
             break
         try:
             batch = _decoder.decode(memoryview(data)[pos + HEADER.size : end])
