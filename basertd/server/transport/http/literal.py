@@ -17,9 +17,10 @@ apart is refused (``ChatTemplateError``, a 400): the prompt would otherwise be a
 
 from __future__ import annotations
 
+import inspect
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from basertd.server.transport.http.chat_template import ChatTemplateError
@@ -90,17 +91,21 @@ async def encode_chat(
     frontend: FrontendPort,
     model: str,
     messages: list[dict[str, Any]],
-    render: Callable[[list[dict[str, Any]]], str],
+    render: Callable[[list[dict[str, Any]]], str | Awaitable[str]],
     needs_bos: Callable[[str], bool],
     *,
     suffix: str = "",
 ) -> list[int]:
-    """The prompt token ids of ``messages`` rendered by ``render`` then ``suffix`` appended (a
-    prefill, client text too), with the client's control texts kept plain (module docstring).
-    ``needs_bos(rendered text)`` says whether BOS is added. Raises ``ChatTemplateError`` and
-    ``AdmissionError``."""
+    """The prompt token ids of ``messages`` rendered by ``render`` (the template, called with
+    the protected messages; it may be a coroutine function, e.g. a render off the event loop)
+    then ``suffix`` appended (a prefill, client text too), with the client's control texts kept
+    plain (module docstring). ``needs_bos(rendered text)`` says whether BOS is added. Raises
+    ``ChatTemplateError`` and ``AdmissionError``."""
     controls = await frontend.control_texts(model, [*strings(messages), suffix])
     lit = Literal(controls)
-    parts = lit.parts(render(lit.protect(messages)) + lit.protect(suffix))
+    rendered = render(lit.protect(messages))
+    if inspect.isawaitable(rendered):
+        rendered = await rendered
+    parts = lit.parts(rendered + lit.protect(suffix))
     text = "".join(t for t, _ in parts)
     return await frontend.tokenize_parts(model, parts, add_special=needs_bos(text))
