@@ -46,6 +46,7 @@ Example (every key shown with its default)::
     high_watermark = 0.9        # pool occupancy above which unpinned prefixes are evicted (0: off)
     low_watermark = 0.75        # ... down to this occupancy
     index_entries = 1024        # published prefixes the coordinator remembers per worker
+    isolate_by_api_key = false  # each API key is seeded only from its own prefixes (README "Tenants ...")
     route_slack = 1.0           # route to the worker holding the longest prefix unless its load
                                 # (queued + running per lane) exceeds the least loaded one's by more
 
@@ -58,6 +59,8 @@ Example (every key shown with its default)::
     [durability]                # DESIGN.md "Crash = preemption; acceptance is durable"
     mode = "tick"               # "tick": write-ahead log, one fsync per tick before delivery; "off": none
     result_ttl_s = 600.0        # seconds a finished request's result can still be resumed
+    resumes_per_s = 20.0        # resumes one requester (uid or API key) may make per second ...
+    resume_burst = 40           # ... with this many at once; more: queue_full (HTTP 429)
 
     [metrics]                   # docs/scale-out.md
     vllm_compat = true          # also export vllm:* series (what the endpoint picker reads)
@@ -89,6 +92,7 @@ Example (every key shown with its default)::
     buffer_steps = 10000        # batches kept for replay, per worker
     hwm = 100000                # ZMQ high-water mark (messages) per subscriber
     max_queue_size = 100000     # batches waiting for the publisher thread; more are dropped (counted)
+    include_token_ids = false   # BlockStored carries the pages' token ids (prompt content); off: hashes only
 
     [limits]                    # the client socket's resources (DESIGN.md "Client API")
     max_connections = 1024      # open client connections in all
@@ -222,7 +226,10 @@ class CacheConfig(_Section):
     ``high_watermark`` / ``low_watermark``: pool occupancy fractions between which eviction keeps
     the pool (0: no watermark eviction); ``index_entries``: published prefixes remembered per worker;
     ``route_slack``: load difference (requests per lane) up to which a request still goes to the
-    worker holding its longest prefix."""
+    worker holding its longest prefix. ``isolate_by_api_key``: each API key's requests hash their
+    pages with a salt of their own (``requester.cache_salt``), so they are seeded only from
+    prefixes that key's requests published, never another tenant's, and ``cached_tokens`` tells
+    nothing about other tenants' prompts (README "Tenants and the prefix cache")."""
 
     publish_on_retire: bool = True
     evict_in_tick: bool = True
@@ -232,6 +239,7 @@ class CacheConfig(_Section):
     high_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.9
     low_watermark: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.75
     index_entries: _Pos = 1024
+    isolate_by_api_key: bool = False
     route_slack: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
 
     def __post_init__(self) -> None:
@@ -294,11 +302,16 @@ class DurabilityConfig(_Section):
     after it finished; it also bounds how long a result stays on disk: about twice this, or a
     minute).
     ``min_free_bytes``: free bytes ``state_dir`` must have for the daemon to start (it refuses
-    otherwise, saying so; default 64 MiB, one log segment)."""
+    otherwise, saying so; default 64 MiB, one log segment). ``resumes_per_s`` and
+    ``resume_burst``: each requester's resumes (native ``Resume``, HTTP ``Last-Event-ID``) are a
+    token bucket of ``resume_burst`` refilled at ``resumes_per_s``; one over it is refused
+    ``queue_full`` (HTTP 429) (``basertd.server.frontend.resume_limits``)."""
 
     mode: Literal["tick", "off"] = "tick"
     result_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=30.0 * 86400)] = 600.0
     min_free_bytes: _NonNeg = 64 << 20
+    resumes_per_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 20.0
+    resume_burst: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 40
 
 
 class MetricsConfig(_Section):
@@ -338,15 +351,19 @@ class KvEventsConfig(_Section):
     worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
     ``topic``: the first frame of every message, ``$VAR`` / ``${VAR}`` expanded from the
-    environment at start. ``buffer_steps``: batches kept for replay per worker; ``hwm``: the
-    per-subscriber high-water mark (messages); ``max_queue_size``: batches waiting for the
-    publisher thread (more are dropped and counted)."""
+    environment at start (``replay_endpoint`` too, so a pod binds ``tcp://${POD_IP}:5600``).
+    ``buffer_steps``: batches kept for replay per worker; ``hwm``: the per-subscriber high-water
+    mark (messages); ``max_queue_size``: batches waiting for the publisher thread (more are
+    dropped and counted). ``include_token_ids``: ``BlockStored`` carries each page's token ids
+    (prompt content, readable by anyone who reaches the sockets); off (the default) its
+    ``token_ids`` is empty and only the page hashes leave the process."""
 
     endpoint: str = ""
     bind: Literal["auto", "bind", "connect"] = "auto"
     layout: Literal["array", "map"] = "array"
     replay_endpoint: str = ""
     topic: str = ""
+    include_token_ids: bool = False
     buffer_steps: _Pos = 10_000
     hwm: _Pos = 100_000
     max_queue_size: _Pos = 100_000

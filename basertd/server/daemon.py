@@ -56,6 +56,7 @@ from basertd.server.fleet import Fleet
 from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.drain import Drainer
 from basertd.server.frontend.restart import requeue
+from basertd.server.frontend.resume_limits import ResumeLimiter
 from basertd.server.observe.kv_events import KvEventsHub, start_kv_events
 from basertd.server.observe.metrics import LiveState, Metrics
 from basertd.server.observe.metrics_vllm import bind_vllm
@@ -199,7 +200,10 @@ class Daemon:
         self.durability = self._open_journal()
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
-        self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state, self.durability)
+        limiter = ResumeLimiter(cfg.durability.resumes_per_s, cfg.durability.resume_burst)
+        self.frontend = Frontend(
+            fleet, self.metrics, self.drainer, self.public_state, self.durability, limiter
+        )
         self.frontend.start()
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
@@ -215,7 +219,7 @@ class Daemon:
         self.api = ApiServer(
             self.socket,
             int(cfg.socket_mode),
-            NativeService(self.frontend, self.control, VERSION),
+            NativeService(self.frontend, self.control, VERSION, is_operator=self.operators.allows),
             sock=inherited,
             limits=cfg.limits,
             metrics=self.metrics,

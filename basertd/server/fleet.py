@@ -289,10 +289,10 @@ class Fleet:
         alive = [i for i in ids if not self.members[i].slot.given_up] or ids
         return min(alive, key=lambda i: self.members[i].scheduler.core.load())
 
-    def route_prefix(self, worker_id: int, prompt: list[int]) -> int:
+    def route_prefix(self, worker_id: int, prompt: list[int], salt: int = 0) -> int:
         """Among the live workers serving the same model with the same vocabulary as
-        ``worker_id``, the one holding the longest cached prefix of ``prompt`` unless it is much
-        busier (``cache_policy.route``, ``[cache] route_slack``)."""
+        ``worker_id``, the one holding the longest cached prefix of ``prompt`` (under cache salt
+        ``salt``) unless it is much busier (``cache_policy.route``, ``[cache] route_slack``)."""
         me = self.members[worker_id]
         peers = [
             m.worker_id
@@ -302,7 +302,7 @@ class Fleet:
         if len(peers) < 2:
             return worker_id
         cores = {i: self.members[i].scheduler.core for i in peers}
-        options = [(i, core.cached_prefix(prompt), core.load()) for i, core in cores.items()]
+        options = [(i, core.cached_prefix(prompt, salt), core.load()) for i, core in cores.items()]
         return route_by_prefix(options, self.config.cache.route_slack)
 
     def add_bos(self, worker_id: int) -> bool:

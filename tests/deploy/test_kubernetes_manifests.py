@@ -20,7 +20,7 @@ from basertd.server.config import Config, parse_config
 
 DIR = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 K8S_VERSION = "1.30.0"
-CORE_KINDS = {"Deployment", "Service", "ConfigMap"}
+CORE_KINDS = {"Deployment", "Service", "ConfigMap", "NetworkPolicy"}
 
 INFERENCE_POOL_V1 = {
     "type": "object",
@@ -172,3 +172,29 @@ def test_the_pod_drains_before_it_stops_and_serves_both_sockets():
     assert mounts["runtime"] == cfg.runtime_dir  # the native Unix socket lives there
     assert {"state", "config"} <= mounts.keys()
     assert c["resources"]["limits"]["nvidia.com/gpu"] == str(len(cfg.workers))  # one worker per GPU
+
+
+def test_kv_events_bind_the_pod_ip_carry_no_token_ids_and_only_the_picker_reaches_them():
+    _, cfg = embedded_config()
+    kv = cfg.kv_events
+    assert not kv.include_token_ids  # page hashes only
+    for endpoint in (kv.endpoint, kv.replay_endpoint):
+        assert "*" not in endpoint and "0.0.0.0" not in endpoint and "::" not in endpoint
+    assert kv.replay_endpoint.startswith("tcp://${POD_IP}:")  # expanded at start, like the topic
+    replay_port = int(kv.replay_endpoint.rsplit(":", 1)[1])
+    ports = range(replay_port, replay_port + len(cfg.workers))  # one replay socket per worker
+    pol = by_kind("NetworkPolicy")
+    labels = by_kind("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert pol["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert pol["spec"]["policyTypes"] == ["Ingress"]  # anything not listed is refused
+    for port in ports:
+        rules = [
+            r
+            for r in pol["spec"]["ingress"]
+            for p in r["ports"]
+            if p["port"] <= port <= p.get("endPort", p["port"])
+        ]
+        assert rules and all(r.get("from") for r in rules), f"port {port} is open to every pod"
+        for r in rules:
+            for peer in r["from"]:
+                assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "basertd-epp"}

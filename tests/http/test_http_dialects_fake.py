@@ -73,8 +73,15 @@ class Inputs:
 class FakeStream:
     """A ``StreamPort`` over a list of replies."""
 
-    def __init__(self, request_id: str, replies: list[Any], accepted: api.Accepted | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        replies: list[Any],
+        accepted: api.Accepted | None,
+        context: dict[str, Any] | None = None,
+    ) -> None:
         self.accepted = accepted
+        self.context = dict(context or {})
         self._rid = request_id
         self._replies = list(replies)
         self._ended = False
@@ -138,6 +145,8 @@ class FakeFrontend:
     gens: list[tuple[api.Generate, str]] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     follows: list[tuple[str, int]] = field(default_factory=list)
+    bound: tuple[str, dict[str, Any]] = ("", {})
+    """The requester and resume context the last admitted request was bound to."""
 
     async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
         """The fake has no compiler: every spec compiles as its first candidate."""
@@ -203,6 +212,16 @@ class FakeFrontend:
         self.route(model)
         return text_of(tokens)
 
+    async def control_texts(self, model: str, texts: list[str]) -> frozenset[str]:
+        self.route(model)
+        return frozenset()  # the fake's byte vocabulary has no control token
+
+    async def tokenize_parts(
+        self, model: str, parts: list[tuple[str, bool]], *, add_special: bool
+    ) -> list[int]:
+        self.route(model)
+        return ids("".join(text for text, _ in parts))
+
     def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
         self.route(model)
         return [TOK.piece(t) for t in tokens]
@@ -257,8 +276,16 @@ class FakeFrontend:
         timings = api.Timings(queue_s=0.125, ttft_s=0.25, total_s=1.5)  # exact in binary
         return [*out, api.Done(request_id=rid, finish_reason=self.finish, usage=usage, timings=timings)]
 
-    async def stream(self, gen: api.Generate, *, api_name: str) -> FakeStream:
+    async def stream(
+        self,
+        gen: api.Generate,
+        *,
+        api_name: str,
+        requester: str = "",
+        context: dict[str, Any] | None = None,
+    ) -> FakeStream:
         self.gens.append((gen, api_name))
+        self.bound = (requester, dict(context or {}))
         self.route(gen.model)
         prompt = gen.prompt_tokens if gen.prompt_tokens is not None else ids(gen.prompt or "")
         if len(prompt) + gen.max_tokens > CONTEXT:
@@ -273,14 +300,17 @@ class FakeFrontend:
         self.streams.append(s)
         return s
 
-    def follow(self, resume_id: str, after: int) -> FakeStream:
+    async def follow(self, resume_id: str, after: int, requester: str) -> FakeStream:
         self.follows.append((resume_id, after))
         if resume_id != self.resume_id or not resume_id:
             raise AdmissionError(ErrorCode.NOT_FOUND, f"no request {resume_id!r}")
+        owner, context = self.bound
+        if owner != requester:
+            raise AdmissionError(ErrorCode.PERMISSION_DENIED, f"{resume_id!r} belongs to another requester")
         gen, _ = self.gens[-1]
         prompt_len = len(gen.prompt_tokens or ids(gen.prompt or ""))
         accepted = api.Accepted(request_id=resume_id, prompt_tokens=prompt_len, resume_id=resume_id)
-        return FakeStream(resume_id, self._replies(gen, prompt_len, after), accepted)
+        return FakeStream(resume_id, self._replies(gen, prompt_len, after), accepted, context)
 
 
 Call = Callable[[TestClient], Awaitable[Any]]
@@ -690,8 +720,10 @@ def test_last_event_id_resumes_a_stream_from_the_token_count():
     body = {"prompt": "x", "stream": True}
 
     async def fn(client: TestClient) -> tuple[str, str, str]:
-        whole = await (await client.post("/v1/completions", json=body)).text()
-        rid = fake.gens[0][0].request_id
+        first = await client.post("/v1/completions", json=body)
+        whole = await first.text()
+        rid = first.headers[resume.KEY_HEADER]  # the key, before any event
+        assert rid == "dur-1" and sse(whole)[0]["id"] == f"{rid}:{len(ids('Hello,'))}"
         n1 = len(ids("Hello,"))
         r = await client.post("/v1/completions", json=body, headers={"Last-Event-ID": f"{rid}:{n1}"})
         rest = await r.text()
@@ -699,7 +731,7 @@ def test_last_event_id_resumes_a_stream_from_the_token_count():
         return whole, rest, str(r.status)
 
     whole, rest, unknown = run(fake, fn)
-    assert fake.follows == [("dur-1", len(ids("Hello,")))] and unknown == "404"
+    assert fake.follows == [("dur-1", len(ids("Hello,"))), ("unknown", 1)] and unknown == "404"
     texts = [c["choices"][0]["text"] for c in datas(sse(rest))]
     assert texts == [" world!", ""]  # no re-run: one Generate only
     assert len(fake.gens) == 1 and sse(rest)[0]["id"] == sse(whole)[1]["id"]

@@ -42,6 +42,7 @@ def setup():
             cache="high_watermark = 0.8\nlow_watermark = 0.5\ncoalesce_min_tokens = 32",
         )
         + f'[kv_events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\ntopic = "kv@test@ref"\n'
+        + "include_token_ids = true\n"  # chain_ok checks each page hash against its tokens
     )
     try:
         with Daemon(cfg) as d:

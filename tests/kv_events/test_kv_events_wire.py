@@ -4,7 +4,9 @@ observer reporting runs of new pages (``basertd.server.observe.kv_events``)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import tempfile
 import time
 
@@ -34,7 +36,7 @@ def test_endpoint_rules():
 def test_every_worker_publishes_tagged_with_its_rank_and_index_runs_are_reported(monkeypatch):
     d = tempfile.mkdtemp(prefix="brt-kvw-", dir="/tmp")
     monkeypatch.setenv("KV19_POD", "10.0.0.7")
-    cfg = KvEventsConfig(endpoint=f"ipc://{d}/ev", topic="kv@${KV19_POD}@m")
+    cfg = KvEventsConfig(endpoint=f"ipc://{d}/ev", topic="kv@${KV19_POD}@m", include_token_ids=True)
     assert offset_endpoint(cfg.endpoint, 1) == f"ipc://{d}/ev_dp1"
     hub = start_kv_events(cfg, ["cpu", "cuda:1"])
     subs = [Subscriber(p.endpoint, None, b"kv@") for p in hub.publishers]
@@ -67,4 +69,36 @@ def test_every_worker_publishes_tagged_with_its_rank_and_index_runs_are_reported
         hub.close()
         for sub in subs:
             sub.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_by_default_only_hashes_leave_and_ipc_sockets_are_private(monkeypatch):
+    """``include_token_ids`` off (the default): BlockStored carries the page hashes, no token ids;
+    the ipc socket files (PUB and replay ROUTER, every worker) are mode 0600 whatever the umask,
+    and ``replay_endpoint`` expands ``$VARS`` like the topic."""
+    d = tempfile.mkdtemp(prefix="brt-kvp-", dir="/tmp")
+    monkeypatch.setenv("KV_REPLAY_DIR", d)
+    cfg = KvEventsConfig(endpoint=f"ipc://{d}/ev", replay_endpoint="ipc://${KV_REPLAY_DIR}/rp")
+    assert not cfg.include_token_ids
+    old = os.umask(0o022)  # the umask that made them 0755
+    try:
+        hub = start_kv_events(cfg, ["cpu", "cpu"])
+    finally:
+        os.umask(old)
+    sub = Subscriber(hub.publishers[0].endpoint, None, b"")
+    try:
+        assert hub.publishers[1].replay_endpoint == f"ipc://{d}/rp_dp1"
+        for name in ("ev", "ev_dp1", "rp", "rp_dp1"):
+            assert stat.S_IMODE(os.stat(f"{d}/{name}").st_mode) == 0o600, name
+        idx = PrefixIndex(4, observer=hub.publishers[0])
+        time.sleep(0.5)  # the subscription settles
+        a = np.arange(100, 112, dtype=np.uint32)
+        idx.insert(a, page_hashes(a, 4), 0.0)
+        sub.drain(0.5)
+        events = [e for _, batch in sub.batches for e in batch.events]
+        assert events and events[0].block_hashes == page_hashes(a, 4)
+        assert events[0].token_ids == [] and events[0].block_size == 4
+    finally:
+        hub.close()
+        sub.close()
         shutil.rmtree(d, ignore_errors=True)

@@ -232,9 +232,11 @@ class WorkerCache:
 
     # --- hints ---------------------------------------------------------------------------------
 
-    def hashes(self, tokens: Sequence[int] | np.ndarray, known: Sequence[int] = ()) -> list[int]:
-        """``page_hashes`` at this worker's page size."""
-        return page_hashes(tokens, self.page, known)
+    def hashes(
+        self, tokens: Sequence[int] | np.ndarray, known: Sequence[int] = (), salt: int = 0
+    ) -> list[int]:
+        """``page_hashes`` at this worker's page size (``salt``: the requester's cache salt)."""
+        return page_hashes(tokens, self.page, known, salt)
 
     def hint(self, hashes: Sequence[int], limit: int) -> int:
         """Tokens the index says are cached for the path ``hashes`` (a page multiple <= ``limit``)."""
@@ -285,8 +287,11 @@ class WorkerCache:
         except WorkerError as exc:
             log.warning("match_refused", worker_id=self.worker_id, status=str(exc.status))
             return None
+        indexed = self.index.longest(hashes) * self.page
+        if self.config.isolate_by_api_key:  # never beyond what this salt's requests published
+            limit = min(limit, indexed)
         length = best_candidate(match, limit, self.page)
-        if length < self.index.longest(hashes) * self.page:
+        if length < indexed:
             self.index.prune(hashes, length // self.page)
         if length < self.page:
             self.seed_misses += 1

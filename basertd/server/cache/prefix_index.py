@@ -20,16 +20,20 @@ import xxhash
 # --- page hashes ---------------------------------------------------------------------------------
 
 
-def page_hashes(tokens: Sequence[int] | np.ndarray, page: int, known: Sequence[int] = ()) -> list[int]:
+def page_hashes(
+    tokens: Sequence[int] | np.ndarray, page: int, known: Sequence[int] = (), salt: int = 0
+) -> list[int]:
     """Chained hashes of the whole pages of ``tokens`` (``page`` tokens each): element ``i`` names the
     prefix ``tokens[: (i + 1) * page]``. ``known``: hashes already computed for a prefix of the same
-    tokens at the same page size (reused, not recomputed). Raises ValueError for ``page`` < 1."""
+    tokens at the same page size (reused, not recomputed). ``salt``: the seed of the first page's
+    hash (a u64; 0 for the shared cache, a tenant's own otherwise: ``[cache] isolate_by_api_key``),
+    so two salts never share a path. Raises ValueError for ``page`` < 1."""
     if page < 1:
         raise ValueError(f"page must be >= 1 token, got {page}")
     arr = np.asarray(tokens, dtype="<u4")
     n = arr.shape[0] // page
     out = list(known[:n])
-    h = out[-1] if out else 0
+    h = out[-1] if out else salt
     for i in range(len(out), n):
         h = xxhash.xxh3_64_intdigest(arr[i * page : (i + 1) * page].tobytes(), seed=h)
         out.append(h)

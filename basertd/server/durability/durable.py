@@ -53,10 +53,11 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
+from basertd.server.durability.replay import ReplayCache, ReplayText, replay_text
 from basertd.server.durability.wal import Journal, JournalFailed, RequestRecord, WalError
 from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink
-from basertd.server.request.tokenizer import IncrementalDetokenizer, StopMatcher
+from basertd.server.request.requester import UNBOUND, may_follow
 
 if TYPE_CHECKING:
     from basertd.server.observe.metrics import Metrics
@@ -81,27 +82,23 @@ restart stays constrained (``basertd.server.request.grammar.GrammarSpec``)."""
 LOGIT_BIAS = "logit_bias"
 """``extra`` key of a request's logit bias, ``[[token id, bias], ...]``: a request re-run after a
 restart samples with the same bias."""
+REQUESTER = "requester"
+"""``RequestRecord.client`` key of the requester the request is bound to
+(``basertd.server.request.requester``)."""
+CONTEXT = "context"
+"""``RequestRecord.client`` key of what the transport needs to shape a resumed stream (an HTTP
+dialect's response id, model, options); given back by ``resume``."""
+INLINE_REPLAY_TOKENS = 2048
+"""Tokens of replay text fed on the event loop; a longer catch-up runs in a thread."""
+RESUME_TRIES = 4
+"""Times ``resume`` looks again when the request moved on while its text was prepared."""
+
+__all__ = ["Durability", "DurableSink", "replay_text"]
 
 
 def new_resume_id() -> str:
     """A daemon-unique journal id (random: unique across restarts on the same log too)."""
     return "r-" + uuid.uuid4().hex
-
-
-def replay_text(
-    tokenizer: Tokenizer, stop: list[str], ids: list[int], after: int, final: bool = False
-) -> str:
-    """The text delta of ``ids[after:]`` as the live stream would have produced it after the first
-    ``after`` ids (UTF-8 never split; text from a matched stop string on withheld). With ``final``
-    (the generation has ended) the held-back tail follows, as ``GenerationRequest.finish`` sends it:
-    an incomplete UTF-8 sequence as U+FFFD, a partial stop-string match as text."""
-    detok = IncrementalDetokenizer(tokenizer)
-    stops = StopMatcher(stop)
-    stops.feed(detok.feed(ids[:after]))
-    text = stops.feed(detok.feed(ids[after:]))[0]
-    if final and not stops.stopped:
-        text += stops.feed(detok.flush())[0] + stops.flush()
-    return text
 
 
 class DurableSink:
@@ -197,6 +194,7 @@ class Durability:
         self.live: dict[str, DurableSink] = {}
         self.handed_over: set[str] = set()
         self._tokenizers: dict[str, tuple[Tokenizer, list[str]]] = {}
+        self.replays = ReplayCache()
         self._held: list[tuple[DurableSink, object]] = []
         self._kick = asyncio.Event()
         self._settled = asyncio.Event()
@@ -304,11 +302,19 @@ class Durability:
     # --- admission -------------------------------------------------------------------------------
 
     def wrap(
-        self, gen: api.Generate, prompt: list[int], req: GenerationRequest, inner: RequestSink
+        self,
+        gen: api.Generate,
+        prompt: list[int],
+        req: GenerationRequest,
+        inner: RequestSink,
+        *,
+        requester: str = UNBOUND,
+        context: dict[str, Any] | None = None,
     ) -> api.Accepted:
-        """Journal the acceptance of ``gen`` (tokenized to ``prompt``) and put ``req``'s replies
-        through a ``DurableSink`` around ``inner``; returns the Accepted to send through
-        ``req.sink``. With durability off: ``req`` unchanged, Accepted without resume_id."""
+        """Journal the acceptance of ``gen`` (tokenized to ``prompt``), bound to ``requester``
+        with the transport's resume ``context``, and put ``req``'s replies through a
+        ``DurableSink`` around ``inner``; returns the Accepted to send through ``req.sink``. With
+        durability off: ``req`` unchanged, Accepted without resume_id."""
         accepted = api.Accepted(request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed)
         if not self.enabled:
             return accepted
@@ -318,6 +324,7 @@ class Durability:
                 gen, prompt, req.sampler.seed, t_accepted=time.time(), extra=_extra(gen, req)
             ),
             request_id=rid,
+            client={REQUESTER: requester, CONTEXT: dict(context or {})},
         )
         self.journal.accepted(record)
         self._attach(req, DurableSink(self, inner, rid), record)
@@ -405,53 +412,88 @@ class Durability:
 
     # --- Resume ----------------------------------------------------------------------------------
 
-    def resume(self, resume_id: str, after: int, sink: RequestSink, default_tokenizer: Any = None) -> bool:
-        """Answer ``Resume {resume_id, after}`` through ``sink`` (module docstring). Returns True
-        when ``sink`` now follows a live request, False when the answer is complete. Raises
-        ``AdmissionError`` NOT_FOUND (unknown or expired id, durability off), SHUTTING_DOWN (handed
-        over to the next start: retry there) or INVALID_REQUEST (``after`` < 0 or past the tokens
-        the daemon has)."""
+    async def resume(
+        self,
+        resume_id: str,
+        after: int,
+        sink: RequestSink,
+        requester: str,
+        *,
+        operator: bool = False,
+        default_tokenizer: Any = None,
+    ) -> tuple[bool, dict[str, Any]]:
+        """Answer ``Resume {resume_id, after}`` from ``requester`` (an operator when ``operator``)
+        through ``sink`` (module docstring). Returns ``(following, context)``: following is True
+        when ``sink`` now follows a live request, False when the answer is complete; context is
+        what the transport journaled to shape the rest. The text is computed once per request
+        (``ReplayCache``), long catch-ups off the loop; the finished result is read from the
+        journal off the loop. Raises ``AdmissionError`` NOT_FOUND (unknown or expired id,
+        durability off), PERMISSION_DENIED (bound to another requester), SHUTTING_DOWN (handed
+        over to the next start: retry there), INVALID_REQUEST (``after`` < 0 or past the tokens
+        the daemon has) or QUEUE_FULL (the request kept moving while its text was prepared)."""
         if not self.enabled:
             raise AdmissionError(ErrorCode.NOT_FOUND, "durability is off: there is nothing to resume")
         if after < 0:
             raise AdmissionError(ErrorCode.INVALID_REQUEST, f"after must be >= 0, got {after}")
-        live = self.live.get(resume_id)
-        if live is not None:
-            ids = live.delivered
-            req = live.request
-            assert req is not None
-            self._check_after(resume_id, after, len(ids))
-            sink.send(
-                api.Accepted(
-                    request_id=resume_id,
-                    prompt_tokens=len(req.prompt),
-                    seed=req.sampler.seed,
-                    resume_id=resume_id,
+        for _ in range(RESUME_TRIES):
+            live = self.live.get(resume_id)
+            if live is not None:
+                req, record = live.request, live.record
+                assert req is not None and record is not None
+                self._check_requester(resume_id, record.client, requester, operator)
+                self._check_after(resume_id, after, len(live.delivered))
+                entry = self.replays.get(resume_id, req.tokenizer, req.stop)
+                await self._catch_up(resume_id, entry, live.delivered)
+                if self.live.get(resume_id) is not live or entry.lock.locked():
+                    continue  # it ended, or another resume feeds it: look again
+                ids = list(live.delivered)
+                self._feed(resume_id, entry, ids)  # what arrived meanwhile: a few tokens
+                sink.send(
+                    api.Accepted(
+                        request_id=resume_id,
+                        prompt_tokens=len(req.prompt),
+                        seed=req.sampler.seed,
+                        resume_id=resume_id,
+                    )
                 )
-            )
-            if len(ids) > after:
-                text = replay_text(req.tokenizer, list(req.stop), ids, after)
-                sink.send(api.Tokens(request_id=resume_id, ids=ids[after:], text=text))
-            live.subscribers.append(sink)
-            return True
-        if resume_id in self.handed_over:
-            raise AdmissionError(
-                ErrorCode.SHUTTING_DOWN, "the daemon is stopping: resume this request after its restart"
-            )
-        res = self.journal.result(resume_id)
-        if res is None:
-            raise AdmissionError(
-                ErrorCode.NOT_FOUND, f"no request {resume_id!r} to resume (unknown, or its result expired)"
-            )
-        self._check_after(resume_id, after, len(res.tokens))
-        tokenizer, stop = self._tokenizers.get(resume_id, (default_tokenizer, []))
+                if len(ids) > after:
+                    sink.send(api.Tokens(request_id=resume_id, ids=ids[after:], text=entry.after(after)))
+                live.subscribers.append(sink)
+                return True, dict(record.client.get(CONTEXT, {}))
+            if resume_id in self.handed_over:
+                raise AdmissionError(
+                    ErrorCode.SHUTTING_DOWN, "the daemon is stopping: resume this request after its restart"
+                )
+            res = await asyncio.to_thread(self.journal.result, resume_id)  # its lock waits on fsyncs
+            if res is None:
+                if resume_id in self.live:
+                    continue
+                raise AdmissionError(
+                    ErrorCode.NOT_FOUND,
+                    f"no request {resume_id!r} to resume (unknown, or its result expired)",
+                )
+            self._check_requester(resume_id, res.client, requester, operator)
+            self._check_after(resume_id, after, len(res.tokens))
+            tokenizer, stop = self._tokenizers.get(resume_id, (default_tokenizer, []))
+            text = ""
+            if len(res.tokens) > after and tokenizer is not None:
+                entry = self.replays.get(resume_id, tokenizer, stop)
+                await self._catch_up(resume_id, entry, res.tokens)
+                if entry.lock.locked():
+                    continue
+                self._feed(resume_id, entry, res.tokens)
+                entry.finish()
+                text = entry.after(after)
+            self._answer_finished(resume_id, res, after, text, sink)
+            return False, dict(res.client.get(CONTEXT, {}))
+        raise AdmissionError(ErrorCode.QUEUE_FULL, f"request {resume_id!r} is busy: resume it again")
+
+    @staticmethod
+    def _answer_finished(resume_id: str, res: Any, after: int, text: str, sink: RequestSink) -> None:
         sink.send(
             api.Accepted(request_id=resume_id, prompt_tokens=res.usage.prompt_tokens, resume_id=resume_id)
         )
         if len(res.tokens) > after:
-            text = (
-                replay_text(tokenizer, stop, res.tokens, after, final=True) if tokenizer is not None else ""
-            )
             sink.send(api.Tokens(request_id=resume_id, ids=res.tokens[after:], text=text))
         if res.error_code:
             try:
@@ -468,7 +510,34 @@ class Durability:
                     timings=res.timings,
                 )
             )
-        return False
+
+    def _feed(self, resume_id: str, entry: ReplayText, ids: list[int]) -> None:
+        """Feed ``entry`` the tokens of ``ids`` it lacks, on the loop."""
+        added = len(ids) - entry.fed
+        if added > 0:
+            entry.extend(ids[entry.fed :])
+            self.replays.account(resume_id, added)
+
+    async def _catch_up(self, resume_id: str, entry: ReplayText, ids: list[int]) -> None:
+        """Feed ``entry`` up to ``len(ids)`` tokens; more than ``INLINE_REPLAY_TOKENS`` missing
+        are fed in a thread under the entry's lock (other resumes of it wait for the lock, then
+        look again)."""
+        if len(ids) - entry.fed <= INLINE_REPLAY_TOKENS and not entry.lock.locked():
+            return
+        async with entry.lock:  # another resume may be feeding it: wait for that one
+            todo = ids[entry.fed : len(ids)]
+            if len(todo) > INLINE_REPLAY_TOKENS:
+                await asyncio.to_thread(entry.extend, todo)
+                self.replays.account(resume_id, len(todo))
+
+    @staticmethod
+    def _check_requester(resume_id: str, client: dict[str, Any], requester: str, operator: bool) -> None:
+        if not may_follow(str(client.get(REQUESTER, UNBOUND)), requester, operator=operator):
+            raise AdmissionError(
+                ErrorCode.PERMISSION_DENIED,
+                f"request {resume_id!r} belongs to another requester: resume it as the user or with "
+                "the API key that sent it",
+            )
 
     @staticmethod
     def _check_after(resume_id: str, after: int, have: int) -> None:

@@ -92,7 +92,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ``prompt``: prompt token ids; ``max_tokens``: tokens to generate; ``seed``: the resolved
     sampling seed (``rng_counter_base = seed << 32``, ABI rule 73); the sampling knobs as in the
     client's Generate; ``qos`` the class; ``t_accepted`` wall-clock seconds (``time.time()``);
-    ``extra``: front-end fields the journal keeps opaquely (msgpack-able values)."""
+    ``extra``: front-end fields the journal keeps opaquely (msgpack-able values); ``client``: who
+    sent it and how to answer a resume (small msgpack-able values), kept with its result too."""
 
     request_id: str
     prompt: list[int]
@@ -113,6 +114,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     model: str = ""
     t_accepted: float = 0.0
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    client: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @classmethod
     def from_generate(
@@ -150,7 +152,8 @@ class FinishedResult(msgspec.Struct, kw_only=True):
     """A finished request that ``Resume`` can still answer: its generated ``tokens``,
     ``finish_reason`` (stop, length, eos, cancelled, error), usage and timings, the client
     ``ErrorCode`` value and message when it ended with an Error ("" otherwise), and ``t_finished``
-    (wall-clock seconds). Dropped ``result_ttl_s`` after ``t_finished``."""
+    (wall-clock seconds), and its record's ``client``. Dropped ``result_ttl_s`` after
+    ``t_finished``."""
 
     request_id: str
     tokens: list[int]
@@ -160,6 +163,7 @@ class FinishedResult(msgspec.Struct, kw_only=True):
     error_code: str = ""
     error_message: str = ""
     t_finished: float = 0.0
+    client: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class UnfinishedRequest(msgspec.Struct, kw_only=True):
@@ -277,6 +281,20 @@ def _written_past(data: bytes, pos: int) -> bool:
     return data.count(0, end) != len(data) - end
 
 
+def _length_flipped(data: bytes, pos: int, segment: int) -> bool:
+    """True when the bad frame at ``pos`` is the segment's last frame whole but for one flipped
+    bit of its length field (the checksum validates with that bit restored and the frame then
+    ends the file): the bytes after its declared end are its own, not a later write."""
+    magic, length, checksum = HEADER.unpack_from(data, pos)
+    for bit in range(32):
+        alt = length ^ (1 << bit)
+        end = pos + HEADER.size + alt
+        if 0 < alt <= MAX_FRAME_BYTES and end == len(data):
+            head = magic + struct.pack("<I", alt)
+            return _checksum(head, memoryview(data)[pos + HEADER.size : end], segment) == checksum
+    return False
+
+
 @dataclass
 class SegmentScan:
     """One segment read: ``batches`` with their end offsets, ``good_end`` (bytes of valid frames),
@@ -310,7 +328,8 @@ def read_segment(path: Path, seq: int) -> SegmentScan:
         end = _frame_at(data, pos, seq)
         if end is None:
             scan.bad_offset = pos
-            scan.valid_after_bad = _written_past(data, pos) or _next_valid_frame(data, pos, seq) is not None
+            written = _written_past(data, pos) and not _length_flipped(data, pos, seq)
+            scan.valid_after_bad = written or _next_valid_frame(data, pos, seq) is not None
             break
         try:
             batch = _decoder.decode(memoryview(data)[pos + HEADER.size : end])
@@ -427,7 +446,8 @@ class LogState:
             if req is None:
                 raise _Inconsistent(f"finish of request {rec.request_id!r}, which is not running")
             fields = msgspec.structs.asdict(rec)
-            self.results[rec.request_id] = FinishedResult(tokens=req.tokens, **fields)
+            client = req.record.client
+            self.results[rec.request_id] = FinishedResult(tokens=req.tokens, client=client, **fields)
         else:
             self._apply_checkpoint(rec)
 

@@ -50,12 +50,14 @@ from basertd.server.frontend.limits import (
     check_prompt_bytes,
     check_prompt_tokens,
 )
+from basertd.server.frontend.resume_limits import ResumeLimiter
 from basertd.server.frontend.spec_compiler import SpecCompiler
 from basertd.server.frontend.streams import GenerationStream, QueueSink, ResumedStream
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, spec_from_request
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
+from basertd.server.request.requester import UNBOUND, cache_salt
 from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.states import DaemonState, HealthStatus
 
@@ -93,9 +95,11 @@ class Frontend:
         drainer: Drainer,
         state: Callable[[], str],
         durability: Durability | None = None,
+        resume_limiter: ResumeLimiter | None = None,
     ) -> None:
         self.fleet = fleet
         self.durability = durability
+        self.resume_limiter = resume_limiter
         self.metrics = metrics
         self.drainer = drainer
         self._state = state
@@ -153,6 +157,52 @@ class Frontend:
         m = self.fleet[wid]
         check_prompt_bytes(text, m.config.context_length, m.tokenizer, what="text")
         return await self.encode(wid, text, add_special=add_special)
+
+    async def control_texts(self, model: str, texts: list[str]) -> frozenset[str]:
+        """The control-token texts of ``model``'s vocabulary (``<start_of_turn>``, ...) that occur
+        in ``texts`` (chat message contents); empty for a vocabulary without any (the byte
+        vocabulary) or a tokenizer that cannot tell (a libbaseRT bundle's). Raises
+        ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST)."""
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        find = getattr(m.tokenizer, "control_texts_in", None)
+        joined = "\x00".join(texts)  # no control text spans a NUL
+        if find is None or not joined:
+            return frozenset()
+        check_prompt_bytes(joined, m.config.context_length, m.tokenizer, what="messages")
+        try:
+            if len(joined) <= INLINE_TOKENIZE_CHARS:
+                return find(joined)
+            return await self._off_loop(find, joined)
+        except TokenizerError as exc:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+
+    async def tokenize_parts(
+        self, model: str, parts: list[tuple[str, bool]], *, add_special: bool
+    ) -> list[int]:
+        """Token ids of the concatenated ``parts`` (``(text, special)``: with ``special`` False
+        the text is plain text, control-token text included), BOS as the worker wants it when
+        ``add_special``. One part with special on tokenizes exactly like ``tokenize``. Raises
+        ``AdmissionError`` like ``tokenize``."""
+        if len(parts) == 1 and parts[0][1]:
+            return await self.tokenize(model, parts[0][0], add_special=add_special)
+        wid = self.fleet.route(model)
+        m = self.fleet[wid]
+        tok = m.tokenizer
+        check_prompt_bytes("".join(t for t, _ in parts), m.config.context_length, tok, what="text")
+        bos = add_special and self.fleet.add_bos(wid)
+
+        encode_parts = getattr(tok, "encode_parts", None)
+
+        def run() -> list[int]:
+            if encode_parts is None:  # a vocabulary without control texts: one text
+                return tok.encode("".join(t for t, _ in parts), add_bos=bos)
+            return encode_parts(parts, add_bos=bos)
+
+        try:
+            return await self._off_loop(run)
+        except TokenizerError as exc:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
     async def embed(
         self, model: str, inputs: list[str] | list[list[int]], *, truncate: bool = False
@@ -271,18 +321,33 @@ class Frontend:
             raise AdmissionError(*refusal)
 
     async def submit(
-        self, gen: api.Generate, sink: RequestSink, *, api_name: str = "native"
+        self,
+        gen: api.Generate,
+        sink: RequestSink,
+        *,
+        api_name: str = "native",
+        requester: str = UNBOUND,
+        context: dict[str, Any] | None = None,
     ) -> GenerationRequest:
-        """Admit ``gen`` (module docstring) and queue it; ``Accepted`` is sent through ``sink``
+        """Admit ``gen`` (module docstring) and queue it, bound to ``requester``
+        (``basertd.server.request.requester``: only it, or an operator, may resume it) with the
+        transport's resume ``context`` journaled beside it; ``Accepted`` is sent through ``sink``
         before this returns, then the scheduler's replies. Raises ``AdmissionError`` with nothing
         queued (counted in ``basertd_admission_errors_total``)."""
         try:
-            return await self._submit(gen, sink, api_name)
+            return await self._submit(gen, sink, api_name, requester, context)
         except AdmissionError as exc:
             self.metrics.admission_error(exc.code)
             raise
 
-    async def _submit(self, gen: api.Generate, sink: RequestSink, api_name: str) -> GenerationRequest:
+    async def _submit(
+        self,
+        gen: api.Generate,
+        sink: RequestSink,
+        api_name: str,
+        requester: str,
+        context: dict[str, Any] | None,
+    ) -> GenerationRequest:
         self._admissible()
         check_generate(gen)
         try:  # structured output: cheap checks now, compiled after the queue caps
@@ -301,7 +366,8 @@ class Frontend:
         self._admissible()  # the daemon may have begun draining while the prompt was tokenized
         if sink.closed:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
-        wid = self.fleet.route_prefix(wid, prompt)
+        salt = cache_salt(requester) if self.fleet.config.cache.isolate_by_api_key else 0
+        wid = self.fleet.route_prefix(wid, prompt, salt)
         m = self.fleet[wid]
         m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         if spec is not None:
@@ -334,9 +400,10 @@ class Frontend:
             qos=gen.qos,
             stream=gen.stream,
             grammar=spec,
+            cache_salt=salt,
         )
         if self.durability is not None:
-            accepted = self.durability.wrap(gen, prompt, req, observed)
+            accepted = self.durability.wrap(gen, prompt, req, observed, requester=requester, context=context)
         else:
             accepted = api.Accepted(
                 request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed
@@ -355,29 +422,46 @@ class Frontend:
         if req.worker_id is not None and not req.finished:
             self.fleet[req.worker_id].scheduler.cancel(req, code=code, message=message)
 
-    def resume(self, resume_id: str, after: int, sink: RequestSink) -> bool:
-        """Answer a Resume through ``sink`` (``Durability.resume``): True when ``sink`` now follows
-        a live request. Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST)."""
+    async def resume(
+        self, resume_id: str, after: int, sink: RequestSink, requester: str, *, operator: bool = False
+    ) -> tuple[bool, dict[str, Any]]:
+        """Answer a Resume from ``requester`` (an operator when ``operator``) through ``sink``
+        (``Durability.resume``): ``(following, context)``, following True when ``sink`` now
+        follows a live request. Each requester's resumes are rate-limited (``ResumeLimiter``).
+        Raises ``AdmissionError`` (NOT_FOUND, PERMISSION_DENIED, INVALID_REQUEST, SHUTTING_DOWN,
+        QUEUE_FULL)."""
         if self.durability is None:
             raise AdmissionError(ErrorCode.NOT_FOUND, "durability is off: there is nothing to resume")
+        if self.resume_limiter is not None:
+            self.resume_limiter.take(requester)
         tokenizer = self.fleet[self.fleet.route("")].tokenizer if len(self.fleet) else None
-        return self.durability.resume(resume_id, after, sink, tokenizer)
+        return await self.durability.resume(
+            resume_id, after, sink, requester, operator=operator, default_tokenizer=tokenizer
+        )
 
-    def follow(self, resume_id: str, after: int) -> ResumedStream:
+    async def follow(self, resume_id: str, after: int, requester: str) -> ResumedStream:
         """The replies of ``resume_id`` after its first ``after`` tokens, then its live ones, as an
-        async iterator (``ResumedStream``). Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST,
-        SHUTTING_DOWN) from ``resume``."""
+        async iterator (``ResumedStream``, whose ``context`` is what the transport journaled).
+        Raises ``AdmissionError`` from ``resume``."""
         sink = QueueSink()
-        self.resume(resume_id, after, sink)
+        _, context = await self.resume(resume_id, after, sink, requester)
         first = sink.queue.get_nowait()
         assert isinstance(first, api.Accepted), first
-        return ResumedStream(sink, first, self.default_piece)
+        return ResumedStream(sink, first, self.default_piece, context)
 
-    async def stream(self, gen: api.Generate, *, api_name: str) -> GenerationStream:
-        """Admit ``gen`` and return its outputs as an async iterator (``GenerationStream``).
-        Raises ``AdmissionError`` like ``submit``."""
+    async def stream(
+        self,
+        gen: api.Generate,
+        *,
+        api_name: str,
+        requester: str = UNBOUND,
+        context: dict[str, Any] | None = None,
+    ) -> GenerationStream:
+        """Admit ``gen`` for ``requester`` (with the resume ``context``, as ``submit``) and return
+        its outputs as an async iterator (``GenerationStream``). Raises ``AdmissionError`` like
+        ``submit``."""
         sink = QueueSink()
-        req = await self.submit(gen, sink, api_name=api_name)
+        req = await self.submit(gen, sink, api_name=api_name, requester=requester, context=context)
         # Accepted is the first reply; with durability it waits for its group commit. A caller
         # cancelled meanwhile (its client went away) holds no stream that could cancel the request
         # later: cancel it here, or it runs to its end for nobody.

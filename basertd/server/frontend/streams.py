@@ -118,13 +118,21 @@ class GenerationStream:
 class ResumedStream:
     """The replies of a resumed request as an async iterator (like ``GenerationStream``): Tokens
     after the client's count, then the live ones, ending after Done or Error. ``accepted`` is its
-    Accepted; ``piece`` is the vocabulary lookup of its tokens. ``aclose()`` stops following (the
-    request itself runs on)."""
+    Accepted; ``piece`` is the vocabulary lookup of its tokens; ``context`` is what the transport
+    journaled with the request to shape the rest ({} when nothing). ``aclose()`` stops following
+    (the request itself runs on)."""
 
-    def __init__(self, sink: QueueSink, accepted: api.Accepted, piece: Callable[[int], bytes]) -> None:
+    def __init__(
+        self,
+        sink: QueueSink,
+        accepted: api.Accepted,
+        piece: Callable[[int], bytes],
+        context: dict[str, Any] | None = None,
+    ) -> None:
         self._sink = sink
         self.accepted = accepted
         self._piece = piece
+        self.context: dict[str, Any] = dict(context or {})
         self._ended = False
 
     @property

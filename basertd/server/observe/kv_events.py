@@ -179,6 +179,27 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+IPC_MODE = 0o600
+"""Permission bits of an ``ipc://`` socket file the publisher binds: the daemon's user only."""
+
+
+def _bind_private(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind ``sock`` to ``endpoint``; an ``ipc://`` socket file is created with mode ``IPC_MODE``
+    (a umask of 0o177 around the bind, then a chmod), never the 0o755 of the process umask.
+    Raises ``zmq.ZMQError`` (the bind) or ``OSError`` (the chmod)."""
+    if not endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+        return
+    old = os.umask(0o777 & ~IPC_MODE)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old)
+    path = endpoint[len("ipc://") :]
+    if path and not path.startswith("@"):  # "@name": Linux's abstract namespace, no file
+        os.chmod(path, IPC_MODE)
+
+
 # --- one publisher per worker ---------------------------------------------------------------------
 
 
@@ -204,7 +225,9 @@ class KvEventsPublisher:
         # (ZMQ fans them in; the batches carry data_parallel_rank)
         self.binding = config.bind == "bind" or (config.bind == "auto" and binds(config.endpoint))
         self.endpoint = offset_endpoint(config.endpoint, rank) if self.binding else config.endpoint
-        self.replay_endpoint = offset_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else ""
+        replay = os.path.expandvars(config.replay_endpoint)
+        self.replay_endpoint = offset_endpoint(replay, rank) if replay else ""
+        self.include_token_ids = config.include_token_ids
         self.topic = (os.path.expandvars(config.topic) if topic is None else topic).encode()
         self.maps = config.layout == "map"
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
@@ -228,13 +251,13 @@ class KvEventsPublisher:
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.LINGER, 0)
             if self.binding:
-                self._pub.bind(self.endpoint)
+                _bind_private(self._pub, self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(self.replay_endpoint)
+                _bind_private(self._replay, self.replay_endpoint)
             for s in (self._pull, self._push):
                 s.setsockopt(zmq.LINGER, 0)
             half = max(1, config.max_queue_size // 2)  # inproc: the two ends' marks add up
@@ -252,7 +275,7 @@ class KvEventsPublisher:
 
     def stored(self, hashes: Sequence[int], parent: int | None, tokens: np.ndarray | Sequence[int]) -> None:
         """Pages ``hashes`` (a chain following ``parent``) entered the index with ``tokens``
-        (``len(hashes) * block_size`` of them)."""
+        (``len(hashes) * block_size`` of them; published only with ``include_token_ids``)."""
         if not hashes:
             return
         block = len(tokens) // len(hashes)
@@ -260,7 +283,7 @@ class KvEventsPublisher:
             BlockStored(
                 block_hashes=[int(h) for h in hashes],
                 parent_block_hash=None if parent is None else int(parent),
-                token_ids=[int(t) for t in tokens],
+                token_ids=[int(t) for t in tokens] if self.include_token_ids else [],
                 block_size=block,
                 lora_id=None,
                 medium=self.medium,

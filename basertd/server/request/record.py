@@ -159,7 +159,8 @@ class GenerationRequest:
     Under contention: ``admissions`` (times admitted into a lane), ``preemptions`` (times preempted for an
     interactive request), ``checkpointed`` (it led a prefix checkpoint, which it does at most once),
     ``page_hashes`` (the prompt's page hash path at its worker's page size,
-    ``basertd.server.cache.policy.page_hashes``), ``plan_seq_received`` (the last plan submitted to
+    ``basertd.server.cache.policy.page_hashes``, under its ``cache_salt``: 0, or its API key's own
+    with ``[cache] isolate_by_api_key``), ``plan_seq_received`` (the last plan submitted to
     its worker when it arrived) and ``ttft_ticks`` (ticks from its arrival to the tick that
     delivered its first token, the tick in flight at arrival included).
 
@@ -200,6 +201,7 @@ class GenerationRequest:
     preemptions: int = 0
     checkpointed: bool = False
     page_hashes: list[int] = field(default_factory=list)
+    cache_salt: int = 0
     plan_seq_received: int = 0
     tick_in_flight_at_arrival: bool = False
     ttft_ticks: int | None = None

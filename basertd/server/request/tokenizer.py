@@ -26,6 +26,7 @@ import codecs
 import contextlib
 import ctypes
 import logging
+import re
 import struct
 import subprocess
 import sys
@@ -118,10 +119,13 @@ class GgufTokenizer:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self._lock = threading.Lock()
         self._pieces: dict[int, bytes] = {}
+        self._controls: dict[int, str] = {}  # id -> its text if a control token, else ""
 
-    def encode(self, text: str, *, add_bos: bool) -> list[int]:
-        """Token ids of ``text``; BOS first when ``add_bos``. Raises ``TokenizerError`` for text
-        that is not valid Unicode (lone surrogates)."""
+    def encode(self, text: str, *, add_bos: bool, special: bool = True) -> list[int]:
+        """Token ids of ``text``; BOS first when ``add_bos``; with ``special`` False, text such
+        as ``<start_of_turn>`` is plain text, never the control token (llama.cpp's
+        ``parse_special``). Raises ``TokenizerError`` for text that is not valid Unicode (lone
+        surrogates)."""
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -130,14 +134,64 @@ class GgufTokenizer:
         with self._lock:
             self._check_open()
             buf = (self._ll.llama_token * n_max)()
-            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, True)
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
             if n < 0:  # the buffer was short: -n is the count needed
                 n_max = -n
                 buf = (self._ll.llama_token * n_max)()
-                n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, True)
+                n = self._ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_bos, special)
         if n < 0:
             raise TokenizerError(f"llama_tokenize failed ({n})")
         return list(buf[:n])
+
+    def encode_parts(self, parts: Sequence[tuple[str, bool]], *, add_bos: bool) -> list[int]:
+        """Token ids of the concatenated ``parts`` as one special-parsing pass would make them,
+        except that the text of parts with ``special`` False is never a control token: control
+        texts of the other parts become their tokens, and every run of text between two of them
+        (the plain parts included) is tokenized as one fragment, as llama.cpp tokenizes the
+        fragments between special tokens. BOS first when ``add_bos``. Raises ``TokenizerError``
+        like ``encode``."""
+        runs: list[str | int] = []
+        for text, special in parts:
+            controls = self.control_texts_in(text) if special else frozenset()
+            if not controls:
+                runs.append(text)
+                continue
+            ordered = sorted(controls, key=len, reverse=True)
+            for piece in re.split("(" + "|".join(map(re.escape, ordered)) + ")", text):
+                if piece in controls:
+                    runs.append(self.encode(piece, add_bos=False)[0])
+                elif piece:
+                    runs.append(piece)
+        ids = self.encode("", add_bos=True) if add_bos else []
+        text_run: list[str] = []
+        for run in [*runs, -1]:
+            if isinstance(run, str):
+                text_run.append(run)
+                continue
+            if text_run:
+                ids += self.encode("".join(text_run), add_bos=False, special=False)
+                text_run = []
+            if run >= 0:
+                ids.append(run)
+        return ids
+
+    def control_texts_in(self, text: str) -> frozenset[str]:
+        """The texts of the control tokens (``<start_of_turn>``, ``<eos>``, ...) that ``text``
+        would be tokenized into with special parsing on: exactly what ``special`` False keeps
+        as text (llama.cpp matches user-defined tokens, Gemma's whitespace runs for one, either
+        way). Raises ``TokenizerError`` like ``encode``."""
+        found: set[str] = set()
+        for t in set(self.encode(text, add_bos=False)):
+            control = self._controls.get(t)
+            if control is None:
+                with self._lock:
+                    self._check_open()
+                    attr = int(self._ll.llama_vocab_get_attr(self._vocab, t))
+                is_control = attr & self._ll.LLAMA_TOKEN_ATTR_CONTROL
+                control = self._controls[t] = self.token_text(t) if is_control else ""
+            if control:
+                found.add(control)
+        return frozenset(found)
 
     def piece(self, token: int) -> bytes:
         """The token's bytes without special tokens (cached per id); b"" for ids out of range."""

@@ -213,12 +213,13 @@ class SchedulerCore(SchedulerState):
         """Queued + running requests per lane (for routing a request to the least busy worker)."""
         return (len(self.queues) + len(self.lanes)) / max(1, self.limits.max_lanes)
 
-    def cached_prefix(self, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` this worker's prefix index holds (for routing; a hint only)."""
+    def cached_prefix(self, prompt: list[int], salt: int = 0) -> int:
+        """Tokens of ``prompt`` this worker's prefix index holds under cache salt ``salt`` (for
+        routing; a hint only)."""
         wc = self.cache_policy
         if not wc.attached or not wc.enabled:
             return 0
-        return wc.hint(wc.hashes(prompt), len(prompt))
+        return wc.hint(wc.hashes(prompt, salt=salt), len(prompt))
 
     def queue_rows(self, now: float) -> list[tuple[str, int, float]]:
         """(class, depth, oldest wait seconds) per QoS class, highest first."""

@@ -106,7 +106,7 @@ class SchedulerState:
     def hashes(self, req: GenerationRequest) -> list[int]:
         """``req``'s prompt page-hash path at this worker's page size (computed once)."""
         if not req.page_hashes and len(req.prompt) >= self.cache_policy.page:
-            req.page_hashes = self.cache_policy.hashes(req.prompt)
+            req.page_hashes = self.cache_policy.hashes(req.prompt, salt=req.cache_salt)
         return req.page_hashes
 
     def resume_hashes(self, req: GenerationRequest) -> list[int]:

@@ -20,7 +20,9 @@ from basertd import __version__
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.frontend.admission import Frontend
+from basertd.server.request import requester
 from basertd.server.request.record import AdmissionError
+from basertd.server.transport.peercred import PeerCredentials
 from basertd.server.transport.socket_server import ClientConnection
 
 log = structlog.get_logger("basertd.native_api")
@@ -56,10 +58,18 @@ class NativeService:
     """Answers native client frames (module docstring): one handler per request type
     (``_handlers``); a type without one is a control verb. Never raises."""
 
-    def __init__(self, frontend: Frontend, control: ControlHandler, version: str = __version__) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        control: ControlHandler,
+        version: str = __version__,
+        *,
+        is_operator: Callable[[PeerCredentials], bool] | None = None,
+    ) -> None:
         self.frontend = frontend
         self.control = control
         self.version = version
+        self.is_operator = is_operator or (lambda _peer: False)
         self._handlers: dict[type, Callable[[ClientConnection, Any], Awaitable[None]]] = {
             api.Generate: self._generate,
             api.Resume: self._resume,
@@ -129,7 +139,9 @@ class NativeService:
             return
         conn.generations[rid] = None  # reserved while the prompt is tokenized
         try:
-            req = await self.frontend.submit(gen, ConnectionSink(conn, rid))
+            req = await self.frontend.submit(
+                gen, ConnectionSink(conn, rid), requester=requester.of_uid(conn.credentials.uid)
+            )
         except BaseException:
             conn.generations.pop(rid, None)
             raise
@@ -139,17 +151,29 @@ class NativeService:
             conn.generations.pop(rid, None)
 
     async def _resume(self, conn: ClientConnection, msg: api.Resume) -> None:
-        """Follow journaled request ``msg.request_id`` on this connection (``Frontend.resume``);
-        its replies carry that id. Leaving does not cancel it: it belongs to the log, not to this
-        connection."""
+        """Follow journaled request ``msg.request_id`` on this connection (``Frontend.resume``),
+        if the peer's uid sent it or the peer is an operator; its replies carry that id. Leaving
+        does not cancel it: it belongs to the log, not to this connection."""
         rid = msg.request_id
         if rid in conn.generations:
             raise AdmissionError(
                 ErrorCode.INVALID_REQUEST, f"request id {rid!r} is already in use on this connection"
             )
         sink = ConnectionSink(conn, rid)
-        if self.frontend.resume(rid, msg.after, sink):
-            conn.generations[rid] = None  # routed here until its Done or Error
+        conn.generations[rid] = None  # reserved while the text is prepared
+        try:
+            following, _ = await self.frontend.resume(
+                rid,
+                msg.after,
+                sink,
+                requester.of_uid(conn.credentials.uid),
+                operator=self.is_operator(conn.credentials),
+            )
+        except BaseException:
+            conn.generations.pop(rid, None)
+            raise
+        if not following:
+            conn.generations.pop(rid, None)  # answered whole; routed here until Done/Error otherwise
 
     def connection_lost(self, conn: ClientConnection) -> None:
         """Cancel every generation of a gone client (its lanes retire in the next plan)."""

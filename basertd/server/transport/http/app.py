@@ -51,7 +51,7 @@ from basertd.server.transport import accept_errors
 from basertd.server.transport.http import opsview, resume
 from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
-from basertd.server.transport.http.auth import Authorizer, load_api_keys
+from basertd.server.transport.http.auth import REQUESTER, Authorizer, load_api_keys
 from basertd.server.transport.http.body import BODY_TIMEOUT_S, json_response
 from basertd.server.transport.http.door import Door, DoorRunner, door_middleware
 from basertd.server.transport.http.embeddings import EmbeddingsApi
@@ -116,7 +116,6 @@ class HttpServer:
         self.door = Door(config, metrics)
         self.native_connections = native_connections
         self.templates = Templates(frontend, compile, on_sandbox_failure)
-        self.resumes = resume.ResumeIndex()
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
         self._unix: list[tuple[Path, int]] = []
@@ -125,7 +124,7 @@ class HttpServer:
             middlewares=[door_middleware(self.door), self._middleware], client_max_size=config.max_body_bytes
         )
         app[BODY_TIMEOUT_S] = config.body_timeout_s
-        openai_api = OpenAiApi(frontend, self.templates, self.resumes, self.releaser)
+        openai_api = OpenAiApi(frontend, self.templates, self.releaser)
         ollama_api = OllamaApi(frontend, self.templates)
         ollama_routes = ollama_api.routes()
         if overview is not None:  # the page at / (opsview); Ollama's / answers non-browsers
@@ -136,7 +135,7 @@ class HttpServer:
                 *openai_api.routes(),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics),
-                *AnthropicApi(frontend, self.templates, self.resumes, self.releaser).routes(),
+                *AnthropicApi(frontend, self.templates, self.releaser).routes(),
                 *ollama_routes,
                 *EmbeddingsApi(frontend).routes(),
                 *RenderApi(frontend, self.templates).routes(),
@@ -235,7 +234,7 @@ class HttpServer:
                 authorization = "Bearer " + request.headers["x-api-key"]
             self.hosts.check(request)
             public = request.path == "/health" or opsview.is_public(request.path)
-            self.auth.check(sock, authorization, public=public)
+            request[REQUESTER] = self.auth.check(sock, authorization, public=public)
             TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only
             return await handler(request)
         except HttpError as err:

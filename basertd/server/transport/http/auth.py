@@ -6,6 +6,11 @@ comments ignored), compared in constant time (``hmac.compare_digest``); without 
 loopback listeners exist (``HttpConfig.insecure_listeners``) and every request is allowed.
 Unix socket: like the native socket, the socket's mode decides who can connect, and the peer's
 kernel credentials (``SO_PEERCRED``) must be readable; no API key is needed.
+
+``check`` returns the request's *requester* (``basertd.server.request.requester``): the peer's
+uid on a Unix socket, the API key's digest on TCP with keys, ``anonymous`` on a keyless TCP
+listener (every local user alike). Requests, their streams and ``Last-Event-ID`` resumes are
+bound to it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import hmac
 import socket
 from pathlib import Path
 
+from aiohttp import web
+
 from basertd.server.config import ConfigError
+from basertd.server.request import requester
 from basertd.server.transport.http.errors import HttpError
 from basertd.server.transport.peercred import peer_credentials
 
@@ -42,14 +50,16 @@ class Authorizer:
     def __init__(self, keys: list[bytes]) -> None:
         self.keys = keys
 
-    def check(self, sock: socket.socket | None, authorization: str | None, *, public: bool) -> None:
-        """Raise ``HttpError`` 401/403 unless the request may proceed."""
+    def check(self, sock: socket.socket | None, authorization: str | None, *, public: bool) -> str:
+        """The requester of a request that may proceed (module docstring; ``anonymous`` for a
+        ``public`` path on TCP). Raises ``HttpError`` 401/403 otherwise."""
         if sock is not None and sock.family == socket.AF_UNIX:
-            if peer_credentials(sock).uid < 0:
+            uid = peer_credentials(sock).uid
+            if uid < 0:
                 raise HttpError(403, "the peer's credentials cannot be read", code="permission_denied")
-            return
+            return requester.of_uid(uid)
         if public or not self.keys:
-            return
+            return requester.ANONYMOUS
         if not authorization:
             raise HttpError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
         scheme, _, token = authorization.partition(" ")
@@ -59,3 +69,14 @@ class Authorizer:
             ok |= hmac.compare_digest(given, key)
         if scheme.lower() != "bearer" or not ok:
             raise HttpError(401, "invalid API key", code="invalid_api_key")
+        return requester.of_api_key(given)
+
+
+REQUESTER = web.RequestKey("requester", str)
+"""The ``web.Request`` key under which the middleware stores the request's requester."""
+
+
+def requester_of(request: web.Request) -> str:
+    """The requester the middleware found for ``request`` (``anonymous`` when none was set: a
+    handler run without the middleware, as in the dialect tests)."""
+    return request.get(REQUESTER, requester.ANONYMOUS)

@@ -62,6 +62,13 @@ class StreamPort(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
 
+class ResumedPort(StreamPort, Protocol):
+    """A followed stream (``FrontendPort.follow``): a ``StreamPort`` plus the ``context`` the
+    dialect journaled with the request (``resume.context_of``; {} when none)."""
+
+    context: dict[str, Any]
+
+
 class TemplateInputs(Protocol):
     """What a worker's chat template is built from (``chat_template.template_source``):
     ``configured`` the worker key ``chat_template`` ("" = none), ``own`` the model's own template
@@ -88,19 +95,42 @@ class TemplateInputs(Protocol):
 class FrontendPort(Protocol):
     """The front end as the HTTP dialects see it (module docstring)."""
 
-    async def stream(self, gen: api.Generate, *, api_name: str) -> StreamPort:
-        """Admit ``gen`` and return its replies; ``api_name`` labels it in logs and metrics.
-        Raises ``AdmissionError`` with nothing queued."""
+    async def stream(
+        self,
+        gen: api.Generate,
+        *,
+        api_name: str,
+        requester: str = "",
+        context: dict[str, Any] | None = None,
+    ) -> StreamPort:
+        """Admit ``gen`` and return its replies; ``api_name`` labels it in logs and metrics; the
+        request is bound to ``requester`` (``basertd.server.request.requester``) and ``context``
+        is journaled with it for a later ``follow``. Raises ``AdmissionError`` with nothing
+        queued."""
         ...
 
-    def follow(self, resume_id: str, after: int) -> StreamPort:
+    async def follow(self, resume_id: str, after: int, requester: str) -> ResumedPort:
         """The replies of the durable request ``resume_id`` after its first ``after`` tokens,
-        then its live ones. Raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST, SHUTTING_DOWN)."""
+        then its live ones, for ``requester``. Raises ``AdmissionError`` (NOT_FOUND,
+        PERMISSION_DENIED, INVALID_REQUEST, SHUTTING_DOWN, QUEUE_FULL: too many resumes)."""
         ...
 
     async def tokenize(self, model: str, text: str, *, add_special: bool = True) -> list[int]:
         """Token ids of ``text`` with ``model``'s vocabulary (BOS as the worker wants it when
         ``add_special``). Raises ``AdmissionError``."""
+        ...
+
+    async def control_texts(self, model: str, texts: list[str]) -> frozenset[str]:
+        """The texts of ``model``'s control tokens (``<start_of_turn>``, ...) that occur in
+        ``texts``; empty when none does (or the vocabulary has none). Raises ``AdmissionError``."""
+        ...
+
+    async def tokenize_parts(
+        self, model: str, parts: list[tuple[str, bool]], *, add_special: bool
+    ) -> list[int]:
+        """Token ids of the concatenated ``parts``, each ``(text, special)``: with ``special``
+        False control-token text is plain text (``literal.encode_chat``). Raises
+        ``AdmissionError``."""
         ...
 
     async def detokenize(self, model: str, tokens: list[int]) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from basertd.schema import client as api
-from basertd.server.transport.http import body, resume, sse, tool_calls
+from basertd.server.transport.http import body, literal, resume, sse, tool_calls
 from basertd.server.transport.http.anthropic import translate as tr
 from basertd.server.transport.http.anthropic.wire import (
     TEXT_BLOCK,
@@ -32,6 +32,7 @@ from basertd.server.transport.http.anthropic.wire import (
     tool_use_blocks,
     usage_of,
 )
+from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
 from basertd.server.transport.http.port import FrontendPort, StreamPort
@@ -42,18 +43,11 @@ API_NAME = "anthropic"
 
 class AnthropicApi:
     """The Messages endpoints over ``frontend`` (module docstring); ``templates`` renders chats,
-    ``resumes`` remembers resumable streams, ``releaser`` closes streams when a handler ends."""
+    ``releaser`` closes streams when a handler ends."""
 
-    def __init__(
-        self,
-        frontend: FrontendPort,
-        templates: Templates,
-        resumes: resume.ResumeIndex,
-        releaser: resume.Releaser,
-    ) -> None:
+    def __init__(self, frontend: FrontendPort, templates: Templates, releaser: resume.Releaser) -> None:
         self.frontend = frontend
         self.templates = templates
-        self.resumes = resumes
         self.releaser = releaser
 
     def routes(self) -> list[web.RouteDef]:
@@ -66,10 +60,16 @@ class AnthropicApi:
             raise bad_request("a final assistant message (prefill) cannot be combined with tools", "messages")
         try:
             wid, template = self.templates.for_model(req.model)
-            text = await self.templates.render_chat(template, messages, plan) + prefill
+            tokens = await literal.encode_chat(
+                self.frontend,
+                req.model,
+                messages,
+                lambda m: self.templates.render_chat(template, m, plan),
+                template.needs_bos,
+                suffix=prefill,
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        tokens = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
         return wid, tokens
 
     async def count(self, request: web.Request) -> web.Response:
@@ -81,10 +81,10 @@ class AnthropicApi:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         if resume.HEADER in request.headers:
-            mid, entry, after = self.resumes.lookup(request.headers[resume.HEADER], API_NAME)
-            st = entry.state
-            shape = StreamShape(self, mid, st["model"], st["stops"], st["model_req"])
-            async with self.frontend.follow(entry.resume_id, after) as followed:
+            key, followed, after = await resume.follow(self.frontend, request, API_NAME)
+            st = followed.context
+            shape = StreamShape(self, st["mid"], st["model"], st["stops"], st["model_req"], key=key)
+            async with followed:
                 return await shape.write(request, followed, followed.accepted.prompt_tokens, after)
         req = body.decode(await body.read(request), MessagesRequest)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
@@ -94,17 +94,20 @@ class AnthropicApi:
         mid = new_id()
         gen = tr.generate_of(req, mid, prompt, qos, plan)
         model = self.frontend.model_name(wid)
-        stream = await self.frontend.stream(gen, api_name=API_NAME)
+        shape = StreamShape(self, mid, model, gen.stop, req.model, plan)
+        resumable = bool(req.stream) and plan is None  # a held tool call cannot be resumed mid-way
+        stream = await self.frontend.stream(
+            gen,
+            api_name=API_NAME,
+            requester=requester_of(request),
+            context=resume.context_of(API_NAME, **shape.state()) if resumable else None,
+        )
         if req.stream:
-            resume_id = stream.accepted.resume_id if stream.accepted is not None else ""
-            shape = StreamShape(self, mid, model, gen.stop, req.model, plan)
-            if plan is not None:  # a held tool call cannot be resumed mid-way
-                resume_id = ""
-            self.resumes.remember(mid, API_NAME, shape.state(), resume_id)
+            shape.key = resume.key_of(stream) if resumable else ""
             try:
                 return await shape.write(request, stream, len(prompt), 0)
             finally:
-                await self.releaser.release([stream], bool(resume_id))
+                await self.releaser.release([stream], bool(shape.key))
         async with stream:
             text, ids, done = [], [], None
             async for msg in stream:
@@ -145,6 +148,8 @@ class StreamShape:
         stops: list[str],
         model_req: str,
         plan: tool_calls.ToolPlan | None = None,
+        *,
+        key: str = "",
     ) -> None:
         self.plan = plan
         self.owner = owner
@@ -152,17 +157,24 @@ class StreamShape:
         self.model = model
         self.stops = stops
         self.model_req = model_req
+        self.key = key
+        """The resume key events are numbered under ("": the message id, not resumable)."""
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model, "stops": self.stops, "model_req": self.model_req}
+        """What a resumed stream needs to shape the rest (journaled as the resume context)."""
+        return {"mid": self.mid, "model": self.model, "stops": self.stops, "model_req": self.model_req}
 
     async def write(
         self, request: web.Request, stream: StreamPort, prompt_tokens: int, after: int
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=sse.HEADERS)
+        headers = dict(sse.HEADERS)
+        if self.key:
+            headers[resume.KEY_HEADER] = self.key
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         count = after
-        eid = f"{self.mid}:{count}"
+        ek = self.key or self.mid
+        eid = f"{ek}:{count}"
         held = tool_calls.ToolStream(self.plan) if self.plan is not None else None
         text_open = after > 0  # a resumed stream's text block is already open
         start_text = event(
@@ -189,9 +201,9 @@ class StreamShape:
                     data = {"type": "content_block_delta", "index": 0, "delta": delta}
                     out = b"" if text_open else start_text
                     text_open = True
-                    await resp.write(out + event("content_block_delta", data, f"{self.mid}:{count}"))
+                    await resp.write(out + event("content_block_delta", data, f"{ek}:{count}"))
             elif isinstance(msg, api.Done):
-                eid = f"{self.mid}:{count}"
+                eid = f"{ek}:{count}"
                 calls, rest = held.finish() if held is not None else (None, "")
                 stop = None
                 if calls:
@@ -223,7 +235,7 @@ class StreamShape:
                 )
             elif isinstance(msg, api.Error):
                 body = error_body(from_code(msg.code, msg.message))
-                await resp.write(event("error", body, f"{self.mid}:{count}"))
+                await resp.write(event("error", body, f"{ek}:{count}"))
                 return resp
             elif isinstance(msg, api.Queued):
                 await resp.write(event("ping", {"type": "ping"}))

@@ -19,7 +19,8 @@ import msgspec
 from aiohttp import web
 
 from basertd.schema import client as api
-from basertd.server.transport.http import body, tool_calls
+from basertd.server.transport.http import body, literal, tool_calls
+from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
 from basertd.server.transport.http.ollama import translate as tr
@@ -129,11 +130,11 @@ class OllamaApi:
         if not req.prompt:
             loaded = {"response": "", "done": True, "done_reason": "load"}
             return web.json_response(self._head(model) | loaded)
-        if req.raw:
-            text, add_special = req.prompt, True
+        if req.raw:  # the client's own prompt, markup included: control texts stay control tokens
+            prompt = await self.frontend.tokenize(model, req.prompt, add_special=True)
         else:
-            text, add_special = await self._render(model, tr.generate_messages(req))
-        return await self._run(request, req, model, text, add_special, chat=False)
+            prompt = await self._render(model, tr.generate_messages(req))
+        return await self._run(request, req, model, prompt, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = body.decode(await body.read(request), ChatRequest)
@@ -149,18 +150,24 @@ class OllamaApi:
         )
         if plan is not None and req.format:
             raise bad_request("format and tools cannot be used together", "format")
-        text, add_special = await self._render(model, tr.chat_messages(req), plan)
-        return await self._run(request, req, model, text, add_special, chat=True, plan=plan)
+        prompt = await self._render(model, tr.chat_messages(req), plan)
+        return await self._run(request, req, model, prompt, chat=True, plan=plan)
 
     async def _render(
         self, model: str, messages: list[dict[str, Any]], plan: tool_calls.ToolPlan | None = None
-    ) -> tuple[str, bool]:
+    ) -> list[int]:
+        """The prompt ids of ``messages`` (``literal.encode_chat``: client text stays text)."""
         try:
             _, template = self.templates.for_model(model)
-            text = await self.templates.render_chat(template, messages, plan)
+            return await literal.encode_chat(
+                self.frontend,
+                model,
+                messages,
+                lambda m: self.templates.render_chat(template, m, plan),
+                template.needs_bos,
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
-        return text, template.needs_bos(text)
 
     def _head(self, model: str) -> dict[str, Any]:
         name = model or self._model_entries(False)[0]["name"]
@@ -171,8 +178,7 @@ class OllamaApi:
         request: web.Request,
         req: Common,
         model: str,
-        text: str,
-        add_special: bool,
+        prompt: list[int],
         *,
         chat: bool,
         plan: tool_calls.ToolPlan | None = None,
@@ -185,7 +191,6 @@ class OllamaApi:
         if plan is not None:
             fields = tool_calls.generate_fields(plan.spec)
             response_format, grammar = fields.get("response_format"), fields.get("grammar")
-        prompt = await self.frontend.tokenize(model, text, add_special=add_special)
         ctx = self.frontend.context_length(self.frontend.route(model))
         max_tokens = tr.max_tokens_of(req.options or Options(), ctx, len(prompt))
         gen = tr.generate_of(
@@ -209,7 +214,8 @@ class OllamaApi:
                     out["message"]["tool_calls"] = tr.tool_calls_of(calls)
             return head | {"created_at": created_at()} | out
 
-        async with await self.frontend.stream(gen, api_name=API_NAME) as out:
+        stream = await self.frontend.stream(gen, api_name=API_NAME, requester=requester_of(request))
+        async with stream as out:
             if not gen.stream:
                 parts, done = [], None
                 async for msg in out:

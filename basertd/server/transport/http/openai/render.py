@@ -25,7 +25,7 @@ from aiohttp import web
 
 from basertd.schema import client as api
 from basertd.schema.client import QosClass
-from basertd.server.transport.http import body, tool_calls
+from basertd.server.transport.http import body, literal, tool_calls
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import bad_request
 from basertd.server.transport.http.openai import translate as tr
@@ -57,10 +57,15 @@ async def chat_prompt(
     plan = await templates.tool_plan(req.model, qos, req.tools, req.tool_choice, req.parallel_tool_calls)
     try:
         wid, template = templates.for_model(req.model)
-        text = await templates.render_chat(template, messages, plan)
+        tokens = await literal.encode_chat(  # the client's control-token text stays plain text
+            frontend,
+            req.model,
+            messages,
+            lambda m: templates.render_chat(template, m, plan),
+            template.needs_bos,
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), "messages", code="chat_template") from None
-    tokens = await frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
     return ChatPrompt(wid, tokens, plan)
 
 

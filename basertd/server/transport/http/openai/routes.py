@@ -22,6 +22,7 @@ from aiohttp import web
 
 from basertd.schema import client as api
 from basertd.server.transport.http import body, resume, sse, tool_calls
+from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
 from basertd.server.transport.http.openai import echo, wire
@@ -36,18 +37,11 @@ API_NAME = "openai"
 
 class OpenAiApi:
     """OpenAI's endpoints over ``frontend`` (module docstring); ``templates`` renders chats,
-    ``resumes`` remembers resumable streams, ``releaser`` closes streams when a handler ends."""
+    ``releaser`` closes streams when a handler ends."""
 
-    def __init__(
-        self,
-        frontend: FrontendPort,
-        templates: Templates,
-        resumes: resume.ResumeIndex,
-        releaser: resume.Releaser,
-    ) -> None:
+    def __init__(self, frontend: FrontendPort, templates: Templates, releaser: resume.Releaser) -> None:
         self.frontend = frontend
         self.templates = templates
-        self.resumes = resumes
         self.releaser = releaser
 
     def routes(self) -> list[web.RouteDef]:
@@ -212,23 +206,27 @@ class OpenAiApi:
         ]
         model_name = self.frontend.model_name(self.frontend.route(req.model))
         shape = wire.Shape(chat, rid, model_name, tools)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        context = None
+        if stream and len(gens) == 1 and tools is None and echoes is None:  # one id to resume
+            context = resume.context_of(
+                _kind(chat), response_id=rid, model=model_name, include_usage=include_usage
+            )
+        requester = requester_of(request)
         streams: list[StreamPort] = []
         resumable = False
         try:
             for gen in gens:
-                streams.append(await self.frontend.stream(gen, api_name=API_NAME))
+                streams.append(
+                    await self.frontend.stream(gen, api_name=API_NAME, requester=requester, context=context)
+                )
             if stream:
-                include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 continuous = include_usage and bool(req.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
-                if (
-                    len(streams) == 1 and streams[0].accepted is not None and tools is None and echoes is None
-                ):  # one id to resume
-                    state = {"response_id": rid, "model": model_name, "include_usage": include_usage}
-                    resume_id = streams[0].accepted.resume_id
-                    self.resumes.remember(gens[0].request_id, _kind(chat), state, resume_id)
-                    resumable = bool(resume_id)
+                key = resume.key_of(streams[0]) if context is not None else ""
+                resumable = bool(key)
+                ids = [key] if resumable else None
                 return await self._sse(
-                    request, shape, streams, n, include_usage, continuous=continuous, echoes=echoes
+                    request, shape, streams, n, include_usage, ids=ids, continuous=continuous, echoes=echoes
                 )
             return await self._collect(shape, streams, n, echoes)
         finally:
@@ -236,12 +234,12 @@ class OpenAiApi:
 
     async def _resume(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         """The rest of a stream after ``Last-Event-ID`` (``basertd.server.transport.http.resume``)."""
-        rid, entry, after = self.resumes.lookup(request.headers[resume.HEADER], _kind(chat))
-        shape = wire.Shape(chat, entry.state["response_id"], entry.state["model"])
-        async with self.frontend.follow(entry.resume_id, after) as followed:
-            return await self._sse(
-                request, shape, [followed], 1, entry.state["include_usage"], ids=[rid], after=after
-            )
+        key, followed, after = await resume.follow(self.frontend, request, _kind(chat))
+        ctx = followed.context
+        shape = wire.Shape(chat, ctx["response_id"], ctx["model"])
+        async with followed:
+            usage = ctx["include_usage"]
+            return await self._sse(request, shape, [followed], 1, usage, ids=[key], after=after)
 
     async def _collect(
         self, shape: wire.Shape, streams: list[StreamPort], n: int, echoes: list[echo.Echo] | None = None
@@ -278,12 +276,16 @@ class OpenAiApi:
         continuous: bool = False,
         echoes: list[echo.Echo] | None = None,
     ) -> web.StreamResponse:
-        """Stream ``streams`` as SSE; a resumed stream (``after`` > 0 tokens the client has) gets
-        no role chunk and its ids count on from ``after``; ``echoes`` (per prompt) come first.
-        ``continuous`` (vLLM's ``stream_options.continuous_usage_stats`` with ``include_usage``):
-        every chunk carries its choice's usage so far (prompt tokens, tokens generated up to and
-        with that chunk)."""
-        resp = web.StreamResponse(headers=sse.HEADERS)
+        """Stream ``streams`` as SSE, event ids ``<ids[i]>:<tokens so far>`` (``ids``: the resume
+        key of a resumable stream, sent as ``resume.KEY_HEADER`` too; else the request ids); a
+        resumed stream (``after`` > 0 tokens the client has) gets no role chunk and its ids count
+        on from ``after``; ``echoes`` (per prompt) come first. ``continuous`` (vLLM's
+        ``stream_options.continuous_usage_stats`` with ``include_usage``): every chunk carries its
+        choice's usage so far (prompt tokens, tokens generated up to and with that chunk)."""
+        headers = dict(sse.HEADERS)
+        if ids:
+            headers[resume.KEY_HEADER] = ids[0]
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         counts = [after] * len(streams)
         ids = ids or [s.request_id for s in streams]
