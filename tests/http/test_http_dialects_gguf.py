@@ -9,10 +9,13 @@ it): greedy text, prompt and completion token counts, and the finish reason."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import ollama
 import pytest
 from daemon_harness import Daemon
+from proc_testutil import wait_until
 
 from basertd.server.request.tokenizer import GgufTokenizer
 from basertd.server.transport.http.chat_template import ChatTemplate, load_template_text
@@ -180,11 +183,19 @@ def test_stop_sequences(native, claude, olla, prompt_ids, model):
     assert "".join(c.message.content for c in chunks) == head and chunks[-1].done_reason == "stop"
 
 
-def test_anthropic_cache_read_on_a_repeated_prefix(claude, prompt_ids):
+def test_anthropic_cache_read_on_a_repeated_prefix(daemon, claude, prompt_ids):
     model = "tiny-llama"
     system = "a long shared system prompt that is worth caching across requests " * 3
     ids = prompt_ids(model, [{"role": "system", "content": system}, *MSGS])
     first = claude.messages.create(model=model, system=system, messages=MSGS, max_tokens=2, extra_body=T0)
+
+    def published() -> bool:  # the first prompt's pages reach the cache when its lane retires
+        rows = json.loads(daemon.ctl("--json", "cache", "ls").stdout)
+        return any(
+            r["head"] == ids[: len(r["head"])] and r["prefix_tokens"] >= len(ids) // 16 * 16 for r in rows
+        )
+
+    wait_until(published, 60, interval=0.2, what="the first request's prompt in the prefix cache")
     again = claude.messages.create(model=model, system=system, messages=MSGS, max_tokens=2, extra_body=T0)
     assert again.usage.cache_read_input_tokens > 0, (first.usage, again.usage)
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == len(ids)
