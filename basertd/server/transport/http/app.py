@@ -1,8 +1,9 @@
 """The HTTP server: aiohttp on the daemon's event loop, a sibling of the native API
-(``basertd.server.transport.native_api``). It serves three dialects, one package each with its
+(``basertd.server.transport.native_api``). It serves four dialects, one package each with its
 ``routes`` (aiohttp handlers), ``wire`` (request and response shapes) and ``translate`` (wire to
 ``Generate`` and back): ``openai/`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/tokenize``, ``/detokenize``), ``anthropic/`` (``/v1/messages``) and ``ollama/`` (``/api/...``).
+``/tokenize``, ``/detokenize``), ``responses/`` (``/v1/responses``), ``anthropic/``
+(``/v1/messages``) and ``ollama/`` (``/api/...``).
 Every handler sees the front end only through ``port.FrontendPort``; shared pieces are ``body``
 (reading and decoding bodies), ``templates`` (chat templates per worker), ``resume``
 (``Last-Event-ID``, closing streams), ``sse``, ``errors``, ``auth`` and ``tool_calls``.
@@ -48,6 +49,7 @@ from basertd.server.transport.http.ollama import wire as ollama_wire
 from basertd.server.transport.http.ollama.routes import OllamaApi
 from basertd.server.transport.http.openai.routes import OpenAiApi
 from basertd.server.transport.http.port import FrontendPort
+from basertd.server.transport.http.responses.routes import ResponsesApi
 from basertd.server.transport.http.templates import Templates
 
 log = structlog.get_logger("basertd.http")
@@ -103,6 +105,7 @@ class HttpServer:
                 web.get("/metrics", self.metrics),
                 *AnthropicApi(frontend, self.templates, self.resumes, self.releaser).routes(),
                 *OllamaApi(frontend, self.templates).routes(),
+                *ResponsesApi(frontend, self.templates).routes(),
             ]
         )
         self.app = app
