@@ -312,9 +312,13 @@ def test_the_same_fields_at_their_no_op_values_are_accepted():
         "prompt_cache_key": "p",
         "parallel_tool_calls": False,
         "stream_options": {"include_obfuscation": False},
+        "tools": [],
     }
-    status, out = post(FakeFrontend(), "/v1/responses", body)
+    fake = FakeFrontend()
+    status, out = post(fake, "/v1/responses", body)
     assert status == 200 and out["metadata"] == {"k": "v"} and out["parallel_tool_calls"] is False
+    gen = fake.gens[0][0]
+    assert (gen.response_format, gen.grammar, gen.regex) == (None, None, None)  # tools: [] is no tools
 
 
 def test_a_failure_is_a_typed_error_before_a_stream_and_response_failed_during_one():

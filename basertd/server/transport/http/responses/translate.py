@@ -149,8 +149,9 @@ def conversation_of(input_value: str | list[Any]) -> list[dict[str, Any]]:
 
 def chat_tools_of(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """The Responses function tools in the chat dialect's shape (``strict`` closes the
-    parameters' objects). Raises a 400 naming ``tools[i]`` for another tool type or a malformed one."""
-    if tools is None:
+    parameters' objects); None for none (``[]`` as clients send it is none). Raises a 400 naming
+    ``tools[i]`` for another tool type or a malformed one."""
+    if not tools:
         return None
     out = []
     for i, t in enumerate(tools):
