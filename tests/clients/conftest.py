@@ -8,8 +8,8 @@ model writes no sense, so the tests bound every output (enums, bounded integers,
 and assert that each call parses and validates, never what it says.
 
 ``BASERTD_CLIENT_MATRIX=default`` runs the same tests on the default model (Gemma 3 270M, its
-shipped ``gemma`` template, two threads) instead: the matrix as users meet it (minutes, not part
-of ``make test``).
+shipped ``gemma`` template, two threads) instead: the matrix as users meet it (tens of minutes on a
+busy 2-core box, not part of ``make test``; give pytest ``--timeout 1800``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from daemon_harness import Daemon
 ON_DEFAULT_MODEL = os.environ.get("BASERTD_CLIENT_MATRIX") == "default"
 MODEL = "gemma-3-270m-q4_k_m" if ON_DEFAULT_MODEL else "tiny-llama"
 """The served model name the clients send."""
+TIMEOUT_S = 900.0 if ON_DEFAULT_MODEL else 120.0
+"""Seconds a client waits for one reply (the default model on a busy 2-core box is slow)."""
 
 
 @pytest.fixture(scope="module")

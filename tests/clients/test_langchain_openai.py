@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
-from conftest import MODEL
+from conftest import MODEL, TIMEOUT_S
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
@@ -36,7 +36,7 @@ def chat(daemon, api: str) -> ChatOpenAI:
         api_key="unused",
         max_tokens=200,
         max_retries=0,
-        timeout=120,
+        timeout=TIMEOUT_S,
         use_responses_api=APIS[api],
     )
 

@@ -12,7 +12,7 @@ import os
 
 import jsonschema
 import pytest
-from conftest import MODEL
+from conftest import MODEL, TIMEOUT_S
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 litellm = pytest.importorskip("litellm")
@@ -45,7 +45,7 @@ def complete(daemon, provider: str, **kw):
         api_base=base_of(daemon, provider),
         api_key="unused",
         max_tokens=200,
-        timeout=120,
+        timeout=TIMEOUT_S,
         num_retries=0,
         **kw,
     )

@@ -11,7 +11,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import MODEL
+from conftest import MODEL, TIMEOUT_S
 
 CITY = {
     "type": "object",
@@ -34,7 +34,9 @@ REPORT = {
 
 @pytest.fixture(scope="module")
 def oai(daemon):
-    with openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
+    ) as c:
         yield c
 
 

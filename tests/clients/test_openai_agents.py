@@ -14,7 +14,7 @@ import agents
 import openai
 import pytest
 from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool
-from conftest import MODEL
+from conftest import MODEL, TIMEOUT_S
 from pydantic import BaseModel, Field
 
 
@@ -46,7 +46,7 @@ def run_with_client(daemon, fn):
     async def main():
         agents.set_tracing_disabled(True)
         client = openai.AsyncOpenAI(
-            base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=120
+            base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S
         )
         agents.set_default_openai_client(client, use_for_tracing=False)
         agents.set_default_openai_api("responses")
