@@ -101,6 +101,7 @@ setup(
         "basertd.native": ["*.h"],
         "basertd.native.ref_engine": ["*.h"],
         "basertd.server.transport.http.chat_templates": ["*.jinja"],
+        "basertd.server.transport.http.static": ["*.html", "*.js", "*.css"],
     },
     ext_modules=_ref_engine(),
     cffi_modules=_cffi_modules(),

@@ -1,9 +1,9 @@
 """``basertctl``: the operator's client of the daemon socket (DESIGN.md "Operators").
 
-Verbs: ``status``, ``workers``, ``lanes``, ``queue``, ``cache stats|ls|pin|unpin|evict``,
-``drain [--timeout S]``, ``resume``, ``restart-worker ID``, ``generate``, ``metrics``,
-``shutdown`` and ``config check FILE``. Every verb prints a human table by default and one JSON
-document with ``--json`` (before or after the verb). These two forms are stable:
+Verbs: ``status``, ``top`` (a live view, ``basertd.ctl_top``), ``workers``, ``lanes``, ``queue``,
+``cache stats|ls|pin|unpin|evict``, ``drain [--timeout S]``, ``resume``, ``restart-worker ID``,
+``generate``, ``metrics``, ``shutdown`` and ``config check FILE``. Every verb prints a human
+table by default and one JSON document with ``--json`` (before or after the verb). These two forms are stable:
 ``basertctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--seed S] [--qos CLASS]
 PROMPT`` streams the text to stdout, ``basertctl [--socket PATH] status [--json]`` prints the
 summary. ``--socket`` defaults to ``$BASERTD_SOCKET``, then the default socket path
@@ -317,6 +317,32 @@ def _cache_table(rows: list[dict]) -> None:
             for c in rows
         ],
     )
+
+
+@cli.command(epilog=EPILOG)
+@click.option("--once", is_flag=True, help="print one frame and exit (for scripts)")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="seconds per frame"
+)
+@json_flag
+@click.pass_context
+def top(ctx: click.Context, once: bool, interval: float, as_json: bool) -> None:
+    """A live view: workers, lanes, queues, tokens/s, TTFT and inter-token latency, cache and
+    WAL; `q` quits. --json prints one overview document."""
+    from basertd import ctl_top
+
+    with _connect(ctx) as client:
+
+        def fetch() -> control.OverviewResult:
+            return client.request(control.Overview())
+
+        try:
+            if as_json or ctx.obj.get("json"):
+                click.echo(json.dumps(_plain(fetch()), indent=2, sort_keys=True))
+                return
+            ctl_top.run(fetch, once=once, interval_s=interval)
+        except ClientError as exc:
+            _client_error(ctx, exc)
 
 
 @cli.command(epilog=EPILOG)

@@ -1,7 +1,7 @@
 """The control API used by ``basertctl`` on the client socket (DESIGN.md "Operators").
 
 Verbs: Status, Workers, Lanes, Queue, CacheStats, CacheList, CachePin, CacheUnpin, CacheEvict,
-Drain, Resume, RestartWorker, Metrics, Shutdown, ConfigCheck; each answered with its result (or
+Drain, Resume, RestartWorker, Metrics, Shutdown, ConfigCheck, Overview; each answered with its result (or
 ``ControlOk``), or with ``basertd.schema.client.Error`` (PERMISSION_DENIED when the peer is not
 root, the daemon's user or the operator group). Same framing as the client API (msgpack maps
 tagged by ``"type"``, ``basertd.schema.codec.ClientCodec``); every message carries an optional
@@ -138,6 +138,14 @@ class ConfigCheck(_Msg, tag="config_check"):
     request_id: str = ""
     path: str | None = None
     text: str | None = None
+
+
+class Overview(_Msg, tag="overview"):
+    """Everything ``basertctl top`` and the page at ``/`` show, in one reply; OverviewResult.
+    ``history_s``: seconds of per-second series to include (0: none; at most 600)."""
+
+    request_id: str = ""
+    history_s: int = 0
 
 
 # --- rows and results -------------------------------------------------------------------------
@@ -324,6 +332,89 @@ class ConfigCheckResult(_Msg, tag="config_check_result"):
     warnings: list[str] = msgspec.field(default_factory=list)
 
 
+class Quantiles(_Rec):
+    """Quantiles of the samples of a rolling window: ``count`` samples, ``p50_s`` and ``p95_s``
+    in seconds (0.0 when there were none)."""
+
+    count: int = 0
+    p50_s: float = 0.0
+    p95_s: float = 0.0
+
+
+class OverviewWorker(_Rec):
+    """One worker in an Overview: the ``WorkerRow`` basics (``state``, ``pid``, lanes busy / max,
+    requests queued), KV tokens reserved by live lanes of the pool's capacity, the engine's pool
+    blocks used / total after its last tick (prefix-cache entries included; 0 before the first
+    tick), and counters since start: ticks, prompt tokens prefilled and tokens decoded by the
+    engine, lanes preempted, running requests requeued after a crash (``crash_resumes``),
+    respawns; ``problem``: why it does not serve or is stalled ("" when fine)."""
+
+    worker_id: int
+    model: str = ""
+    engine: str = ""
+    state: str = ""
+    pid: int = 0
+    lanes_busy: int = 0
+    lanes_max: int = 0
+    queue_depth: int = 0
+    kv_reserved_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    pool_blocks_used: int = 0
+    pool_blocks_total: int = 0
+    ticks_run: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    crash_resumes: int = 0
+    respawns: int = 0
+    problem: str = ""
+
+
+class OverviewHistory(_Rec):
+    """Per-second series of the last ``len(...)`` seconds, oldest first, the last point the second
+    still filling: ``tokens_in`` (prompt tokens prefilled at first admission) and ``tokens_out``
+    (tokens delivered), ``ttft_s`` (mean TTFT of the requests whose first token came in that
+    second; 0.0 when none), ``cache_hit_ratio`` (cached over looked-up prompt tokens; 0.0 when
+    none was looked up)."""
+
+    step_s: float = 1.0
+    tokens_in: list[float] = msgspec.field(default_factory=list)
+    tokens_out: list[float] = msgspec.field(default_factory=list)
+    ttft_s: list[float] = msgspec.field(default_factory=list)
+    cache_hit_ratio: list[float] = msgspec.field(default_factory=list)
+
+
+class OverviewResult(_Msg, tag="overview_result"):
+    """The live picture (answer to Overview): the ``StatusResult`` summary (version, state,
+    uptime, requests since start, ``in_flight`` accepted and not ended, problems), one row per
+    worker, every live lane, the queue per QoS class (highest first), tokens/s in and out over the
+    last ``rate_window_s`` seconds, TTFT / inter-token latency / WAL fsync quantiles over the last
+    ``window_s`` seconds, the prefix-cache hit ratio (cached over looked-up prompt tokens) over
+    the same window, KV reserved over capacity of every worker (``pool_usage_ratio``, 0..1), and
+    ``history`` when asked for (``Overview.history_s``)."""
+
+    request_id: str = ""
+    version: str = ""
+    state: str = ""
+    uptime_s: float = 0.0
+    requests_total: int = 0
+    in_flight: int = 0
+    problems: list[str] = msgspec.field(default_factory=list)
+    workers: list[OverviewWorker] = msgspec.field(default_factory=list)
+    lanes: list[LaneRow] = msgspec.field(default_factory=list)
+    queue: list[QueueRow] = msgspec.field(default_factory=list)
+    rate_window_s: float = 10.0
+    tokens_in_per_s: float = 0.0
+    tokens_out_per_s: float = 0.0
+    window_s: float = 60.0
+    ttft: Quantiles = msgspec.field(default_factory=Quantiles)
+    itl: Quantiles = msgspec.field(default_factory=Quantiles)
+    wal_fsync: Quantiles = msgspec.field(default_factory=Quantiles)
+    cache_hit_ratio: float = 0.0
+    pool_usage_ratio: float = 0.0
+    history: OverviewHistory | None = None
+
+
 class ControlOk(_Msg, tag="control_ok"):
     """A control verb with nothing to return succeeded (Resume, Shutdown, CacheUnpin)."""
 
@@ -347,6 +438,7 @@ REQUESTS: tuple[type, ...] = (
     Metrics,
     Shutdown,
     ConfigCheck,
+    Overview,
 )
 """Control verbs (basertctl -> daemon)."""
 REPLIES: tuple[type, ...] = (
@@ -362,6 +454,7 @@ REPLIES: tuple[type, ...] = (
     RestartWorkerResult,
     MetricsResult,
     ConfigCheckResult,
+    OverviewResult,
     ControlOk,
 )
 """Control results (daemon -> basertctl); failures are ``basertd.schema.client.Error``."""

@@ -125,6 +125,10 @@ class MsgType(IntEnum):
     TOKENIZE_RESULT = 97
     DETOKENIZE = 98
     DETOKENIZE_RESULT = 99
+    EMBED = 100
+    EMBED_RESULT = 101
+    SCORE = 102
+    SCORE_RESULT = 103
 
     PING = 112
     PONG = 113
@@ -686,6 +690,52 @@ class DetokenizeResult(_Msg):
     text: bytes
 
 
+class Embed(_ArrayMsg):
+    """EMBED: the pooled embeddings of ``len(lengths)`` inputs whose token ids (u32) stand one
+    after another in ``tokens`` (input i is the next ``lengths[i]`` ids); EMBED_RESULT, or ERROR
+    (ERR_OP_UNSUPPORTED: the engine has no embeddings; REJECT_BOUNDS: an input is empty, longer
+    than the context length, or holds an id outside the vocabulary). Served between ticks."""
+
+    _arrays: ClassVar[dict[str, str]] = {"tokens": "u4", "lengths": "u4"}
+
+    tokens: np.ndarray = _empty("u4")
+    lengths: np.ndarray = _empty("u4")
+
+
+class Score(_ArrayMsg):
+    """SCORE: each token of ``tokens`` (u32, at least 2) after the first, scored given the ones
+    before it, with the ``top_k`` (0..20) likeliest tokens at each position; SCORE_RESULT, or ERROR
+    (ERR_OP_UNSUPPORTED: the engine scores nothing; REJECT_BOUNDS: too few or too many tokens, an
+    id outside the vocabulary, a bad ``top_k``). Served between ticks."""
+
+    _arrays: ClassVar[dict[str, str]] = {"tokens": "u4"}
+
+    tokens: np.ndarray = _empty("u4")
+    top_k: int = 0
+
+
+class ScoreResult(_ArrayMsg):
+    """SCORE_RESULT: ``logprobs`` (f32, n-1: log P(token i+1 | tokens 0..i), natural log), and
+    ``top_k`` ids (u32) and log-probabilities (f32) per position, position after position,
+    likeliest first."""
+
+    _arrays: ClassVar[dict[str, str]] = {"logprobs": "f4", "top_ids": "u4", "top_logprobs": "f4"}
+
+    top_k: int = 0
+    logprobs: np.ndarray = _empty("f4")
+    top_ids: np.ndarray = _empty("u4")
+    top_logprobs: np.ndarray = _empty("f4")
+
+
+class EmbedResult(_ArrayMsg):
+    """EMBED_RESULT: ``dim`` values (f32) per input, input after input, in ``values``."""
+
+    _arrays: ClassVar[dict[str, str]] = {"values": "f4"}
+
+    dim: int = 0
+    values: np.ndarray = _empty("f4")
+
+
 # --- liveness and lifecycle -----------------------------------------------------------------
 
 
@@ -762,6 +812,10 @@ MESSAGE_TYPES: dict[MsgType, Any] = {
     MsgType.TOKENIZE_RESULT: TokenizeResult,
     MsgType.DETOKENIZE: Detokenize,
     MsgType.DETOKENIZE_RESULT: DetokenizeResult,
+    MsgType.EMBED: Embed,
+    MsgType.EMBED_RESULT: EmbedResult,
+    MsgType.SCORE: Score,
+    MsgType.SCORE_RESULT: ScoreResult,
     MsgType.PING: Ping,
     MsgType.PONG: Pong,
     MsgType.DRAIN: Drain,
@@ -812,6 +866,8 @@ REPLIES: dict[MsgType, frozenset[MsgType]] = {
     MsgType.LOGIT_BIAS_FREE: frozenset({MsgType.OK}),
     MsgType.TOKENIZE: frozenset({MsgType.TOKENIZE_RESULT}),
     MsgType.DETOKENIZE: frozenset({MsgType.DETOKENIZE_RESULT}),
+    MsgType.EMBED: frozenset({MsgType.EMBED_RESULT}),
+    MsgType.SCORE: frozenset({MsgType.SCORE_RESULT}),
     MsgType.PING: frozenset({MsgType.PONG}),
     MsgType.DRAIN: frozenset({MsgType.DRAINED}),
 }

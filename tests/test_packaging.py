@@ -33,7 +33,8 @@ def test_no_generic_top_level_module(name, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_wheel_installs_only_basertd(tmp_path):
-    """A built wheel holds one top-level package, ``basertd``."""
+    """A built wheel holds one top-level package, ``basertd``, and the data files the daemon serves
+    (the operator's page at ``/``)."""
     subprocess.run(
         [
             sys.executable,
@@ -51,6 +52,9 @@ def test_wheel_installs_only_basertd(tmp_path):
         capture_output=True,
     )
     (wheel,) = tmp_path.glob("basertd-*.whl")
-    tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
     tops = {t for t in tops if not t.endswith(".dist-info")}
     assert tops == {"basertd"}, tops
+    static = "basertd/server/transport/http/static/"
+    assert {static + f for f in ("index.html", "opsview.js", "opsview.css")} <= set(names)

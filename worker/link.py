@@ -206,6 +206,8 @@ class LinkServer:
             MsgType.LOGIT_BIAS_FREE: self._on_logit_bias_free,
             MsgType.TOKENIZE: self._on_tokenize,
             MsgType.DETOKENIZE: self._on_detokenize,
+            MsgType.EMBED: self._on_embed,
+            MsgType.SCORE: self._on_score,
             MsgType.PING: self._on_ping,
             MsgType.DRAIN: self._on_drain,
             MsgType.SHUTDOWN: self._on_shutdown,
@@ -576,6 +578,22 @@ class LinkServer:
 
     def _on_detokenize(self, env: link.Envelope, msg: link.Detokenize) -> Any:
         return link.DetokenizeResult(text=bytes(self.engine.detokenize(msg.tokens.tolist())))
+
+    def _on_embed(self, env: link.Envelope, msg: link.Embed) -> Any:
+        if int(msg.lengths.sum(dtype=np.uint64)) != len(msg.tokens):
+            raise ValueError(f"lengths sum to {int(msg.lengths.sum())} but {len(msg.tokens)} tokens came")
+        inputs = np.split(msg.tokens, np.cumsum(msg.lengths)[:-1]) if len(msg.lengths) else []
+        vectors = self.engine.embed(inputs)
+        return link.EmbedResult(dim=int(vectors.shape[1]), values=vectors.reshape(-1))
+
+    def _on_score(self, env: link.Envelope, msg: link.Score) -> Any:
+        s = self.engine.score(msg.tokens, msg.top_k)
+        return link.ScoreResult(
+            top_k=msg.top_k,
+            logprobs=s.logprobs,
+            top_ids=s.top_ids.reshape(-1),
+            top_logprobs=s.top_logprobs.reshape(-1),
+        )
 
     # -- rings -----------------------------------------------------------------------------------
 

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import structlog
 
 from basertd.schema import client as api
+from basertd.schema import link
+from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.cache.policy import route as route_by_prefix
@@ -30,7 +35,7 @@ from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
-from basertd.server.workers.link_errors import LinkError
+from basertd.server.workers.link_errors import LinkError, LinkTimeout, WorkerError
 from basertd.server.workers.slot import WorkerSlot
 from basertd.server.workers.specs import prefix_cache_usable, worker_spec
 
@@ -39,6 +44,8 @@ log = structlog.get_logger("basertd.fleet")
 WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
+EMBED_TIMEOUT_S = 120.0
+"""Seconds one EMBED or SCORE may take (it waits for the tick in flight, then runs between ticks)."""
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
 
 
@@ -318,6 +325,50 @@ class Fleet:
         except LinkError:
             return None
         return dict(pong.stats or {})
+
+    async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray:
+        """The pooled embeddings of ``inputs`` (token-id lists) from worker ``worker_id`` (Link W
+        EMBED, served between its ticks) as an ``(len(inputs), dim)`` float32 array. Raises
+        ``AdmissionError``: WORKER_FAILED when the worker is not running or dies meanwhile,
+        INVALID_REQUEST when its engine serves no embeddings or refuses an input, TIMEOUT after
+        ``EMBED_TIMEOUT_S``."""
+        msg = link.Embed(
+            tokens=np.fromiter(itertools.chain.from_iterable(inputs), np.uint32),
+            lengths=np.array([len(x) for x in inputs], np.uint32),
+        )
+        reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+        return reply.values.reshape(len(inputs), reply.dim)
+
+    async def score(self, worker_id: int, tokens: list[int], top_k: int) -> link.ScoreResult:
+        """Prompt log-probabilities of ``tokens`` from worker ``worker_id`` (Link W SCORE, between
+        its ticks): ``logprobs`` of tokens 1.. given the ones before, ``top_k`` alternatives each.
+        Raises ``AdmissionError`` as ``embed`` does."""
+        msg = link.Score(tokens=np.array(tokens, np.uint32), top_k=top_k)
+        return await self._between_ticks(worker_id, msg, "scores no prompts")
+
+    async def _between_ticks(self, worker_id: int, msg: object, unsupported: str) -> Any:
+        """The reply to ``msg``, a Link W request the worker serves between ticks (EMBED, SCORE),
+        within ``EMBED_TIMEOUT_S``; its failures as ``AdmissionError`` (``embed``), an engine
+        without the capability as "worker N's engine ``unsupported``"."""
+        proc = self.members[worker_id].slot.proc
+        if proc is None or not proc.link.alive:
+            raise AdmissionError(ErrorCode.WORKER_FAILED, f"worker {worker_id} is not running")
+        what = type(msg).__name__.upper()
+        try:
+            return await proc.link.request(msg, timeout=EMBED_TIMEOUT_S)
+        except WorkerError as exc:
+            if exc.status == Status.REJECT_BOUNDS:  # what is out of bounds, from the engine's checks
+                raise AdmissionError(ErrorCode.INVALID_REQUEST, exc.message) from None
+            why = unsupported if exc.status == Status.ERR_OP_UNSUPPORTED else f"failed {what}"
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, f"worker {worker_id}'s engine {why}") from None
+        except LinkTimeout:
+            raise AdmissionError(
+                ErrorCode.TIMEOUT, f"worker {worker_id} did not answer {what} in time"
+            ) from None
+        except LinkError:
+            raise AdmissionError(
+                ErrorCode.WORKER_FAILED, f"worker {worker_id} failed during {what}"
+            ) from None
 
     def live_state(self, in_flight: int, draining: bool) -> LiveState:
         """Every worker's snapshot now with the model it serves (call on the event loop), and the

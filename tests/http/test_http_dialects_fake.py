@@ -11,6 +11,7 @@ tests against a daemon are the other files of this folder.
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import json
 import typing
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -25,12 +27,17 @@ from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.config import HttpConfig
 from basertd.server.frontend.admission import Frontend
+from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
+from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
-from basertd.server.states import HealthStatus
+from basertd.server.states import HealthStatus, SlotState
 from basertd.server.transport.http import port, resume
 from basertd.server.transport.http.app import HttpServer
+from basertd.server.workers.limits import WorkerLimits
 
 MODEL = "fake-model"
 CONTEXT = 4096
@@ -132,6 +139,10 @@ class FakeFrontend:
     streams: list[FakeStream] = field(default_factory=list)
     follows: list[tuple[str, int]] = field(default_factory=list)
 
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The fake has no compiler: every spec compiles as its first candidate."""
+        return GrammarSpec(spec.kind, spec.text, label=spec.label)
+
     def route(self, model: str) -> int:
         if model not in ("", MODEL):
             raise AdmissionError(ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {MODEL})")
@@ -160,6 +171,30 @@ class FakeFrontend:
     def metrics_exposition(self) -> str:
         return "# TYPE basertd_fake gauge\nbasertd_fake 1\n"
 
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        limits = WorkerLimits(CONTEXT, 4, 4, 16, 4 * CONTEXT, CONTEXT)
+        zeros = dict.fromkeys(
+            ("ticks_run", "plans_rejected", "requests_done", "prefill_tokens", "decode_tokens"), 0
+        )
+        zeros.update(dict.fromkeys(("preemptions", "checkpoints", "crash_resumes", "yields_requested"), 0))
+        return [
+            WorkerSnapshot(
+                worker_id=7,
+                taken_at=0.0,
+                state=SlotState.READY,
+                pid=1,
+                respawns=0,
+                last_error="",
+                limits=limits,
+                lanes=(),
+                queues=(),
+                mem=None,
+                stall_reason=None,
+                prefix_caching=True,
+                **zeros,
+            )
+        ]
+
     async def tokenize(self, model: str, text: str, *, add_special: bool = True) -> list[int]:
         self.route(model)
         return ids(text)
@@ -167,6 +202,28 @@ class FakeFrontend:
     async def detokenize(self, model: str, tokens: list[int]) -> str:
         self.route(model)
         return text_of(tokens)
+
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        self.route(model)
+        return [TOK.piece(t) for t in tokens]
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> PromptScores:
+        """Token i+1 scores -(i+1)/10 after tokens 0..i; the alternatives are the token itself."""
+        self.route(model)
+        n = len(tokens) - 1
+        lps = np.array([-(i + 1) / 10 for i in range(n)], np.float32)
+        top = np.array([[t] * top_k for t in tokens[1:]], np.uint32).reshape(n, top_k)
+        return PromptScores(lps, top, np.repeat(lps[:, None], top_k, axis=1))
+
+    async def embed(self, model: str, inputs: list[Any], *, truncate: bool = False) -> Embeddings:
+        """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8."""
+        self.route(model)
+        lists = [ids(x) if isinstance(x, str) else list(x) for x in inputs]
+        vecs = np.zeros((len(lists), 8), np.float32)
+        for i, toks in enumerate(lists):
+            np.add.at(vecs[i], np.array(toks) % 8, 1.0)
+        vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+        return Embeddings(vecs, sum(map(len, lists)))
 
     def _replies(self, gen: api.Generate, prompt_len: int, after: int = 0) -> list[Any]:
         rid = gen.request_id
@@ -234,8 +291,11 @@ def run(fake: FakeFrontend, fn: Call, **config: Any) -> Any:
 
     async def main() -> Any:
         server = HttpServer(HttpConfig(listen=[], **config), fake)  # type: ignore[arg-type]
-        async with TestClient(TestServer(server.app)) as client:
-            return await fn(client)
+        try:
+            async with TestClient(TestServer(server.app)) as client:
+                return await fn(client)
+        finally:
+            await server.templates.close()
 
     return asyncio.run(main())
 
@@ -545,7 +605,7 @@ def test_chat_structured_output_passes_to_the_generate_and_refuses_tools_with_it
     [
         (b"", None, "the request body is empty"),
         (b"{not json", None, "not valid JSON"),
-        (json.dumps({"prompt": "x", "echo": True}).encode(), "echo", "unsupported field 'echo'"),
+        (json.dumps({"prompt": "x", "suffix": "s"}).encode(), "suffix", "unsupported field 'suffix'"),
         (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), "max_tokens", "invalid request body"),
         (json.dumps({"prompt": "x", "n": 99}).encode(), "n", "n must be an integer"),
         (json.dumps({"prompt": []}).encode(), "prompt", "the prompt is empty"),
@@ -1043,6 +1103,47 @@ def test_ollama_tools_come_back_as_tool_calls_and_results_go_back_into_the_templ
         assert out.message.content == "It is sunny."
 
     run(fake, fn)
+
+
+def test_embeddings_in_openais_and_ollamas_shapes():
+    fake = FakeFrontend()
+    status, out = post(fake, "/v1/embeddings", {"input": ["ab", "ab", "b"], "encoding_format": "float"})
+    assert status == 200 and [d["index"] for d in out["data"]] == [0, 1, 2]
+    assert out["model"] == MODEL and out["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    status, b64 = post(fake, "/v1/embeddings", {"input": ["ab"], "encoding_format": "base64"})
+    raw = np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), "<f4")
+    assert np.allclose(raw, out["data"][0]["embedding"])
+    status, o = post(fake, "/api/embed", {"model": MODEL, "input": "ab"})
+    assert status == 200 and np.allclose(o["embeddings"][0], out["data"][0]["embedding"])
+    status, o = post(fake, "/api/embeddings", {"model": MODEL, "prompt": "b"})
+    assert status == 200 and np.allclose(o["embedding"], out["data"][2]["embedding"])
+    status, o = post(fake, "/api/embed", {"model": "nope", "input": "ab"})
+    assert status == 404 and set(o) == {"error"}  # Ollama's error shape on /api/
+
+
+def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs():
+    fake = FakeFrontend(reply="ok")
+    status, out = post(
+        fake, "/v1/completions", {"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 2}
+    )
+    assert status == 200
+    (c,) = out["choices"]
+    assert c["text"] == "abok"
+    lp = c["logprobs"]
+    assert lp["tokens"] == ["a", "b", "o", "k"] and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"][:2] == [None, pytest.approx(-0.1)] and lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {"b": pytest.approx(-0.1)}
+    assert fake.gens[0][0].prompt_tokens == ids("ab")  # generated from the tokens it echoed
+    status, out = post(fake, "/v1/completions", {"prompt": ["ab", "c"], "echo": True, "max_tokens": 0})
+    assert status == 200 and [c["text"] for c in out["choices"]] == ["ab", "c"]
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in out["choices"])
+    assert out["usage"]["completion_tokens"] == 0 and len(fake.gens) == 1  # nothing generated
+    status, text = post_raw(
+        fake, "/v1/completions", {"prompt": "ab", "echo": True, "stream": True, "max_tokens": 2}
+    )
+    chunks = datas(sse(text))
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == "abok"
+    assert chunks[0]["choices"][0]["text"] == "ab"
 
 
 def test_ollama_tool_turns_may_carry_the_call_id_as_litellm_sends_them():

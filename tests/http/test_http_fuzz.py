@@ -45,7 +45,7 @@ BAD_FIELDS = {
         "repetition_penalty": [0, -1, 1000],
         "qos": ["vip", 5],
         "model": ["no-such-model", 5, "m" * 300],
-        "echo": [True],
+        "echo": ["yes", 5],
         "suffix": ["s"],
         "best_of": [2],
         "user": [5],

@@ -7,12 +7,20 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from basertd.schema.abi import Status
 from basertd.schema.tick import ShedPolicy, TickEvents, TokenRange, TokenRef
 from basertd.worker.engines import EngineOptionError, EngineOptions, open_engine
-from basertd.worker.engines.base import CAPABILITY_METHODS, Capability, Engine, EngineError, EngineInfo
+from basertd.worker.engines.base import (
+    CAPABILITY_METHODS,
+    Capability,
+    Engine,
+    EngineError,
+    EngineInfo,
+    ServedBy,
+)
 
 
 class CoreOnly(Engine):
@@ -71,6 +79,8 @@ OPTIONAL_CALLS = {
     "logit_bias_create": ([1], [1.0]),
     "logit_bias_free": (1,),
     "attach_control": (object(),),
+    "embed": ([],),
+    "score": (np.zeros(2, np.uint32), 0),
 }
 
 
@@ -116,6 +126,37 @@ def test_a_capability_is_served_whole_or_not_at_all():
                 return 1
 
 
+def test_a_capability_served_by_a_part_counts_and_each_call_reaches_the_part():
+    class Grammars:
+        def __init__(self) -> None:
+            self.freed: list[int] = []
+
+        def grammar_create(self, json_schema, kind="json_schema"):
+            return 11 if kind == "regex" else 0
+
+        def grammar_free(self, handle):
+            self.freed.append(handle)
+
+    class Composed(CoreOnly):
+        grammar_create = ServedBy("grammars")
+        grammar_free = ServedBy("grammars")
+
+        def __init__(self) -> None:
+            self.grammars = Grammars()
+
+    eng = Composed()
+    assert eng.capabilities() == {Capability.GRAMMAR}
+    assert eng.grammar_create("a+", kind="regex") == 11 and eng.grammar_create("{}") == 0
+    eng.grammar_free(11)
+    assert eng.grammars.freed == [11]
+    doc = Composed.grammar_free.__doc__
+    assert doc.startswith("``grammars.grammar_free``: ") and "rule 113" in doc  # the protocol's contract
+    with pytest.raises(TypeError, match="serves part of grammar: it lacks grammar_free"):
+
+        class Half(CoreOnly):
+            grammar_create = ServedBy("grammars")
+
+
 def test_unserved_host_tier_ops_check_their_target_first():
     seen = []
 
@@ -146,7 +187,8 @@ def test_engines_state_what_they_serve(tiny_gguf):
         assert ex.value.status == Status.ERR_UNKNOWN_HANDLE  # the op's own checks come first
     ref = open_engine("basert", EngineOptions())
     try:
-        assert ref.capabilities() == set(Capability)  # the reference engine reads a yield word
+        # the reference engine reads a yield word; it has no hidden states to pool
+        assert ref.capabilities() == set(Capability) - {Capability.EMBEDDINGS, Capability.SCORING}
     finally:
         ref.close()
 

@@ -123,6 +123,8 @@ class Capability(enum.Enum):
     GRAMMAR = "grammar"  # grammar handles for constrained lanes (rule 113)
     LOGIT_BIAS = "logit_bias"  # logit-bias handles (rule 113)
     TICK_YIELD = "tick_yield"  # ending a tick early at a step boundary (DESIGN.md "Front ends ... yield")
+    EMBEDDINGS = "embeddings"  # pooled embeddings of inputs, between ticks (Link W EMBED)
+    SCORING = "scoring"  # prompt log-probabilities, between ticks (Link W SCORE)
 
 
 CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
@@ -154,8 +156,33 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.GRAMMAR: ("grammar_create", "grammar_free"),
     Capability.LOGIT_BIAS: ("logit_bias_create", "logit_bias_free"),
     Capability.TICK_YIELD: ("attach_control",),
+    Capability.EMBEDDINGS: ("embed",),
+    Capability.SCORING: ("score",),
 }
 """The methods of each capability: an engine defines all of them or none."""
+
+
+class ServedBy:
+    """An ``Engine`` method an engine serves through one of its parts: ``seq_fork =
+    ServedBy("sequences")`` in an engine class makes ``engine.seq_fork`` the ``seq_fork`` of
+    ``engine.sequences`` (same name, same signature), so an adapter composes one part per
+    capability instead of writing a forwarding method for each call. The contract is the
+    ``Engine`` method's docstring (the ABI rule); what the engine decides where the ABI leaves a
+    choice is in the part's method. It counts for its ``Capability`` as a defined method does."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        contract = getattr(Engine, name, None)
+        self.__doc__ = f"``{self.part}.{name}``: {contract.__doc__ if contract is not None else ''}"
+
+    def __get__(self, engine: object, owner: type | None = None) -> Any:
+        if engine is None:
+            return self
+        return getattr(getattr(engine, self.part), self.name)
 
 
 def unsupported(engine: object, capability: Capability, call: str) -> EngineError:
@@ -369,3 +396,20 @@ class Engine(abc.ABC):
         record then says ``extra["yield"] = "step"``). The worker calls it only when
         ``supports(Capability.TICK_YIELD)``."""
         raise unsupported(self, Capability.TICK_YIELD, "attach_control")
+
+    # -- Capability.EMBEDDINGS ---------------------------------------------------------------------
+
+    def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
+        """The pooled, L2-normalised embeddings of ``inputs`` (token-id arrays) as an
+        ``(len(inputs), dim)`` float32 array; called between ticks. EngineError(REJECT_BOUNDS) for
+        an empty or over-long input or an id outside the vocabulary."""
+        raise unsupported(self, Capability.EMBEDDINGS, "embed")
+
+    # -- Capability.SCORING ------------------------------------------------------------------------
+
+    def score(self, tokens: np.ndarray, top_k: int) -> Any:
+        """Each token's log-probability after the ones before it and the ``top_k`` likeliest
+        tokens there (``llamacpp.score.Scores``: ``logprobs`` (n-1,), ``top_ids`` /
+        ``top_logprobs`` (n-1, top_k)); called between ticks. EngineError(REJECT_BOUNDS) for
+        fewer than 2 or over context-length tokens, an id outside the vocabulary, a bad top_k."""
+        raise unsupported(self, Capability.SCORING, "score")

@@ -9,7 +9,8 @@ whichever API it came through, without the scheduler knowing about metrics or lo
 - later tokens: inter-token latency (``Metrics.tokens``); with ``stream`` False the tokens arrive
   in one reply, so the mean gap between first and last token is observed instead;
 - Done or Error: the request's counters (``Metrics.request_finished``), the in-flight set of the
-  ``Drainer``, and exactly one access log line.
+  ``Drainer``, exactly one access log line and, with tracing on, its spans
+  (``basertd.server.observe.tracing``: Accepted and token times are recorded on the way).
 
 The access line is content-free (DESIGN.md "Operators"): event ``access`` with request_id, key,
 api (the API it came through: native, openai, anthropic, ollama), worker_id, qos, prompt_tokens,
@@ -31,6 +32,7 @@ from basertd.schema import client as api
 if TYPE_CHECKING:
     from basertd.server.frontend.drain import Drainer
     from basertd.server.observe.metrics import Metrics
+    from basertd.server.observe.tracing import RequestTrace
     from basertd.server.request.record import GenerationRequest, RequestSink
 
 access_log = structlog.get_logger("basertd.access")
@@ -41,7 +43,7 @@ class ObservedSink:
     (module docstring). ``attach(req)`` must be called before the request is submitted; ``send``
     never raises."""
 
-    __slots__ = ("_last_t", "api_name", "drainer", "inner", "metrics", "request", "request_id")
+    __slots__ = ("_last_t", "api_name", "drainer", "inner", "metrics", "request", "request_id", "trace")
 
     def __init__(
         self,
@@ -58,12 +60,15 @@ class ObservedSink:
         self.metrics = metrics
         self.drainer = drainer
         self.request: GenerationRequest | None = None
+        self.trace: RequestTrace | None = None
         self._last_t: float | None = None
 
     def attach(self, req: GenerationRequest) -> None:
-        """Observe ``req`` (counted in flight from now on)."""
+        """Observe ``req`` (counted in flight from now on; traced when tracing is on, under the
+        ``traceparent`` of the HTTP request being handled)."""
         self.request = req
         self.drainer.accepted(req)
+        self.trace = self.metrics.tracing.begin(req.key)
 
     @property
     def closed(self) -> bool:
@@ -81,10 +86,15 @@ class ObservedSink:
         self.inner.send(msg)
 
     def _observe(self, req: GenerationRequest, msg: object) -> None:
-        if isinstance(msg, api.Tokens) and msg.ids:
+        trace = self.trace
+        if isinstance(msg, api.Accepted) and trace is not None:
+            trace.accepted(time.monotonic())
+        elif isinstance(msg, api.Tokens) and msg.ids:
             now = time.monotonic()
+            if trace is not None:
+                trace.delivered(now)
             if self._last_t is None:
-                self.metrics.first_token(req)
+                self.metrics.first_token(req, 1 if not req.stream else len(msg.ids))
                 if not req.stream and len(msg.ids) > 1 and req.t_first_token is not None:
                     # one reply for the whole generation: the mean gap after the first token
                     self.metrics.tokens(req.qos, len(msg.ids) - 1, now - req.t_first_token)
@@ -99,6 +109,9 @@ class ObservedSink:
     def _end(self, req: GenerationRequest, usage: api.Usage, timings: api.Timings, code: str | None) -> None:
         self.metrics.request_finished(req, code)
         self.drainer.ended(req)
+        if self.trace is not None:
+            self.metrics.tracing.end(req, self.trace, self.api_name, code)
+            self.trace = None
         fields = dict(
             request_id=req.request_id,
             key=req.key,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,10 @@ from prometheus_client.registry import Collector
 
 from basertd.server.observe.cache_counters import CacheCounters
 from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.observe.tracing import NO_TRACING, Tracing
+from basertd.server.observe.windows import Windows
 from basertd.server.request.record import QOS_CLASSES
+from basertd.server.states import SlotState
 
 if TYPE_CHECKING:
     from basertd.server.request.record import GenerationRequest
@@ -140,6 +144,16 @@ class _LiveCollector(Collector):
             value=float(state.draining),
         )
         yield gauge("worker_ready", "1 when the worker has handshaken and serves.", lambda ws: ws.ready)
+        yield gauge(
+            "worker_given_up",
+            "1 once the supervisor gave up starting the worker (its last_error says why).",
+            lambda ws: ws.state is SlotState.GIVEN_UP,
+        )
+        yield gauge(
+            "scheduler_stalled",
+            "1 while the worker's progress watchdog reports a stall (work waits, no tick lands).",
+            lambda ws: ws.stall_reason is not None,
+        )
         yield gauge("lanes_active", "Live lanes (retiring ones included).", lambda ws: ws.lanes_busy)
         yield gauge("lanes_max", "Lanes the worker offers.", lambda ws: ws.limits.max_lanes)
         yield gauge(
@@ -297,13 +311,21 @@ class Metrics:
         self.connections_dropped = Counter(
             "connections_dropped",
             "Client connections refused or closed by a [limits] cap, by reason (total_cap, uid_cap, "
-            "buffer_budget, frame_timeout, idle_timeout, slow_reader).",
+            "buffer_budget, frame_timeout, idle_timeout, slow_reader), or by an [http] bound "
+            "(http_total_cap, http_peer_cap, http_header_timeout, http_body_timeout, "
+            "http_idle_timeout, http_write_timeout).",
             ["reason"],
             namespace=ns,
             registry=r,
         )
         self.connections_open = Gauge(
             "client_connections", "Open client-socket connections.", namespace=ns, registry=r
+        )
+        self.http_connections_open = Gauge(
+            "http_connections",
+            "Open HTTP connections (counted against http.max_connections).",
+            namespace=ns,
+            registry=r,
         )
         self.request_buffer_bytes = Gauge(
             "request_buffer_bytes",
@@ -335,6 +357,27 @@ class Metrics:
             "What the write-ahead log recovery found at start: records replayed, unfinished requests "
             "re-queued, finished results kept, bytes of torn tail truncated.",
             ["what"],
+            namespace=ns,
+            registry=r,
+        )
+        self.tracing: Tracing = NO_TRACING
+        """The request tracer (``observe.tracing``; the daemon sets it from ``[tracing]``): fed
+        ticks and crashes by the helpers below, requests by the request observer."""
+        self.windows = Windows()
+        """Rolling windows of the same events for the live views (``basertctl top``, the page at
+        ``/``): fed by the helpers below, never read back from the registry."""
+        self.grammar_compiles = Counter(
+            "grammar_compiles",
+            "Grammar specs compiled at admission (each distinct spec once; cached results not counted).",
+            namespace=ns,
+            registry=r,
+        )
+        self.sandbox_failures = Counter(
+            "sandbox_jobs_failed",
+            "Jobs of a sandbox pool (pool: grammar, chat_template) that gave no result, by reason: "
+            "refused (the spec or template is invalid), timeout, crash (the child process died), busy "
+            "(too many waiting).",
+            ["pool", "reason"],
             namespace=ns,
             registry=r,
         )
@@ -389,12 +432,17 @@ class Metrics:
 
     # --- helpers called where things happen ------------------------------------------------------
 
-    def first_token(self, req: GenerationRequest) -> None:
-        """A request delivered its first token: TTFT and queue time (seconds); a prefix-cache hit
-        when its admission reused cached tokens (``req.cached_tokens``), else a miss. Called once
-        per request, so a lane re-admitted after a preemption is never counted again."""
+    def first_token(self, req: GenerationRequest, count: int = 1) -> None:
+        """A request delivered its first ``count`` tokens: TTFT and queue time (seconds); a
+        prefix-cache hit when its admission reused cached tokens (``req.cached_tokens``), else a
+        miss. Called once per request, so a lane re-admitted after a preemption is never counted
+        again."""
         if req.t_first_token is not None:
-            self.ttft.labels(req.qos).observe(max(0.0, req.t_first_token - req.t_received))
+            ttft = max(0.0, req.t_first_token - req.t_received)
+            self.ttft.labels(req.qos).observe(ttft)
+            now = time.monotonic()
+            self.windows.first_token(now, ttft, len(req.prompt), req.cached_tokens)
+            self.windows.delivered(now, count, None)
         if req.t_admitted is not None:
             self.queue_time.labels(req.qos).observe(max(0.0, req.t_admitted - req.t_received))
         worker = str(req.worker_id if req.worker_id is not None else "")
@@ -405,6 +453,7 @@ class Metrics:
         inter-token latency of ``gap_s / count`` per token."""
         if count <= 0:
             return
+        self.windows.delivered(time.monotonic(), count, gap_s)
         per = max(0.0, gap_s) / count
         h = self.itl.labels(qos)
         for _ in range(count):
@@ -428,23 +477,38 @@ class Metrics:
     def tick(self, worker_id: int, seconds: float) -> None:
         """Worker ``worker_id`` finished a tick that took ``seconds`` of wall time."""
         self.tick_seconds.labels(str(worker_id)).observe(seconds)
+        if self.tracing.enabled:
+            now = time.monotonic()
+            self.tracing.tick(worker_id, now - seconds, now)
 
     def preempted(self, worker_id: int, qos: str) -> None:
         """A ``qos`` lane of worker ``worker_id`` was preempted (``basertd.server.sched.qos``: preemption)."""
         self.preemptions.labels(str(worker_id), qos).inc()
 
-    def crash_resumed(self, worker_id: int) -> None:
-        """A running request of worker ``worker_id`` was requeued after the worker died (also
-        counted as ``requests_resumed{after="worker_crash"}``)."""
+    def crash_resumed(self, worker_id: int, key: int | None = None) -> None:
+        """A running request (``key``, ``GenerationRequest.key``) of worker ``worker_id`` was
+        requeued after the worker died (also counted as ``requests_resumed{after="worker_crash"}``;
+        a ``resume_after_crash`` span of its trace)."""
         self.crash_resumes.labels(str(worker_id)).inc()
+        if key is not None:
+            self.tracing.crashed(key, worker_id, time.monotonic())
         self.request_resumed("worker_crash")
 
     def grammar_handles_held(self, worker_id: int, count: int) -> None:
         """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
         self.grammar_handles.labels(str(worker_id)).set(count)
 
+    def grammar_compiled(self) -> None:
+        """One grammar spec was compiled in a child process (a cache miss)."""
+        self.grammar_compiles.inc()
+
+    def sandbox_failed(self, pool: str, reason: str) -> None:
+        """A job of sandbox pool ``pool`` gave no result (``reason``: refused, timeout, crash, busy)."""
+        self.sandbox_failures.labels(pool, reason).inc()
+
     def connection_dropped(self, reason: str) -> None:
-        """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""
+        """A client connection was refused or closed by a ``[limits]`` cap or an ``[http]`` bound
+        (``reason``)."""
         self.connections_dropped.labels(reason).inc()
 
     def wal_commit(self, nbytes: int, fsync_s: float) -> None:
@@ -452,6 +516,7 @@ class Metrics:
         (the journal's ``on_commit`` hook; called from the committing thread)."""
         self.wal_bytes.inc(nbytes)
         self.wal_fsync_seconds.observe(fsync_s)
+        self.windows.fsync(time.monotonic(), fsync_s)
 
     def wal_recovery(self, records: int, requests: int, results: int, truncated_bytes: int) -> None:
         """What the write-ahead log recovery found at start."""

@@ -38,6 +38,8 @@ from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
+from basertd.server.observe.overview import Header, ServedWorker, overview
+from basertd.server.observe.windows import HISTORY_S
 from basertd.server.ops.control_errors import ControlError
 from basertd.server.ops.reload import config_changes
 from basertd.server.states import DaemonState
@@ -214,6 +216,7 @@ class ControlService:
             control.Metrics: Verb("metrics", self._metrics, view=True),
             control.Shutdown: Verb("shutdown", self._shutdown),
             control.ConfigCheck: Verb("config check", self._config_check),
+            control.Overview: Verb("overview", self._overview, view=True),
         }
         """The handler of each control request type (``verbs[type(msg)]``)."""
 
@@ -342,6 +345,32 @@ class ControlService:
             classes=[control.QueueRow(qos=q, depth=int(d), oldest_wait_s=w) for q, (d, w) in totals.items()]
         )
 
+    def overview(self, history_s: int = 0) -> control.OverviewResult:
+        """The live picture (``basertd.server.observe.overview``) with ``history_s`` seconds of
+        per-second series; also served to the web page at ``/`` (``transport.http.opsview``).
+        Raises ``ControlError(INVALID_REQUEST)`` for ``history_s`` outside 0..``HISTORY_S``."""
+        if not 0 <= history_s <= HISTORY_S:
+            raise ControlError(
+                ErrorCode.INVALID_REQUEST, f"history_s must be within 0..{HISTORY_S}, got {history_s}"
+            )
+        d = self.d
+        header = Header(
+            version=d.version,
+            state=d.public_state(),
+            uptime_s=time.monotonic() - d.started_at,
+            requests_total=d.requests_total,
+            in_flight=d.drainer.in_flight,
+            problems=d.fleet.problems(),
+        )
+        served = [
+            ServedWorker(snap, m.model_name, m.config.engine)
+            for m, snap in zip(d.fleet, d.fleet.snapshots(), strict=True)
+        ]
+        return overview(header, served, d.metrics.windows, time.monotonic(), history_s)
+
+    async def _overview(self, msg: control.Overview) -> control.OverviewResult:
+        return self.overview(msg.history_s)
+
     async def _metrics(self, msg: control.Metrics) -> control.MetricsResult:
         return control.MetricsResult(text=self.d.metrics.exposition())
 
@@ -404,9 +433,10 @@ class ControlService:
     async def _drain(self, msg: control.Drain) -> control.DrainResult:
         timeout = _timeout(msg.timeout_s)
         self._check_running()
-        self.d.drainer.begin(ErrorCode.DRAINING)
+        grace = self.d.config.operators.drain_grace_s
+        self.d.drainer.begin(ErrorCode.DRAINING, grace)
         self.d.publish_status()
-        outcome = await self.d.drainer.drain(timeout, ErrorCode.DRAINING)
+        outcome = await self.d.drainer.drain(timeout, ErrorCode.DRAINING, grace)
         self.d.publish_status()
         left = self.d.drainer.in_flight if outcome.resumed else outcome.cancelled
         return control.DrainResult(drained=outcome.drained, lanes_active=left, waited_s=outcome.waited_s)

@@ -19,6 +19,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from basertd.schema import client as api
+from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.scoring import PromptScores
+from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.states import HealthStatus
 
 
@@ -103,6 +107,28 @@ class FrontendPort(Protocol):
         """The text of ``tokens`` (invalid UTF-8 as U+FFFD). Raises ``AdmissionError``."""
         ...
 
+    def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
+        """The bytes of each of ``tokens`` in ``model``'s vocabulary (ids below its size)."""
+        ...
+
+    async def score(self, model: str, tokens: list[int], top_k: int) -> PromptScores:
+        """Each prompt token's log-probability after the first, with ``top_k`` alternatives
+        (``echo`` with ``logprobs``). Raises ``AdmissionError``."""
+        ...
+
+    async def embed(
+        self, model: str, inputs: list[str] | list[list[int]], *, truncate: bool = False
+    ) -> Embeddings:
+        """Pooled, unit-length embeddings of texts or token lists, row i of input i (``truncate``:
+        an input over the context length keeps its first tokens). Raises ``AdmissionError``
+        (INVALID_REQUEST for an engine without embeddings)."""
+        ...
+
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The candidate of ``spec`` that compiles (cached for admission), after the queue caps of
+        ``model``'s worker for ``qos``. Raises ``AdmissionError`` (INVALID_REQUEST, QUEUE_FULL)."""
+        ...
+
     def route(self, model: str) -> int:
         """The worker handle a new request for ``model`` ("" = any) goes to now. Raises
         ``AdmissionError(NOT_FOUND)`` for a model no worker serves."""
@@ -130,6 +156,11 @@ class FrontendPort(Protocol):
 
     def workers_ready(self) -> int:
         """Workers that serve now."""
+        ...
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by worker handle (``WorkerSnapshot``: lanes, queues, limits); cheap,
+        read on the event loop (the endpoints routers poll, ``router_api``)."""
         ...
 
     def metrics_exposition(self) -> str:

@@ -1,7 +1,9 @@
 """OpenAI's endpoints (and llama-server's / vLLM's tokenizer endpoints) over a ``FrontendPort``:
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (llama-server's and vLLM's
-field names both accepted).
+field names both accepted; vLLM's chat form of ``/tokenize``: ``messages``,
+``add_generation_prompt``). A body whose ``model`` is ``"unknown"`` (what SGLang's gateway writes
+for a request without one) goes to the default model (``router_api.served_model``).
 
 Each generation request becomes one ``Generate`` per prompt and choice (``translate``); the
 replies become OpenAI's objects (``wire.Shape``), a JSON body or SSE chunks (``sse``) ending with
@@ -22,9 +24,11 @@ from basertd.schema import client as api
 from basertd.server.transport.http import body, resume, sse, tool_calls
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.openai import echo, wire
 from basertd.server.transport.http.openai import translate as tr
-from basertd.server.transport.http.openai import wire
+from basertd.server.transport.http.openai.render import chat_max_tokens, chat_prompt
 from basertd.server.transport.http.port import FrontendPort, StreamPort
+from basertd.server.transport.http.router_api import served_model
 from basertd.server.transport.http.templates import Templates
 
 API_NAME = "openai"
@@ -82,13 +86,39 @@ class OpenAiApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = body.decode(await body.read(request), wire.TokenizeBody)
-        text = req.content if req.content is not None else req.prompt
-        if text is None:
-            raise bad_request("give content (or prompt)", "content")
+        req.model = served_model(self.frontend, req.model)
         add = req.add_special if req.add_special is not None else req.add_special_tokens
-        tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
+        if req.messages is not None:
+            tokens = await self._tokenize_chat(req, add)
+        else:
+            text = req.content if req.content is not None else req.prompt
+            if text is None:
+                raise bad_request("give content (or prompt, or messages)", "content")
+            tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
         ctx = self.frontend.context_length(self.frontend.route(req.model))
         return body.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": ctx})
+
+    async def _tokenize_chat(self, req: wire.TokenizeBody, add_special: bool | None) -> list[int]:
+        """vLLM's chat form of ``/tokenize``: ``messages`` rendered with the worker's template
+        (``add_generation_prompt``, default true), then tokenized (BOS unless the template wrote
+        it, or as ``add_special_tokens`` says). ``continue_final_message`` is served as false only
+        (400 otherwise, ``extensions``)."""
+        if req.continue_final_message:
+            raise bad_request(
+                "continue_final_message = true is not served here: this server accepts it only as false",
+                "continue_final_message",
+                code="unsupported_value",
+            )
+        self.templates.check_messages(len(req.messages or []))
+        messages = tr.message_dicts(req.messages or [])
+        try:
+            _, template = self.templates.for_model(req.model)
+            gen_prompt = req.add_generation_prompt is not False
+            text = await self.templates.render(template, messages, add_generation_prompt=gen_prompt)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages", code="chat_template") from None
+        add = template.needs_bos(text) if add_special is None else add_special
+        return await self.frontend.tokenize(req.model, text, add_special=add)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = body.decode(await body.read(request), wire.DetokenizeBody)
@@ -101,28 +131,53 @@ class OpenAiApi:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=False)
         req = body.decode(await body.read(request), wire.CompletionRequest)
+        req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         prompts = tr.prompts_of(req.prompt)
         max_tokens = tr.COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
+        if not req.echo:
+            return await self._generate(request, req, [(p, max_tokens) for p in prompts], chat=False)
+        k = tr.logprobs_of(req)
+        echoes = [await echo.echo_of(self.frontend, req.model, p, k) for p in prompts]
+        if max_tokens == 0:  # the prompts alone (vLLM's answer)
+            return await self._echo_only(request, req, echoes)
+        jobs = [(e.tokens, max_tokens) for e in echoes]
+        return await self._generate(request, req, jobs, chat=False, echoes=echoes)
+
+    async def _echo_only(
+        self, request: web.Request, req: wire.CompletionRequest, echoes: list[echo.Echo]
+    ) -> web.StreamResponse:
+        """``echo`` with ``max_tokens: 0``: each prompt (n times) with ``finish_reason`` "length"."""
+        n = req.n or 1
+        shape = wire.Shape(
+            False, body.new_id("cmpl"), self.frontend.model_name(self.frontend.route(req.model))
+        )
+        usage = wire.usage_of(sum(len(e.tokens) for e in echoes), 0, 0)
+        choices = [(e.text, "length", e.logprobs) for e in echoes for _ in range(n)]
+        if not req.stream:
+            return body.json_response(shape.full(choices, usage))
+        resp = web.StreamResponse(headers=sse.HEADERS)
+        await resp.prepare(request)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        for i, (text, finish, lp) in enumerate(choices):
+            await resp.write(
+                sse.event(shape.chunk(i, text, finish, include_usage=include_usage, logprobs=lp))
+            )
+        if include_usage:
+            await resp.write(sse.event(shape.usage_chunk(usage)))
+        await resp.write(sse.DONE)
+        return resp
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=True)
         req = body.decode(await body.read(request), wire.ChatRequest)
+        req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
-        messages = tr.message_dicts(req.messages)
-        plan = tool_calls.plan_of(req.tools, req.tool_choice, req.parallel_tool_calls)
-        try:
-            wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages, plan)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages", code="chat_template") from None
-        prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.frontend.context_length(wid) - len(prompt))
-        return await self._generate(request, req, [(prompt, max_tokens)], chat=True, tools=plan)
+        qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
+        prompt = await chat_prompt(self.frontend, self.templates, req, qos)
+        max_tokens = chat_max_tokens(self.frontend, req, prompt)
+        return await self._generate(request, req, [(prompt.tokens, max_tokens)], chat=True, tools=prompt.plan)
 
     async def _generate(
         self,
@@ -132,7 +187,10 @@ class OpenAiApi:
         *,
         chat: bool,
         tools: tool_calls.ToolPlan | None = None,
+        echoes: list[echo.Echo] | None = None,
     ) -> web.StreamResponse:
+        """One ``Generate`` per prompt and choice, answered whole or as SSE; ``echoes`` (one per
+        prompt, ``echo: true``) start each choice."""
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         stream = bool(req.stream)
         if req.stream_options is not None and not stream:
@@ -161,15 +219,18 @@ class OpenAiApi:
                 streams.append(await self.frontend.stream(gen, api_name=API_NAME))
             if stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                continuous = include_usage and bool(req.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
                 if (
-                    len(streams) == 1 and streams[0].accepted is not None and tools is None
+                    len(streams) == 1 and streams[0].accepted is not None and tools is None and echoes is None
                 ):  # one id to resume
                     state = {"response_id": rid, "model": model_name, "include_usage": include_usage}
                     resume_id = streams[0].accepted.resume_id
                     self.resumes.remember(gens[0].request_id, _kind(chat), state, resume_id)
                     resumable = bool(resume_id)
-                return await self._sse(request, shape, streams, n, include_usage)
-            return await self._collect(shape, streams, n)
+                return await self._sse(
+                    request, shape, streams, n, include_usage, continuous=continuous, echoes=echoes
+                )
+            return await self._collect(shape, streams, n, echoes)
         finally:
             await self.releaser.release(streams, resumable)
 
@@ -182,21 +243,25 @@ class OpenAiApi:
                 request, shape, [followed], 1, entry.state["include_usage"], ids=[rid], after=after
             )
 
-    async def _collect(self, shape: wire.Shape, streams: list[StreamPort], n: int) -> web.Response:
-        async def one(s: StreamPort) -> tuple[wire.Choice, api.Done]:
-            parts = []
-            lp = wire.Logprobs(shape.chat, s.piece)
+    async def _collect(
+        self, shape: wire.Shape, streams: list[StreamPort], n: int, echoes: list[echo.Echo] | None = None
+    ) -> web.Response:
+        async def one(c: int, s: StreamPort) -> tuple[wire.Choice, api.Done]:
+            e = echoes[c // n] if echoes else None
+            parts = [e.text] if e else []
+            lp = wire.Logprobs(shape.chat, s.piece, offset=len(e.text) if e else 0)
             async for msg in s:
                 if isinstance(msg, api.Tokens):
                     parts.append(msg.text)
                     lp.add(msg.logprobs)
                 elif isinstance(msg, api.Done):
-                    return ("".join(parts), wire.finish_reason(msg), lp.take()), msg
+                    lps = echo.join(e.logprobs, lp.take()) if e else lp.take()
+                    return ("".join(parts), wire.finish_reason(msg), lps), msg
                 elif isinstance(msg, api.Error):
                     raise from_code(msg.code, msg.message)
             raise HttpError(500, "the generation ended without a result", code="internal")
 
-        results = await asyncio.gather(*(one(s) for s in streams))
+        results = await asyncio.gather(*(one(c, s) for c, s in enumerate(streams)))
         choices = [choice for choice, _ in results]
         return body.json_response(shape.full(choices, tr.usage([d for _, d in results], n)))
 
@@ -210,21 +275,45 @@ class OpenAiApi:
         *,
         ids: list[str] | None = None,
         after: int = 0,
+        continuous: bool = False,
+        echoes: list[echo.Echo] | None = None,
     ) -> web.StreamResponse:
         """Stream ``streams`` as SSE; a resumed stream (``after`` > 0 tokens the client has) gets
-        no role chunk and its ids count on from ``after``."""
+        no role chunk and its ids count on from ``after``; ``echoes`` (per prompt) come first.
+        ``continuous`` (vLLM's ``stream_options.continuous_usage_stats`` with ``include_usage``):
+        every chunk carries its choice's usage so far (prompt tokens, tokens generated up to and
+        with that chunk)."""
         resp = web.StreamResponse(headers=sse.HEADERS)
         await resp.prepare(request)
         counts = [after] * len(streams)
         ids = ids or [s.request_id for s in streams]
+        offsets = [0] * len(streams)
+        for c in range(len(streams) if echoes else 0):
+            e = echoes[c // n]  # type: ignore[index]
+            offsets[c] = len(e.text)
+            await resp.write(sse.event(shape.chunk(c, e.text, logprobs=e.logprobs), f"{ids[c]}:0"))
+
+        def so_far(i: int) -> dict[str, Any] | None:
+            if not continuous:
+                return None
+            accepted = streams[i].accepted
+            prompt = accepted.prompt_tokens if accepted else 0
+            return {
+                "prompt_tokens": prompt,
+                "completion_tokens": counts[i],
+                "total_tokens": prompt + counts[i],
+            }
+
         if shape.chat and after == 0:
             first = b"".join(
-                sse.event(shape.chunk(i, "", role=True, include_usage=include_usage), f"{ids[i]}:0")
+                sse.event(
+                    shape.chunk(i, "", role=True, include_usage=include_usage, usage=so_far(i)), f"{ids[i]}:0"
+                )
                 for i in range(len(streams))
             )
             await resp.write(first)
         dones: list[api.Done | None] = [None] * len(streams)
-        lps = [wire.Logprobs(shape.chat, s.piece) for s in streams]
+        lps = [wire.Logprobs(shape.chat, s.piece, offset=offsets[c]) for c, s in enumerate(streams)]
         held = [shape.tool_stream() for _ in streams]  # tool calls wait until complete
         async for i, msg in _merge(streams):
             if isinstance(msg, api.Tokens):
@@ -232,7 +321,9 @@ class OpenAiApi:
                 lps[i].add(msg.logprobs)
                 text = held[i].feed(msg.text) if held[i] is not None else msg.text  # type: ignore[union-attr]
                 if text:
-                    chunk = shape.chunk(i, text, include_usage=include_usage, logprobs=lps[i].take())
+                    chunk = shape.chunk(
+                        i, text, include_usage=include_usage, logprobs=lps[i].take(), usage=so_far(i)
+                    )
                     await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Done):
                 dones[i] = msg
@@ -243,7 +334,12 @@ class OpenAiApi:
                         finish = "tool_calls"
                 if calls or rest:
                     chunk = shape.chunk(
-                        i, rest, include_usage=include_usage, logprobs=lps[i].take(), calls=calls
+                        i,
+                        rest,
+                        include_usage=include_usage,
+                        logprobs=lps[i].take(),
+                        calls=calls,
+                        usage=so_far(i),
                     )
                     await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
                 chunk = shape.chunk(
@@ -252,6 +348,7 @@ class OpenAiApi:
                     finish,
                     include_usage=include_usage,
                     logprobs=lps[i].take(),
+                    usage=so_far(i),
                 )
                 await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Error):

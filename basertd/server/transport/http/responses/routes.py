@@ -26,6 +26,7 @@ from basertd.server.transport.http.responses import translate as tr
 from basertd.server.transport.http.responses import wire
 from basertd.server.transport.http.responses.events import OutputStream
 from basertd.server.transport.http.responses.store import ResponseStore
+from basertd.server.transport.http.router_api import served_model
 from basertd.server.transport.http.templates import Templates
 
 API_NAME = "responses"
@@ -98,6 +99,7 @@ class ResponsesApi:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         req = body.decode(await body.read(request), wire.ResponsesRequest)
+        req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         conversation: list[dict[str, Any]] = []
@@ -111,16 +113,25 @@ class ResponsesApi:
                 )
             conversation = list(previous.conversation)
         conversation += tr.conversation_of(req.input)  # type: ignore[arg-type]
-        chat_tools = tr.chat_tools_of(req.tools)
-        plan = tool_calls.plan_of(
-            chat_tools, tr.chat_tool_choice_of(req.tool_choice), req.parallel_tool_calls
+        self.templates.check_messages(len(conversation) + 1)
+        plan = await self.templates.tool_plan(
+            req.model,
+            qos,
+            tr.chat_tools_of(req.tools),
+            tr.chat_tool_choice_of(req.tool_choice),
+            req.parallel_tool_calls,
         )
         response_format = tr.response_format_of(req.text)
-        structured = tr.structured_fields(plan, response_format)
+        combined = None
+        if plan is not None and plan.mode == "auto" and response_format is not None:
+            combined = await self.frontend.compile_spec(
+                req.model, qos, tr.answer_or_call(plan, response_format)
+            )
+        structured = tr.structured_fields(plan, response_format, combined)
         messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
         try:
             wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages + conversation, plan)
+            text = await self.templates.render_chat(template, messages + conversation, plan)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "input", code="chat_template") from None
         prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))

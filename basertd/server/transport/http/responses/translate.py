@@ -219,32 +219,37 @@ def response_format_of(text: wire.TextConfig | None) -> dict[str, Any] | None:
 
 def answer_or_call(plan: tool_calls.ToolPlan, response_format: dict[str, Any]) -> GrammarSpec:
     """The grammar of ``auto`` tools with a formatted answer: a call (as ``tool_calls`` parses it)
-    or the JSON the format asks for. Raises a 400 when the format's schema does not compile."""
+    or the JSON the format asks for; numbers bounded as in every JSON grammar
+    (``basertd.json_bounds``), with the schemas as given as the fallback should that not compile.
+    Not compiled yet (``FrontendPort.compile_spec`` compiles it)."""
     call = grammar.call_schema(plan.tools, plan.parallel, min(tool_calls.MAX_PARALLEL_CALLS, len(plan.tools)))
     answer: Any = {"type": "object"}
     if response_format["type"] == "json_schema":
         answer = response_format["json_schema"]["schema"]
-    parts = []
-    for name, schema in (("call", call), ("answer", answer)):
-        bounded = bound_numbers(schema) if isinstance(schema, dict) else schema
-        body = {**bounded, "x-guidance": _COMPACT} if isinstance(bounded, dict) else bounded
-        parts.append(f"{name}: %json {json.dumps(body, separators=(',', ':'))}\n")
+
+    def lark(bound: bool) -> str:
+        parts = []
+        for name, schema in (("call", call), ("answer", answer)):
+            if isinstance(schema, dict):
+                schema = {**(bound_numbers(schema) if bound else schema), "x-guidance": _COMPACT}
+            parts.append(f"{name}: %json {json.dumps(schema, separators=(',', ':'))}\n")
+        return "start: call | answer\n" + "".join(parts)
+
     try:
-        return grammar.validate_spec("lark", "start: call | answer\n" + "".join(parts))
+        fallback = grammar.validate_spec("lark", lark(False), label="text.format")
+        return GrammarSpec("lark", lark(True), fallback=fallback, label="text.format")
     except GrammarRequestError as exc:
         raise bad_request(str(exc), "text.format") from None
 
 
 def structured_fields(
-    plan: tool_calls.ToolPlan | None, response_format: dict[str, Any] | None
+    plan: tool_calls.ToolPlan | None, response_format: dict[str, Any] | None, combined: GrammarSpec | None
 ) -> dict[str, Any]:
-    """The ``Generate`` fields constraining the output: the tools' grammar, the format, or both
-    (``answer_or_call``)."""
+    """The ``Generate`` fields constraining the output: the format, the tools' grammar (compiled),
+    or ``combined`` (``answer_or_call``, compiled) when both apply."""
     if plan is None:
         return {"response_format": response_format}
-    if response_format is not None and plan.mode == "auto":
-        return tool_calls.generate_fields(answer_or_call(plan, response_format))
-    return tool_calls.generate_fields(plan.spec)
+    return tool_calls.generate_fields(combined if combined is not None else plan.spec)
 
 
 def generate_of(

@@ -1,0 +1,102 @@
+"""Embedding requests: inputs checked and tokenized here, pooled by the model's worker between its
+ticks (Link W EMBED; the pooling is the engine's, ``worker/engines/llamacpp/embed.py``).
+
+An input is a text (tokenized with the worker's vocabulary, BOS as for a prompt) or a list of
+token ids. At most ``MAX_EMBED_INPUTS`` inputs a request, each non-empty and at most the worker's
+context length. Inputs go to the worker in parts of at most ``EMBED_PART_TOKENS`` tokens (an
+input longer than that alone), one EMBED per part, so a large request costs the generation lanes
+on that worker one short pause between two ticks per part rather than one long one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from basertd.schema.client import ErrorCode
+from basertd.server.frontend.limits import check_prompt_bytes, check_prompt_tokens
+from basertd.server.request.record import AdmissionError
+
+MAX_EMBED_INPUTS = 256
+"""Most inputs one embedding request may carry."""
+EMBED_PART_TOKENS = 2048
+"""Tokens sent to the worker in one EMBED (a longer input goes alone)."""
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """``vectors``: ``(n, dim)`` float32, unit length, row i of input i; ``prompt_tokens``: the
+    tokens embedded, all inputs together."""
+
+    vectors: np.ndarray
+    prompt_tokens: int
+
+
+class EmbedFleet(Protocol):
+    """What embedding needs of the fleet (``basertd.server.fleet.Fleet``)."""
+
+    def route(self, model: str) -> int: ...
+
+    def context_length(self, worker_id: int) -> int: ...
+
+    async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray: ...
+
+
+async def embed(
+    fleet: EmbedFleet,
+    encode: Callable[[int, str], Awaitable[list[int]]],
+    vocab_size: Callable[[int], int],
+    tokenizer: Callable[[int], object],
+    model: str,
+    inputs: list[str] | list[list[int]],
+    *,
+    truncate: bool = False,
+) -> Embeddings:
+    """The embeddings of ``inputs`` with ``model`` ("" = any). Raises ``AdmissionError``:
+    NOT_FOUND (no worker serves the model), INVALID_REQUEST (no input, over ``MAX_EMBED_INPUTS``,
+    an empty input, ids outside the vocabulary, an engine without embeddings),
+    CONTEXT_LENGTH_EXCEEDED (an input over the context length, unless ``truncate``: then only its
+    first context-length tokens are embedded), WORKER_FAILED, TIMEOUT."""
+    if not inputs:
+        raise AdmissionError(ErrorCode.INVALID_REQUEST, "input must hold at least one text or token list")
+    if len(inputs) > MAX_EMBED_INPUTS:
+        raise AdmissionError(
+            ErrorCode.INVALID_REQUEST, f"input holds {len(inputs)} items, at most {MAX_EMBED_INPUTS}"
+        )
+    wid = fleet.route(model)
+    ctx = fleet.context_length(wid)
+    lists: list[list[int]] = []
+    for i, item in enumerate(inputs):
+        what = f"input[{i}]"
+        if isinstance(item, str):
+            if not item:  # tokenizing "" gives BOS alone: an embedding of nothing
+                raise AdmissionError(ErrorCode.INVALID_REQUEST, f"{what} is empty")
+            if not truncate:
+                check_prompt_bytes(item, ctx, tokenizer(wid), what=what)
+            toks = await encode(wid, item)
+        else:
+            toks = list(item)
+        if truncate:
+            toks = toks[:ctx]
+        if not toks:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, f"{what} is empty")
+        if len(toks) > ctx:
+            raise AdmissionError(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"{what} holds {len(toks)} tokens, over the context length ({ctx})",
+            )
+        check_prompt_tokens(toks, vocab_size(wid), ctx, what=what)
+        lists.append(toks)
+    parts: list[np.ndarray] = []
+    start = 0
+    while start < len(lists):
+        end, used = start + 1, len(lists[start])
+        while end < len(lists) and used + len(lists[end]) <= EMBED_PART_TOKENS:
+            used += len(lists[end])
+            end += 1
+        parts.append(await fleet.embed(wid, lists[start:end]))
+        start = end
+    return Embeddings(np.concatenate(parts), sum(len(t) for t in lists))

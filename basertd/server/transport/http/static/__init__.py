@@ -1,0 +1,1 @@
+"""The operator's page at ``/`` (``basertd.server.transport.http.opsview``): package data, no code."""

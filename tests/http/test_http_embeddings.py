@@ -1,0 +1,153 @@
+"""Embeddings over HTTP (``/v1/embeddings``, Ollama's ``/api/embed`` and ``/api/embeddings``)
+through the ``openai`` and ``ollama`` packages, on a llama.cpp worker serving the tiny GGUF and a
+reference-engine worker (which serves none). The vectors are compared with llama-cpp-python's own
+embedding loop on the same file (mean pooling, normalised); batched inputs give the vectors of
+single ones; a generation on the same worker runs on while embeddings are served between its
+ticks."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import llama_cpp
+import numpy as np
+import ollama
+import openai
+import pytest
+from daemon_harness import Daemon
+
+TEXTS = ["hello world", "the cat sat on the mat", "hello world", "a b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_gguf):
+    workers = (
+        f'[[workers]]\nengine = "llamacpp"\nmodel = "{tiny_gguf}"\n'
+        "lanes = 2\ncontext_length = 256\nthreads = 1\n"
+        '[[workers]]\nengine = "basert"\nlanes = 2\ncontext_length = 128\n'
+    )
+    with Daemon(workers + '[http]\nlisten = ["127.0.0.1:0"]\n') as d:
+        d.http_url = "http://" + d.http_addresses()[0]
+        models = httpx.get(d.http_url + "/v1/models").json()["data"]
+        d.llama_model, d.ref_model = (m["id"] for m in models)
+        yield d
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def reference(path, texts):
+    llm = llama_cpp.Llama(
+        str(path),
+        embedding=True,
+        pooling_type=llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+        n_ctx=256,
+        n_threads=1,
+        verbose=False,
+    )
+    try:
+        return np.array(llm.embed(texts, normalize=True), np.float32)
+    finally:
+        llm.close()
+
+
+def test_openai_embeddings_match_llama_cpps_own_loop(daemon, client, tiny_gguf):
+    out = client.embeddings.create(model=daemon.llama_model, input=TEXTS)  # the package asks for base64
+    got = np.array([d.embedding for d in sorted(out.data, key=lambda d: d.index)], np.float32)
+    assert got.shape[0] == len(TEXTS) and np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert np.allclose(got, reference(tiny_gguf, TEXTS), atol=1e-4)
+    assert (
+        np.allclose(got[0], got[2], atol=1e-5) and float(got[0] @ got[1]) < 0.9999
+    )  # batch rows: ~1e-6 apart
+    counts = [
+        len(
+            httpx.post(
+                daemon.http_url + "/tokenize", json={"content": t, "model": daemon.llama_model}
+            ).json()["tokens"]
+        )
+        for t in TEXTS
+    ]
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(counts)
+    floats = httpx.post(
+        daemon.http_url + "/v1/embeddings",
+        json={"model": daemon.llama_model, "input": TEXTS[1], "encoding_format": "float"},
+    ).json()
+    # alone vs among 4: another batch shape, another matmul order (~1e-4 apart on the tiny model)
+    assert np.allclose(floats["data"][0]["embedding"], got[1], atol=1e-3)
+    ids = httpx.post(
+        daemon.http_url + "/tokenize", json={"content": TEXTS[1], "model": daemon.llama_model}
+    ).json()["tokens"]
+    by_ids = client.embeddings.create(model=daemon.llama_model, input=[ids])
+    assert np.allclose(by_ids.data[0].embedding, floats["data"][0]["embedding"], atol=1e-6)
+
+
+def test_a_batch_of_32_gives_the_vectors_of_single_inputs(daemon, client):
+    texts = [f"sentence number {i} " * (1 + i % 5) for i in range(32)]
+    batch = client.embeddings.create(model=daemon.llama_model, input=texts)
+    single = [
+        client.embeddings.create(model=daemon.llama_model, input=t).data[0].embedding for t in texts[:4]
+    ]
+    assert np.allclose([d.embedding for d in batch.data[:4]], single, atol=1e-3)
+    assert [d.index for d in batch.data] == list(range(32))
+
+
+def test_ollama_embed_and_embeddings(daemon, client):
+    c = ollama.Client(host=daemon.http_url, timeout=60)
+    out = c.embed(model=daemon.llama_model, input=TEXTS[:2])
+    assert len(out.embeddings) == 2 and out.prompt_eval_count > 0
+    want = client.embeddings.create(model=daemon.llama_model, input=TEXTS[:2])
+    assert np.allclose(out.embeddings, [d.embedding for d in want.data], atol=1e-6)
+    legacy = c.embeddings(model=daemon.llama_model, prompt=TEXTS[0])
+    assert np.allclose(legacy.embedding, out.embeddings[0], atol=1e-6)
+    long = "word " * 2000  # over the 256-token context: truncated by default, refused without
+    assert len(c.embed(model=daemon.llama_model, input=long).embeddings[0]) == len(out.embeddings[0])
+    with pytest.raises(ollama.ResponseError) as err:
+        c.embed(model=daemon.llama_model, input=long, truncate=False)
+    assert err.value.status_code == 400 and "context" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "phrase"),
+    [
+        ({"input": []}, "input must be"),
+        ({"input": [""]}, "input[0] is empty"),
+        ({"input": "x", "dimensions": 7}, "dimensions must be"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "word " * 2000}, "context length"),
+        ({"input": [[1, 2, 10**9]]}, "outside the vocabulary"),
+        ({"input": ["x"] * 257}, "at most 256"),
+        ({"input": "x", "colour": 1}, "colour"),
+    ],
+)
+def test_bad_embedding_requests_are_400s(daemon, body, phrase):
+    r = httpx.post(daemon.http_url + "/v1/embeddings", json={"model": daemon.llama_model, **body}, timeout=60)
+    assert r.status_code == 400 and phrase in r.json()["error"]["message"], r.text
+
+
+def test_a_worker_without_embeddings_says_so(daemon):
+    r = httpx.post(
+        daemon.http_url + "/v1/embeddings", json={"model": daemon.ref_model, "input": "x"}, timeout=60
+    )
+    assert r.status_code == 400 and "serves no embeddings" in r.json()["error"]["message"]
+
+
+def test_a_generation_runs_on_while_its_worker_embeds(daemon, client):
+    stream = client.completions.create(
+        model=daemon.llama_model,
+        prompt="once upon a time",
+        max_tokens=48,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    next(it)
+    for _ in range(3):
+        assert len(client.embeddings.create(model=daemon.llama_model, input=TEXTS).data) == len(TEXTS)
+    rest = list(it)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert base64  # the base64 path is what the openai package used above
