@@ -112,8 +112,9 @@ class ResponsesApi:
                     code="previous_response_not_found",
                 )
             conversation = list(previous.conversation)
+        items = len(req.input) if isinstance(req.input, list) else 1
+        self.templates.check_messages(len(conversation) + items + 1)  # before converting them
         conversation += tr.conversation_of(req.input)  # type: ignore[arg-type]
-        self.templates.check_messages(len(conversation) + 1)
         plan = await self.templates.tool_plan(
             req.model,
             qos,
