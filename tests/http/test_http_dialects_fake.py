@@ -1176,3 +1176,18 @@ def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs():
     chunks = datas(sse(text))
     assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks) == "abok"
     assert chunks[0]["choices"][0]["text"] == "ab"
+
+
+def test_ollama_tool_turns_may_carry_the_call_id_as_litellm_sends_them():
+    fake = FakeFrontend(reply="It is sunny.")
+    call = {"id": "call_7", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns = [
+        {"role": "user", "content": "weather in Paris?", "images": []},
+        {"role": "assistant", "content": "", "images": [], "tool_calls": [call]},
+        {"role": "tool", "content": "sunny, 21 C", "images": [], "tool_call_id": "call_7"},
+    ]
+    body = {"model": MODEL, "messages": turns, "tools": [WEATHER_TOOL], "stream": False}
+    status, out = post(fake, "/api/chat", body)
+    assert status == 200 and out["message"]["content"] == "It is sunny."
+    prompt = text_of(fake.gens[0][0].prompt_tokens)
+    assert "Result of get_weather (call call_7):\nsunny, 21 C" in prompt  # the name found by the id

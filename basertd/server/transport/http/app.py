@@ -1,10 +1,10 @@
 """The HTTP server: aiohttp on the daemon's event loop, a sibling of the native API
-(``basertd.server.transport.native_api``). It serves three dialects, one package each with its
+(``basertd.server.transport.native_api``). It serves four dialects, one package each with its
 ``routes`` (aiohttp handlers), ``wire`` (request and response shapes) and ``translate`` (wire to
 ``Generate`` and back): ``openai/`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/tokenize``, ``/detokenize``; ``openai/render.py``: vLLM's ``/v1/*/render``), ``anthropic/``
-(``/v1/messages``) and ``ollama/`` (``/api/...``); ``router_api`` serves what routers poll
-(``/server_info``, ``/model_info``, ``/get_load``).
+``/tokenize``, ``/detokenize``; ``openai/render.py``: vLLM's ``/v1/*/render``), ``responses/``
+(``/v1/responses``), ``anthropic/`` (``/v1/messages``) and ``ollama/`` (``/api/...``);
+``router_api`` serves what routers poll (``/server_info``, ``/model_info``, ``/get_load``).
 Every handler sees the front end only through ``port.FrontendPort``; shared pieces are ``body``
 (reading and decoding bodies), ``templates`` (chat templates per worker), ``resume``
 (``Last-Event-ID``, closing streams), ``sse``, ``errors``, ``auth`` and ``tool_calls``.
@@ -63,6 +63,7 @@ from basertd.server.transport.http.openai.routes import OpenAiApi
 from basertd.server.transport.http.opsview import OpsView, OverviewSource
 from basertd.server.transport.http.origin import HostPolicy
 from basertd.server.transport.http.port import FrontendPort
+from basertd.server.transport.http.responses.routes import ResponsesApi
 from basertd.server.transport.http.router_api import RouterApi
 from basertd.server.transport.http.templates import Templates
 
@@ -140,6 +141,7 @@ class HttpServer:
                 *EmbeddingsApi(frontend).routes(),
                 *RenderApi(frontend, self.templates).routes(),
                 *RouterApi(frontend).routes(),
+                *ResponsesApi(frontend, self.templates).routes(),
             ]
         )
         self.app = app

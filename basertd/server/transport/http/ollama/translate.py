@@ -65,8 +65,9 @@ def generate_messages(req: GenerateRequest) -> list[dict[str, Any]]:
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     """The chat-template messages of ``/api/chat``, in the OpenAI shape ``tool_calls.render``
     reads (an assistant turn's calls as ``{"id", "type": "function", "function": {"name",
-    "arguments"}}``, a tool turn's ``tool_name`` as ``name``). Raises 400 for images or a
-    malformed call."""
+    "arguments"}}``, the call's ``id`` kept when it has one; a tool turn's ``tool_name`` as
+    ``name``, its ``tool_call_id`` (sent by litellm's ``ollama_chat/``) as ``tool_call_id``). Raises
+    400 for images or a malformed call."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages or []):
         if m.images:
@@ -76,6 +77,8 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
             d["tool_calls"] = [_openai_call(i, k, c) for k, c in enumerate(m.tool_calls)]
         if m.role == "tool" and m.tool_name:
             d["name"] = m.tool_name
+        if m.role == "tool" and m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
@@ -87,8 +90,9 @@ def _openai_call(i: int, k: int, call: Any) -> dict[str, Any]:
             f"messages[{i}].tool_calls[{k}] must be {{'function': {{'name': ..., 'arguments': {{...}}}}}}",
             f"messages[{i}].tool_calls",
         )
+    cid = call.get("id")
     return {
-        "id": f"call_{i}_{k}",
+        "id": cid if isinstance(cid, str) and cid else f"call_{i}_{k}",
         "type": "function",
         "function": {"name": fn["name"], "arguments": fn.get("arguments", {})},
     }

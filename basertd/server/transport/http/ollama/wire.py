@@ -87,6 +87,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
     tool_name: str | None = None
+    tool_call_id: str | None = None
     thinking: str | None = None
 
 
