@@ -32,7 +32,8 @@ class SchedulerState:
     ``rates`` (``TickRates``), ``cache_policy`` (``WorkerCache``), ``grammars``
     (``GrammarHandles``: the core only marks handles to free, the loop sends the frees), and the
     counters ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens_total``,
-    ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``.
+    ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``, ``handovers``
+    (lanes handed over by a planned replacement, not charged as crashes).
     ``last_mem``: the memory counters of the last tick (None once read). ``to_release``: seed
     lease handles the loop releases between ticks (ABI rule 81). ``can_yield`` / ``step_tokens``:
     what the current incarnation's engine supports (``basertd.shm.control``)."""
@@ -65,6 +66,7 @@ class SchedulerState:
         self.preemptions = 0
         self.checkpoints = 0
         self.crash_resumes = 0
+        self.handovers = 0  # lanes moved off a live worker that a reload or an operator replaced
         self.last_mem: link.MemCounters | None = None
         self.to_release: list[int] = []
         self.can_yield = False
