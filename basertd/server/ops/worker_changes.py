@@ -22,7 +22,8 @@ vocabulary's); then ``WorkerSlot.replace`` closes the old process in order and s
 from the new table, and the next change waits until it serves (or gives up). Resumed requests
 continue token-exact (``decode_replay``, ABI rules 71-73). Removing the last worker hands its
 lanes and queue to peers (failing WORKER_FAILED what no peer serving the model can take), then
-stops it. Other workers are not touched.
+stops it. Other workers are not touched. An added worker publishes no KV events (``[kv_events]``
+binds its endpoints at start) until the next restart.
 """
 
 from __future__ import annotations
