@@ -1,5 +1,5 @@
 """Workers changed by a reload (SIGHUP) and by ``basertctl worker restart``, on real daemons with
-the C reference engine (deterministic: a greedy stream's tokens are a function of its prompt):
+the C reference engine (deterministic: a stream's tokens are a function of its prompt and seed):
 a replaced, added or removed worker hands its running streams over (to a peer serving the same
 model, or to its own next process) and every stream finishes with exactly the tokens of an
 undisturbed run; the other workers' processes are untouched; the ``reloaded`` line names the
@@ -16,6 +16,13 @@ from proc_testutil import wait_until
 
 PROMPTS = [f"handed over stream {i} " * (1 + i % 3) for i in range(4)]
 MAX_TOKENS = 100
+# greedy and sampled streams (a sampled one resumes on the same RNG stream, ABI rule 73)
+PARAMS = [
+    dict(max_tokens=MAX_TOKENS, temperature=0.9, top_k=40, seed=100 + i)
+    if i % 2
+    else dict(max_tokens=MAX_TOKENS, temperature=0)
+    for i in range(len(PROMPTS))
+]
 GRANT = "[scheduler]\ndecode_grant = 1\n"
 
 
@@ -39,19 +46,16 @@ def _sighup(d: Daemon, config: str, event: str = "reloaded") -> dict:
 
 def _undisturbed(d: Daemon) -> list[list[int]]:
     with d.client() as c:
-        return [list(c.generate(p, max_tokens=MAX_TOKENS, temperature=0).ids) for p in PROMPTS]
+        return [list(c.generate(p, **kw).ids) for p, kw in zip(PROMPTS, PARAMS, strict=True)]
 
 
 class Streams:
-    """One running greedy stream per prompt, each on its own connection, every one past its first
+    """One running stream per prompt (``PARAMS``), each on its own connection, every one past its first
     token; ``finish()`` reads them to the end and returns their token ids."""
 
     def __init__(self, d: Daemon) -> None:
         self.clients = [d.client() for _ in PROMPTS]
-        self.its = [
-            iter(c.stream(p, max_tokens=MAX_TOKENS, temperature=0))
-            for c, p in zip(self.clients, PROMPTS, strict=True)
-        ]
+        self.its = [iter(c.stream(p, **kw)) for c, p, kw in zip(self.clients, PROMPTS, PARAMS, strict=True)]
         self.got = [list(next(it).ids) for it in self.its]
 
     def finish(self) -> list[list[int]]:
@@ -66,8 +70,8 @@ class Streams:
 
 
 def test_reload_replaces_one_worker_while_streams_run_on_both():
-    two = ref_worker(lanes=2, delay_us=10000) * 2 + GRANT
-    changed = ref_worker(lanes=2, delay_us=10000) + ref_worker(lanes=4, delay_us=5000) + GRANT
+    two = ref_worker(lanes=2, delay_us=20000) * 2 + GRANT
+    changed = ref_worker(lanes=2, delay_us=20000) + ref_worker(lanes=4, delay_us=5000) + GRANT
     with Daemon(two) as d:
         before = d.workers()
         streams = Streams(d)
@@ -77,7 +81,7 @@ def test_reload_replaces_one_worker_while_streams_run_on_both():
         got = streams.finish()
         assert report["applied"] == ["workers.1"]
         assert report["workers"] == [
-            "worker 1 replaced (lanes 2 -> 4, ref_config.tick_delay_us 10000 -> 5000)"
+            "worker 1 replaced (lanes 2 -> 4, ref_config.tick_delay_us 20000 -> 5000)"
         ]
         assert report["not_reloaded"] == []
         after = d.workers()
@@ -97,8 +101,8 @@ def test_reload_replaces_one_worker_while_streams_run_on_both():
 
 
 def test_reload_adds_a_worker_then_removes_it_while_its_streams_run():
-    one = ref_worker(lanes=2, delay_us=10000) + GRANT
-    two = ref_worker(lanes=2, delay_us=10000) * 2 + GRANT
+    one = ref_worker(lanes=2, delay_us=20000) + GRANT
+    two = ref_worker(lanes=2, delay_us=20000) * 2 + GRANT
     with Daemon(one) as d:
         (first,) = d.workers()
         added = _sighup(d, two)
@@ -119,7 +123,7 @@ def test_reload_adds_a_worker_then_removes_it_while_its_streams_run():
 
 
 def test_worker_restart_verb_resumes_streams_on_the_new_process():
-    with Daemon(ref_worker(lanes=4, delay_us=10000) + GRANT) as d:
+    with Daemon(ref_worker(lanes=4, delay_us=40000) + GRANT) as d:
         (before,) = d.workers()
         streams = Streams(d)
         r = d.ctl("--json", "worker", "restart", "0")
