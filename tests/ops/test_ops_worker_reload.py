@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from daemon_harness import Daemon
 from ops_harness import ref_worker
 from proc_testutil import wait_until
+
+from basertd.client import ClientError, ErrorCode
 
 PROMPTS = [f"handed over stream {i} " * (1 + i % 3) for i in range(4)]
 MAX_TOKENS = 100
@@ -135,3 +138,37 @@ def test_worker_restart_verb_resumes_streams_on_the_new_process():
         (after,) = d.workers()
         assert after.pid not in (0, before.pid) and after.respawns == before.respawns + 1
         assert "crash_resumes_total{" not in d.ctl("metrics").stdout
+
+
+def test_reload_replacing_a_workers_model_moves_its_streams_to_the_old_models_peer():
+    from basertd.native import ref_engine_path
+
+    two = ref_worker(lanes=2, delay_us=20000) * 2 + GRANT
+    lib = ref_engine_path()  # the reference engine named by path: served as another model
+    other = ref_worker(lanes=2, delay_us=20000).replace(
+        'engine = "basert"\n', f'engine = "basert"\nmodel = "{lib}"\n'
+    )
+    with Daemon(two) as d:
+        before = d.workers()
+        streams = Streams(d)
+        assert min(w.lanes_busy for w in d.workers()) >= 1
+        report = _sighup(d, ref_worker(lanes=2, delay_us=20000) + other + GRANT)
+        assert report["workers"] == [f"worker 1 replaced (model '' -> {lib!r})"]
+        assert streams.finish() == _undisturbed(d)  # worker 1's streams finished on worker 0
+        (handed,) = [e for e in _events(d, "worker_lanes_resumed") if e["planned"]]
+        assert handed["worker_id"] == 1 and handed["resumed"] >= 1 and handed["moved_to_peers"]
+        w0, w1 = d.workers()
+        assert w0.pid == before[0].pid and w1.pid != before[1].pid
+        with d.client() as c:
+            assert sorted(m.id for m in c.models().models) == ["basert-ref", "libbasert_ref"]
+            assert len(c.generate("on the new model", model="libbasert_ref", max_tokens=3).ids) == 3
+        # no worker serves worker 0's model any more: its running stream fails typed, not with
+        # another model's tokens
+        with d.client() as c:
+            it = iter(c.stream("nowhere to go", model="basert-ref", max_tokens=MAX_TOKENS, temperature=0))
+            next(it)
+            _sighup(d, other * 2 + GRANT)
+            with pytest.raises(ClientError) as failed:
+                list(it)
+        assert failed.value.code == ErrorCode.WORKER_FAILED and "basert-ref" in str(failed.value)
+        assert d.workers()[1].pid == w1.pid

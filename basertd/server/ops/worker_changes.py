@@ -12,18 +12,20 @@ for every reader of them (and a key to get wrong in every existing file) for a c
 can avoid by editing in place.
 
 **One worker at a time** (``apply_changes``): additions first (so lanes moved off a worker being
-replaced or removed may go to them), then replacements in id order, then removals. Replacing
-worker N (``replace``): it stops taking new requests while a peer serves its model
-(``Member.leaving``), ``Scheduler.hand_over`` ends its tick in flight early and preempts every
-lane between two ticks, with no crash charged, each request moving to the least loaded live
-peer serving the same model or waiting at the head of its class here; when the new table serves
-another model the waiting requests go to a peer or fail WORKER_FAILED (their tokens are the old
-vocabulary's); then ``WorkerSlot.replace`` closes the old process in order and starts the new one
-from the new table, and the next change waits until it serves (or gives up). Resumed requests
-continue token-exact (``decode_replay``, ABI rules 71-73). Removing the last worker hands its
-lanes and queue to peers (failing WORKER_FAILED what no peer serving the model can take), then
-stops it. Other workers are not touched. An added worker publishes no KV events (``[kv_events]``
-binds its endpoints at start) until the next restart.
+replaced or removed may go to them), then replacements in id order, then removals. Replacing worker
+N (``replace``): it stops taking new requests while a peer serves its model (``Member.leaving``),
+``Scheduler.hand_over`` ends its tick in flight early and preempts every lane between two ticks,
+with no crash charged, each request moving to the least loaded live peer serving the same model or
+waiting at the head of its class here; when the new table serves another model (another served name
+or vocabulary, the test peers pass for a crash resume too; the reference engine's ``ref_config``
+keys are not told apart) what waits goes to a peer of the old model or fails WORKER_FAILED (its
+tokens are the old model's); ``WorkerSlot.replace`` closes the old process in order and starts the
+new one from the new table; the loop stays parked (new requests go to peers) until it serves or
+gives up, then serves it, and the next change goes ahead. Resumed requests continue token-exact
+(``decode_replay``, ABI rules 71-73). Removing the last worker hands its lanes and queue to peers
+(failing WORKER_FAILED what no peer serving the model can take), then stops it. Other workers are
+not touched. An added worker publishes no KV events (``[kv_events]`` binds its endpoints at start)
+until the next restart.
 """
 
 from __future__ import annotations
@@ -113,23 +115,29 @@ async def _serving(m: Member) -> None:
 
 async def replace(fleet: Fleet, m: Member, prep: Prepared, reason: str) -> None:
     """Replace worker ``m`` by one serving ``prep`` (module docstring); returns once it serves
-    (or gave up, or ``READY_TIMEOUT_S`` passed)."""
-    other_model = prep.name != m.model_name or prep.tok_key != m.tok_key
+    (or gave up, or ``READY_TIMEOUT_S`` passed). The loop stays parked until then (new requests
+    go to peers meanwhile); when the served name or the vocabulary changes (the test peers pass
+    for a crash resume too), what waits here goes to a peer of the old model at once or fails
+    WORKER_FAILED."""
     m.leaving = True
     try:
         await m.scheduler.hand_over(reason)
+        old_name, old_peers = m.model_name, m.scheduler.peers()
+        other_model = prep.name != m.model_name or prep.tok_key != m.tok_key
+        m.slot.replace(prep.spec, reason)
+        fleet.retarget(m, prep)
         if other_model:
             moved, failed = m.scheduler.hand_off_queued(
-                f"worker {m.worker_id} now serves {prep.name!r} and no other worker serves {m.model_name!r}"
+                f"worker {m.worker_id} now serves another model and no worker serving {old_name!r} "
+                "could take this request",
+                old_peers,
             )
             if moved or failed:
                 log.warning("worker_queue_handed_off", worker_id=m.worker_id, moved=moved, failed=failed)
-        m.slot.replace(prep.spec, reason)
-        fleet.retarget(m, prep)
+        await _serving(m)
     finally:
         m.leaving = False
         m.scheduler.release()
-    await _serving(m)
 
 
 async def remove_last(fleet: Fleet, reason: str) -> None:

@@ -225,17 +225,17 @@ class Scheduler:
         order): for a hand-over to a peer when this worker leaves or changes its model."""
         return self.core.queues.drain()
 
-    def hand_off_queued(self, why: str) -> tuple[int, int]:
+    def hand_off_queued(self, why: str, peers: list[Scheduler] | None = None) -> tuple[int, int]:
         """Move every queued request to the least loaded live peer that can run it (``peers``,
-        its delivered tokens kept: it resumes there exactly), failing with WORKER_FAILED and
-        ``why`` each one no peer can take: this worker leaves, or will serve another model, so
-        they cannot wait for it. Returns (moved, failed)."""
+        default ``self.peers()``; its delivered tokens kept: it resumes there exactly), failing
+        with WORKER_FAILED and ``why`` each one no peer can take: this worker leaves, or now
+        serves another model, so they cannot wait for it. Returns (moved, failed)."""
         now = time.monotonic()
         moved = failed = 0
         for req in reversed(self.core.queues.drain()):  # adopt puts each at the head: keep order
             if req.finished:
                 continue
-            peer = self.peer_for(req)
+            peer = self.peer_for(req, peers)
             if peer is not None:
                 peer.adopt(req)
                 moved += 1
@@ -686,10 +686,11 @@ class Scheduler:
             error=str(exc),
         )
 
-    def peer_for(self, req: GenerationRequest) -> Scheduler | None:
-        """The least loaded live peer (``peers``) that can run ``req`` now, or None."""
+    def peer_for(self, req: GenerationRequest, peers: list[Scheduler] | None = None) -> Scheduler | None:
+        """The least loaded live peer (among ``peers``, default ``self.peers()``) that can run
+        ``req`` now, or None."""
         fits = []
-        for peer in self.peers():
+        for peer in self.peers() if peers is None else peers:
             proc = peer.slot.proc
             if proc is None or not proc.link.alive or peer.slot.state != SlotState.READY:
                 continue
