@@ -369,7 +369,13 @@ class Fleet:
     def route_prefix(self, worker_id: int, prompt: list[int]) -> int:
         """Among the live workers serving the same model with the same vocabulary as
         ``worker_id``, the one holding the longest cached prefix of ``prompt`` unless it is much
-        busier (``cache_policy.route``, ``[cache] route_slack``)."""
+        busier (``cache_policy.route``, ``[cache] route_slack``). Raises
+        ``AdmissionError(WORKER_FAILED)`` when worker ``worker_id`` was removed meanwhile (a
+        reload, while the prompt was tokenized)."""
+        if worker_id >= len(self.members):
+            raise AdmissionError(
+                ErrorCode.WORKER_FAILED, f"worker {worker_id} was removed; retry the request"
+            )
         me = self.members[worker_id]
         peers = [
             m.worker_id

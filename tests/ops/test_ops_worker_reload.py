@@ -172,3 +172,22 @@ def test_reload_replacing_a_workers_model_moves_its_streams_to_the_old_models_pe
                 list(it)
         assert failed.value.code == ErrorCode.WORKER_FAILED and "basert-ref" in str(failed.value)
         assert d.workers()[1].pid == w1.pid
+
+
+def test_worker_changes_compare_tables_by_position():
+    from basertd.server.config import WorkerConfig
+    from basertd.server.ops.worker_changes import worker_changes
+
+    a, b = (
+        WorkerConfig(engine="basert"),
+        WorkerConfig(engine="basert", lanes=4, ref_config={"vocab_size": 300}),
+    )
+    assert worker_changes([a, a], [a, a]) == []
+    (c,) = worker_changes([a, a], [a, b])
+    assert c.describe() == "worker 1 replaced (lanes 8 -> 4, ref_config.vocab_size None -> 300)"
+    assert [c.describe() for c in worker_changes([a], [b, a, a])] == [
+        "worker 1 added",
+        "worker 2 added",
+        "worker 0 replaced (lanes 8 -> 4, ref_config.vocab_size None -> 300)",
+    ]
+    assert [c.describe() for c in worker_changes([a, b, a], [a])] == ["worker 2 removed", "worker 1 removed"]

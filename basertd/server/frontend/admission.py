@@ -266,8 +266,13 @@ class Frontend:
         self._admissible()  # the daemon may have begun draining while the prompt was tokenized
         if sink.closed:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
+        tokenized_by = m.tokenizer
         wid = self.fleet.route_prefix(wid, prompt)
         m = self.fleet[wid]
+        if m.tokenizer is not tokenized_by:  # a reload gave the worker another model meanwhile
+            raise AdmissionError(
+                ErrorCode.WORKER_FAILED, f"worker {wid} changed its model; retry the request"
+            )
         m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
         req = GenerationRequest(
