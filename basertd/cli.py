@@ -5,7 +5,9 @@ the foreground until SIGTERM (drain, then stop) or SIGINT (stop now); SIGHUP rel
 (``basertd.server.daemon``). Exit status: 0 after a clean stop, 2 for a bad command line or
 configuration (the message names the key; also an HTTP listener on a non-loopback address
 without ``[http] api_key_file``, one line), 1 when the daemon cannot start (socket in use, model
-unavailable, state directory locked, write-ahead log corrupt, ...). ``--wal-recover=truncate``
+unavailable, state directory locked, full or not writable, write-ahead log corrupt, ...), 74
+(``EX_IOERR``) when the write-ahead log failed while serving (a write, an fsync: the daemon
+stopped acknowledging and exits so that ``Restart=on-failure`` restarts it). ``--wal-recover=truncate``
 starts on a corrupt write-ahead log by keeping it up to the corrupt record (the rest is renamed
 ``*.corrupt``; ``basertd.server.durability.wal``); the default, ``refuse``, does not start and says so.
 """

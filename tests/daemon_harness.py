@@ -23,7 +23,9 @@ whose ``.path`` goes into ``$NOTIFY_SOCKET`` (``ops_harness.NotifyListener``); `
 listening socket owned by the test, handed over as ``LISTEN_FDS=1`` on descriptor 3 with
 ``LISTEN_PID`` set to the daemon's own pid (``bash -c "export LISTEN_PID=$$; exec ..."``, as
 systemd arranges it); ``open_to_all``, a runtime directory made beforehand and reachable by other
-users and a 0666 socket, so that a child with dropped privileges can connect.
+users and a 0666 socket, so that a child with dropped privileges can connect. ``wrapper``: a
+command that execs the daemon's command line after it, in the same process (e.g. ``("prlimit",
+"--nofile=1024:1024", "--")`` to start it under a descriptor limit).
 
 HTTP: a config without an ``[http]`` table gets ``[http] listen = []`` (no fixed port is ever
 bound); ``http_addresses()`` reads what a configured HTTP server listens on from the log.
@@ -45,7 +47,7 @@ from typing import Any
 
 from proc_testutil import children_of, devshm_listing, log_lines, pid_alive
 
-from basertd.client import Client
+from basertd.client import Client, ConnectionLost
 from basertd.schema import control
 
 _SYSTEMD_ENV = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID", "WATCHDOG_USEC")
@@ -69,6 +71,7 @@ class Daemon:
         listen: socket.socket | None = None,
         open_to_all: bool = False,
         state_dir: str | Path | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="brt-d-", dir="/tmp"))
         # the write-ahead log: private to this daemon unless the test restarts on a given one
@@ -96,7 +99,7 @@ class Daemon:
         full_env.update(env or {})
         if self.notify is not None:
             full_env["NOTIFY_SOCKET"] = str(self.notify.path)
-        argv = [sys.executable, "-m", "basertd.cli", "serve", "--config", str(self.config_path)]
+        argv = [*wrapper, sys.executable, "-m", "basertd.cli", "serve", "--config", str(self.config_path)]
         pass_fds: tuple[int, ...] = ()
         if listen is not None:
             self.socket = Path(listen.getsockname())
@@ -192,7 +195,7 @@ class Daemon:
                     if not wait_workers or (h.workers_ready == h.workers_total and h.status == "ok"):
                         self.track_children()
                         return
-                except OSError:
+                except (OSError, ConnectionLost):  # an adopted socket answers once the daemon runs
                     pass
             time.sleep(0.05)
         raise AssertionError(f"daemon not ready within {timeout} s:\n{self.log_text()}")

@@ -52,6 +52,7 @@ Example (every key shown with its default)::
     [operators]                 # DESIGN.md "Operators"
     operator_group = ""         # members may use control verbs (as root and the daemon's user always may)
     drain_timeout_s = 30.0      # SIGTERM: seconds in-flight requests get to finish before they are cancelled
+    drain_grace_s = 0.0         # a drain turns /health 503 at once but refuses requests only after this long
     metrics_listen = ""         # "127.0.0.1:9464": also serve /metrics over HTTP (loopback addresses only)
 
     [durability]                # DESIGN.md "Crash = preemption; acceptance is durable"
@@ -69,9 +70,20 @@ Example (every key shown with its default)::
     listen = ["127.0.0.1:8000"] # "HOST:PORT" and "unix:PATH" entries; [] = off
     api_key_file = ""           # one key per line; required for a non-loopback TCP address
     max_body_bytes = 8388608    # larger request bodies are refused 413
+    resume_grace_s = 0.0        # seconds a streamed request outlives its client, for Last-Event-ID
+    max_connections = 512       # open HTTP connections in all (more: 503 and closed)
+    max_connections_per_peer = 256  # open HTTP connections of one remote IP / Unix peer uid (more: 429)
+    header_timeout_s = 10.0     # a request head must be complete this long after its first byte (408)
+    body_timeout_s = 60.0       # a request body must be complete this long after its head (408)
+    idle_timeout_s = 60.0       # close a connection with no request in progress that sent nothing
+    write_timeout_s = 30.0      # replies unread this long: the stream is cancelled, the connection closed
+    write_buffer_bytes = 262144 # reply bytes queued per connection before the writer waits
+    allowed_hosts = []          # Host names served on loopback TCP besides the loopback names
 
     [kv_events]                 # vLLM's KV-cache events over ZMQ (docs/scale-out.md)
     endpoint = ""               # "": off; "tcp://*:5557" binds (port + worker), "tcp://host:5557" connects
+    bind = "auto"               # "auto": the rule above; "bind" any address (tcp://127.0.0.1:5557); "connect"
+    layout = "array"            # events as positional arrays (vLLM before 0.28); "map": tagged maps (0.28 on)
     replay_endpoint = ""        # ZMQ ROUTER answering a start sequence number with buffered batches
     topic = ""                  # first frame of every message; $VARS expanded (e.g. "kv@${POD_IP}@model")
     buffer_steps = 10000        # batches kept for replay, per worker
@@ -239,11 +251,15 @@ class OperatorsConfig(_Section):
     ``operator_group``: name of the group whose members may use control verbs besides root and
     the daemon's own user ("" = nobody else); ``drain_timeout_s``: seconds a SIGTERM drain lets
     in-flight requests finish before cancelling them (keep it below the unit's TimeoutStopSec);
+    ``drain_grace_s``: seconds a drain (SIGTERM or ``basertctl drain``) reports not ready on
+    ``/health`` while still accepting requests, before it refuses new ones, so that a router's
+    health checks take the daemon out first (docs/scale-out.md; the drain timeout runs after it);
     ``metrics_listen``: ``host:port`` on a loopback address (``127.0.0.1``, ``[::1]``,
     ``localhost``) to also serve ``/metrics`` over HTTP ("" = only ``basertctl metrics``)."""
 
     operator_group: str = ""
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
+    drain_grace_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
     metrics_listen: str = ""
 
     def __post_init__(self) -> None:
@@ -275,10 +291,14 @@ class DurabilityConfig(_Section):
     with one group commit (one write, one fsync) per tick before that tick's tokens are delivered,
     so a restart resumes every unfinished request; "off" keeps no log (a restart loses what was
     in flight). ``result_ttl_s``: seconds a finished request's result stays resumable (0: not
-    after it finished)."""
+    after it finished; it also bounds how long a result stays on disk: about twice this, or a
+    minute).
+    ``min_free_bytes``: free bytes ``state_dir`` must have for the daemon to start (it refuses
+    otherwise, saying so; default 64 MiB, one log segment)."""
 
     mode: Literal["tick", "off"] = "tick"
     result_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=30.0 * 86400)] = 600.0
+    min_free_bytes: _NonNeg = 64 << 20
 
 
 class MetricsConfig(_Section):
@@ -307,8 +327,13 @@ class TracingConfig(_Section):
 class KvEventsConfig(_Section):
     """KV-cache events in vLLM's wire format (``basertd.server.observe.kv_events``, docs/scale-out.md).
 
-    ``endpoint``: the ZMQ PUB address ("" = off); it binds when it holds ``*`` or ``::`` or is
-    ``ipc://`` / ``inproc://``, else connects (vLLM's rule); a bound endpoint is per worker: worker
+    ``endpoint``: the ZMQ PUB address ("" = off); with ``bind = "auto"`` it binds when it holds
+    ``*`` or ``::`` or is ``ipc://`` / ``inproc://``, else connects (vLLM's rule); ``bind =
+    "bind"`` binds any address (one interface, e.g. ``tcp://127.0.0.1:5557``, where a router's SUB
+    connects), ``"connect"`` always connects; ``layout``: each event a positional array
+    (``"array"``, vLLM before 0.28 and subscribers written for it) or a map tagged by ``type``
+    (``"map"``, vLLM 0.28 on; vllm-router's ``kv_aware`` decodes only this); a bound endpoint is
+    per worker: worker
     ``i`` binds the TCP port plus ``i`` (``ipc``/``inproc``: the path plus ``_dp<i>``), while every
     worker connects to the same connected one. ``replay_endpoint``: a ZMQ ROUTER (bound, per worker)
     answering a start sequence number with every buffered batch from it on ("" = none).
@@ -318,6 +343,8 @@ class KvEventsConfig(_Section):
     publisher thread (more are dropped and counted)."""
 
     endpoint: str = ""
+    bind: Literal["auto", "bind", "connect"] = "auto"
+    layout: Literal["array", "map"] = "array"
     replay_endpoint: str = ""
     topic: str = ""
     buffer_steps: _Pos = 10_000
@@ -401,12 +428,33 @@ class HttpConfig(_Section):
     are authorised by the socket's mode (``socket_mode``) and peer credentials instead.
     ``max_body_bytes``: largest request body (bytes), larger ones are refused 413.
     ``resume_grace_s``: seconds a streamed request keeps running after its client went away, for a
-    reconnect with ``Last-Event-ID`` (``basertd.server.transport.http.resume``); 0 = cancel at once."""
+    reconnect with ``Last-Event-ID`` (``basertd.server.transport.http.resume``); 0 = cancel at once.
+
+    Connection bounds (``basertd.server.transport.http.door``), the HTTP twins of ``[limits]``:
+    ``max_connections`` open connections in all (one more is answered 503 and closed) and
+    ``max_connections_per_peer`` of one peer (remote IP on TCP, uid on a Unix socket; 429);
+    ``header_timeout_s``: seconds from a request head's first byte to its end, ``body_timeout_s``:
+    from the head's end to the body's (both 408 and closed); ``idle_timeout_s``: seconds a
+    connection with no request in progress may stay silent (closed); ``write_timeout_s``: seconds
+    replies may stay over ``write_buffer_bytes`` unread (bytes queued in the daemon per connection;
+    the writer waits beyond it) before the connection is closed and its requests cancelled.
+    ``allowed_hosts``: host names (no port) a loopback TCP listener serves besides ``localhost``,
+    127.0.0.0/8 and ``::1`` (``Host`` and ``Origin`` checks, ``basertd.server.transport.http.origin``)."""
 
     listen: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1:8000"])
     api_key_file: str = ""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20
     resume_grace_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
+    max_connections: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 512
+    max_connections_per_peer: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 256
+    header_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 10.0
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 60.0
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 60.0
+    write_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 30.0
+    write_buffer_bytes: Annotated[int, msgspec.Meta(ge=4096, le=1 << 30)] = 256 * 1024
+    allowed_hosts: list[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._\-\[\]:]{1,253}$")]] = (
+        msgspec.field(default_factory=list)
+    )
 
     def __post_init__(self) -> None:
         for entry in self.listen:
@@ -423,6 +471,30 @@ class HttpConfig(_Section):
             if kind == "tcp" and not is_loopback(host):
                 out.append(entry)
         return out
+
+
+class CompileConfig(_Section):
+    """What a request brings that runs off the event loop, in child processes
+    (``basertd.server.request.sandbox``): grammar specs (``frontend.spec_compiler``) and chat
+    templates (``transport.http.templates``).
+
+    ``processes``: child processes of each pool (grammar, chat template); ``grammar_timeout_s``:
+    seconds one spec may take to compile (then 400); ``template_timeout_s``: seconds one chat may
+    take to render (then 400); ``template_max_chars``: longest rendered chat (characters; longer
+    is a 400); ``memory_mib``: address-space limit of each child (MiB); ``max_pending``: jobs one
+    pool lets wait or run at once (more: 429 / QUEUE_FULL); ``max_tools``: most tools one request
+    may offer; ``max_tools_bytes``: largest ``tools`` array as compact JSON (bytes);
+    ``max_messages``: most messages one chat may carry (each is converted on the event loop)."""
+
+    processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    grammar_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=600.0)] = 10.0
+    template_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=600.0)] = 5.0
+    template_max_chars: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 8 << 20
+    memory_mib: Annotated[int, msgspec.Meta(ge=256, le=1 << 20)] = 2048
+    max_pending: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256
+    max_tools: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 128
+    max_tools_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 1 << 20
+    max_messages: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
 
 
 def _default_workers() -> list[WorkerConfig]:
@@ -451,6 +523,7 @@ class Config(_Section):
     kv_events: KvEventsConfig = msgspec.field(default_factory=KvEventsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    compile: CompileConfig = msgspec.field(default_factory=CompileConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:

@@ -10,9 +10,12 @@ through its narrow
 ``ControlHost`` protocol), metrics, drain, reload and systemd notification. It keeps only
 lifecycle: start, stop, drain, reload, notify.
 
-``run(config)`` starts it and serves until told to stop; on every exit path it fails what is still
-queued or running with SHUTTING_DOWN, closes every worker (SHUTDOWN, then SIGKILL after a grace
-period; reaped), and removes the socket and the runtime files it created.
+``run(config)`` starts it and serves until told to stop and returns the exit status: 0, or
+``EXIT_JOURNAL_FAILED`` (74) when the write-ahead log failed while serving (the daemon stops at
+once, acknowledging nothing more, so that systemd's ``Restart=on-failure`` restarts it). On
+every exit path it fails what is still queued or running with SHUTTING_DOWN, closes every worker
+(SHUTDOWN, then SIGKILL after a grace period; reaped), and removes the socket and the runtime
+files it created.
 
 Durability (``basertd.server.durability.durable``): the write-ahead log in ``state_dir`` is opened (locked,
 recovered) before any worker starts; every unfinished request it holds is queued again and runs
@@ -48,7 +51,7 @@ from basertd import __version__
 from basertd.models import ModelUnavailable
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, load_config
-from basertd.server.durability.durable import Durability
+from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
 from basertd.server.durability.wal import Journal
 from basertd.server.durability.wal_recover import RecoverMode
 from basertd.server.fleet import Fleet
@@ -92,11 +95,13 @@ STATUS_INTERVAL_S = 2.0
 
 
 def configure_logging(level: str = "info") -> None:
-    """structlog JSON lines on stderr at ``level`` (content-free: no prompt text is ever logged)."""
+    """structlog JSON lines on stderr at ``level`` (content-free: no prompt text is ever logged); a
+    line logged with ``exc_info`` (``log.exception``) carries the traceback in ``exception``."""
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,  # ``exc_info`` -> an "exception" traceback field
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
@@ -150,6 +155,8 @@ class Daemon:
         self._stop = asyncio.Event()
         self._created_runtime_dir = False
         self.kv_events: KvEventsHub | None = None
+        self.exit_status = 0
+        """What ``run`` returns: 0, or ``EXIT_JOURNAL_FAILED`` once the write-ahead log failed."""
 
     # --- views -----------------------------------------------------------------------------------
 
@@ -198,6 +205,7 @@ class Daemon:
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
         await fleet.build()
         self.frontend = Frontend(fleet, self.metrics, self.drainer, self.public_state, self.durability)
+        self.frontend.start()
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
@@ -225,7 +233,11 @@ class Daemon:
                 self.frontend,
                 socket_mode=int(cfg.socket_mode),
                 adopted=http_socks,
+                compile=cfg.compile,
+                on_sandbox_failure=self.metrics.sandbox_failed,
                 overview=self.control.overview,
+                metrics=self.metrics,
+                native_connections=cfg.limits.max_connections,
             )
             await self.http.start()
 
@@ -276,10 +288,17 @@ class Daemon:
                 mode="tick",
                 result_ttl_s=cfg.durability.result_ttl_s,
                 recover=self.wal_recover,
+                min_free_bytes=cfg.durability.min_free_bytes,
                 on_commit=self.metrics.wal_commit,
             )
             log.info("journal_opened", state_dir=str(state_dir), epoch=journal.epoch)
-        return Durability(journal, self.metrics, on_failed=self.request_stop)
+        return Durability(journal, self.metrics, on_failed=self._journal_failed)
+
+    def _journal_failed(self) -> None:
+        """The write-ahead log failed (``Durability.failure``): stop now, exit status
+        ``EXIT_JOURNAL_FAILED``."""
+        self.exit_status = EXIT_JOURNAL_FAILED
+        self.request_stop()
 
     async def _notify_ready(self) -> None:
         """READY=1 once every worker has handshaken, then a STATUS= line whenever it changes."""
@@ -346,7 +365,8 @@ class Daemon:
         self.notifier.stopping(f"draining for up to {timeout_s:g} s")
         log.info("shutdown_draining", timeout_s=timeout_s, in_flight=self.drainer.in_flight)
         try:
-            outcome = await self.drainer.drain(timeout_s, ErrorCode.SHUTTING_DOWN)
+            grace = self.config.operators.drain_grace_s
+            outcome = await self.drainer.drain(timeout_s, ErrorCode.SHUTTING_DOWN, grace)
             log.info(
                 "shutdown_drained",
                 drained=outcome.drained,
@@ -445,7 +465,7 @@ class Daemon:
         if self.api is not None:
             await self.api.stop()
         if self.frontend is not None:
-            self.frontend.close()
+            await self.frontend.close()
         self.metrics.close()
         with contextlib.suppress(Exception):  # export what is pending (the SDK's timeouts bound it)
             await asyncio.to_thread(self.metrics.tracing.close)
@@ -471,7 +491,8 @@ async def run(
     config_path: str | os.PathLike[str] | None = None,
     wal_recover: RecoverMode = "refuse",
 ) -> int:
-    """Run the daemon until it is told to stop; returns the exit status (0). Signals (DESIGN.md "Operators"):
+    """Run the daemon until it is told to stop; returns the exit status (0, or
+    ``EXIT_JOURNAL_FAILED`` after a write-ahead log failure). Signals (DESIGN.md "Operators"):
     SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
     once); SIGINT stops at once; SIGHUP reloads ``config_path``. ``wal_recover``: what to do with a
     corrupt write-ahead log (``basertd.server.durability.wal.Journal.open``'s ``recover``)."""
@@ -497,4 +518,6 @@ async def run(
         await daemon.stop()
         for sig in installed:
             loop.remove_signal_handler(sig)
-    return 0
+    if daemon.exit_status:
+        log.error("daemon_exit", exit_status=daemon.exit_status, reason=daemon.durability.failure)
+    return daemon.exit_status

@@ -3,11 +3,17 @@ pid and ready files), the state directory (the write-ahead log), and the socket 
 by default. Each rule takes the config (``Config.runtime_dir``, ``state_dir``, ``socket``) first,
 then systemd's ``$RUNTIME_DIRECTORY`` / ``$STATE_DIRECTORY``, then the system directory when
 writable, then a per-user directory.
+
+A per-user runtime directory the daemon falls back to (``<tmp>/basertd-<uid>`` in a shared,
+world-writable temp dir above all) is used only when it is a real directory (not a symlink) owned
+by this user and writable by no one else; another user could have created it first to receive
+the daemon's sockets (``ConfigError`` otherwise, naming what is wrong).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -75,7 +81,26 @@ def resolve_runtime_dir(config: Config | None = None, *, create: bool = True) ->
     path = user_runtime_dir()
     if create:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_private(path)
     return path
+
+
+def check_private(path: Path) -> None:
+    """Raise ``ConfigError`` unless ``path`` is a directory (not a symlink) owned by this process's
+    effective uid and writable by neither its group nor others (module docstring)."""
+    st = os.lstat(path)
+    why = ""
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory (a symlink or a file)"
+    elif st.st_uid != os.geteuid():
+        why = f"is owned by uid {st.st_uid}, not {os.geteuid()}"
+    elif st.st_mode & 0o022:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}: others may write into it"
+    if why:
+        raise ConfigError(
+            f"runtime directory {path} {why}; another user may have created it to take the "
+            "daemon's sockets: remove it, or set runtime_dir"
+        )
 
 
 def socket_path(config: Config, runtime_dir: Path) -> Path:

@@ -5,6 +5,7 @@ same tokens up to the llamacpp issue's near-tie tolerance, and no seed lease is 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from daemon_harness import Daemon
@@ -54,6 +55,8 @@ def test_a_shared_prefix_is_prefilled_once_and_never_changes_an_output(daemon, t
     suffixes = sum(len(x) - pages for x in ids)
     assert suffixes <= prefilled <= suffixes + pages, (prefilled, suffixes, pages)
     assert after["cold_fallbacks_total"] == before["cold_fallbacks_total"]
+    (row,) = json.loads(daemon.ctl("--json", "cache", "stats").stdout)  # what the cache holds, in bytes
+    assert row["entries"] >= 1 and row["bytes"] > 0
     assert sorted(o.usage.cached_tokens for o in outs)[1:] == [pages] * 15
     refs = bare_reference(tiny_gguf, ids, N_NEW)
     for i, (o, ref) in enumerate(zip(outs, refs, strict=True)):

@@ -231,3 +231,20 @@ def test_hundred_schemas_on_the_tiny_model_parse_and_validate(make_engine):
             jsonschema.validate(json.loads(text), schema)
         for h in handles:
             eng.grammar_free(h)
+
+
+def test_one_spec_compiles_once_for_all_its_handles_and_each_handle_is_its_own(make_engine):
+    eng, coord = make_engine()
+    spec = r"(yes|no)-[a-c]{2}"
+    handles = [eng.grammar_create(spec, "regex") for _ in range(3)]
+    assert len(set(handles)) == 3 and all(handles)
+    assert eng.grammars.compiles == 1  # the later handles copy the compiled matcher
+    eng.grammar_free(handles[0])  # freeing one leaves the others (and the compiled spec) usable
+    out, finish = run_lanes(
+        coord, {1: {"grammar_handle": handles[1]}, 2: {"grammar_handle": handles[2], **SAMPLED}}, 64
+    )
+    assert finish == {1: Finish.GRAMMAR, 2: Finish.GRAMMAR}
+    for tag in (1, 2):
+        assert re.fullmatch(spec, eng.detokenize(out[tag]).decode())
+    assert eng.grammar_create(spec, "regex") > 0 and eng.grammars.compiles == 1
+    assert eng.grammar_create("(unclosed", "regex") == 0

@@ -12,8 +12,8 @@ import pytest
 from matching import accepts
 from schemas import schemas
 
+from basertd import grammar_compile as grammar_mod
 from basertd.json_bounds import FRACTION_STEP, NUMBER_LIMIT, bound_numbers
-from basertd.worker.engines.llamacpp import grammar as grammar_mod
 from basertd.worker.engines.llamacpp.grammar import GrammarSpecError, compile_spec
 
 DEFAULTS = {"minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}

@@ -1,8 +1,10 @@
-"""The coordinator's grammar layer (basertd.server.request.grammar): request fields to validated specs,
-tool-call grammars and the tool-call parser; specs run on the tiny GGUF through the engine."""
+"""The coordinator's grammar layer (basertd.server.request.grammar): request fields to specs,
+compiled by ``SpecCompiler`` in its child processes; tool-call grammars and the tool-call parser;
+specs run on the tiny GGUF through the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -15,7 +17,23 @@ from basertd.schema import link
 from basertd.schema.abi import Finish, Sampling
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
+from basertd.server.frontend.spec_compiler import SpecCompiler
+from basertd.server.observe.metrics import Metrics
 from basertd.server.request import grammar as sg
+
+
+def compiled(spec: sg.GrammarSpec | None) -> sg.GrammarSpec | None:
+    """``spec`` through a fresh ``SpecCompiler`` (one child process), as admission compiles it."""
+
+    async def main() -> sg.GrammarSpec | None:
+        compiler = SpecCompiler(Metrics(), processes=1, timeout_s=30.0, max_pending=4, memory_bytes=2 << 30)
+        try:
+            return None if spec is None else await compiler.compile(spec)
+        finally:
+            await compiler.close()
+
+    return asyncio.run(main())
+
 
 WEATHER = {
     "type": "object",
@@ -79,7 +97,7 @@ def test_response_formats_become_specs():
 )
 def test_invalid_requests_are_typed_errors_with_the_library_message(kw, needle):
     with pytest.raises(sg.GrammarRequestError) as ex:
-        sg.spec_from_request(**kw)
+        compiled(sg.spec_from_request(**kw))
     assert needle in str(ex.value)
     assert ex.value.code == ErrorCode.INVALID_REQUEST
 
@@ -110,7 +128,7 @@ def test_grammar_create_carries_the_kind_and_old_senders_mean_json_schema():
 )
 def test_malformed_tools_and_choices_are_typed_errors(tools, choice, needle):
     with pytest.raises(sg.GrammarRequestError) as ex:
-        sg.tool_grammar(tools, choice)
+        compiled(sg.tool_grammar(tools, choice))
     assert needle in str(ex.value)
 
 
@@ -237,9 +255,9 @@ def test_a_ref_chain_deeper_than_the_bound_is_a_typed_error_not_a_crash():
     with pytest.raises(sg.GrammarRequestError, match="too deep"):
         sg.parse_tools([{"type": "function", "function": {"name": "f", "parameters": _ref_chain(3_000)}}])
     # a chain well inside the bound compiles; recursion (a tree of itself) adds no depth
-    assert sg.schema_spec(_ref_chain(100)).kind == "json_schema"
+    assert compiled(sg.schema_spec(_ref_chain(100))).kind == "json_schema"
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
-    assert ref_depth(tree) == 4 and sg.schema_spec(tree).kind == "json_schema"
+    assert ref_depth(tree) == 4 and compiled(sg.schema_spec(tree)).kind == "json_schema"
     assert ref_depth(_ref_chain(10)) == 13  # root, $defs, d0..d10
     # JSON nested past the parser's recursion limit is a typed error too
     with pytest.raises(sg.GrammarRequestError, match="not JSON"):

@@ -30,11 +30,14 @@ from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
+from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
-from basertd.server.states import HealthStatus
+from basertd.server.states import HealthStatus, SlotState
 from basertd.server.transport.http import port, resume
 from basertd.server.transport.http.app import HttpServer
+from basertd.server.workers.limits import WorkerLimits
 
 MODEL = "fake-model"
 CONTEXT = 4096
@@ -136,6 +139,10 @@ class FakeFrontend:
     streams: list[FakeStream] = field(default_factory=list)
     follows: list[tuple[str, int]] = field(default_factory=list)
 
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The fake has no compiler: every spec compiles as its first candidate."""
+        return GrammarSpec(spec.kind, spec.text, label=spec.label)
+
     def route(self, model: str) -> int:
         if model not in ("", MODEL):
             raise AdmissionError(ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {MODEL})")
@@ -163,6 +170,30 @@ class FakeFrontend:
 
     def metrics_exposition(self) -> str:
         return "# TYPE basertd_fake gauge\nbasertd_fake 1\n"
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        limits = WorkerLimits(CONTEXT, 4, 4, 16, 4 * CONTEXT, CONTEXT)
+        zeros = dict.fromkeys(
+            ("ticks_run", "plans_rejected", "requests_done", "prefill_tokens", "decode_tokens"), 0
+        )
+        zeros.update(dict.fromkeys(("preemptions", "checkpoints", "crash_resumes", "yields_requested"), 0))
+        return [
+            WorkerSnapshot(
+                worker_id=7,
+                taken_at=0.0,
+                state=SlotState.READY,
+                pid=1,
+                respawns=0,
+                last_error="",
+                limits=limits,
+                lanes=(),
+                queues=(),
+                mem=None,
+                stall_reason=None,
+                prefix_caching=True,
+                **zeros,
+            )
+        ]
 
     async def tokenize(self, model: str, text: str, *, add_special: bool = True) -> list[int]:
         self.route(model)
@@ -260,8 +291,11 @@ def run(fake: FakeFrontend, fn: Call, **config: Any) -> Any:
 
     async def main() -> Any:
         server = HttpServer(HttpConfig(listen=[], **config), fake)  # type: ignore[arg-type]
-        async with TestClient(TestServer(server.app)) as client:
-            return await fn(client)
+        try:
+            async with TestClient(TestServer(server.app)) as client:
+                return await fn(client)
+        finally:
+            await server.templates.close()
 
     return asyncio.run(main())
 

@@ -181,7 +181,7 @@ def test_models_health_metrics_tokenize(daemon, client, raw):
 
 def test_error_classes(daemon, client):
     with pytest.raises(openai.BadRequestError, match="scores no prompts"):  # the reference engine
-        client.completions.create(model="", prompt="x", max_tokens=2, echo=True, logprobs=1)
+        client.completions.create(model="", prompt="xyz", max_tokens=2, echo=True, logprobs=1)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="", prompt="x", max_tokens=2, best_of=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

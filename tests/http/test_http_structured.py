@@ -11,6 +11,7 @@ chat and a required tool call on the default model (``pytest -s`` prints both)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -298,6 +299,15 @@ TOOLS_TEMPLATE = (
 )
 
 
+def render(template, messages, plan):
+    """``tool_calls.render`` with each rendering in this process (the daemon's go to a child)."""
+
+    async def inline(t, m, **kw):
+        return t.render(m, **kw)
+
+    return asyncio.run(tool_calls.render(inline, template, messages, plan))
+
+
 def test_tools_render_natively_or_in_the_text_form():
     history = [
         {"role": "user", "content": "weather?"},
@@ -318,21 +328,21 @@ def test_tools_render_natively_or_in_the_text_form():
     plan = tool_calls.plan_of(TOOLS, "auto", None)
     native = ChatTemplate(TOOLS_TEMPLATE)
     assert native.uses_tools
-    text = tool_calls.render(native, history, plan)
+    text = render(native, history, plan)
     assert text.startswith("[TOOLS]" + json.dumps(TOOLS, ensure_ascii=False))
     assert '[CALL call_1 get_weather {"city":"Oslo"}]' in text and "<tool>3 degrees[FOR call_1]" in text
     gemma = ChatTemplate(load_template_text("gemma"), bos_token="<bos>")
     assert not gemma.uses_tools
     with pytest.raises(ChatTemplateError):  # it insists on alternating roles
         gemma.render(history)
-    text = tool_calls.render(gemma, history, plan)
+    text = render(gemma, history, plan)
     preamble = grammar.tools_preamble(plan.tools, "auto")
     assert text.startswith("<bos><start_of_turn>user\n" + preamble)
     assert '<start_of_turn>model\n{"name":"get_weather","arguments":{"city":"Oslo"}}<end_of_turn>' in text
     assert (
         "<start_of_turn>user\nResult of get_weather (call call_1):\n3 degrees\n\nthanks<end_of_turn>" in text
     )
-    assert tool_calls.render(gemma, history[:1], None) == gemma.render(history[:1])
+    assert render(gemma, history[:1], None) == gemma.render(history[:1])
 
 
 BAD_RF = [

@@ -33,6 +33,8 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None = None
+    extra_keys: list | None = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -97,7 +97,7 @@ def test_a_snapshot_restored_in_a_fresh_engine_continues_exactly(make_engine, sa
     op = eng_b.restore(seq, SPACE, data)
     ev = coord_b.tick()  # the op runs at the next tick and is reported there [69]
     assert [(c.op, c.state) for c in ev.op_completions] == [(op, OpState.DONE)]
-    assert eng_b.ledger.length(eng_b.ops.bare[seq].seq) == 25
+    assert eng_b.ledger.length(eng_b.sequences.bare[seq].seq) == 25
     lease = eng_b.seed_adopt(seq, coord_b.prompt(prompt + first[:5]))
     k = len(first)
     ev = coord_b.tick(
@@ -147,14 +147,14 @@ def test_envelope_refusals_change_nothing(lc, make_engine, tiny_gemma3_gguf):
     err(Status.ERR_CHECKSUM, eng.restore, seq, SPACE, patched(116, "<I", 0))  # checksum kind 0
     other, _ = make_engine(tiny_gemma3_gguf)
     err(Status.ERR_IDENTITY_MISMATCH, other.restore, other.sequence_create(), SPACE, data)
-    assert eng.ledger.length(eng.ops.bare[seq].seq) == 0
+    assert eng.ledger.length(eng.sequences.bare[seq].seq) == 0
     # a well-sealed payload llama.cpp cannot read: the op fails, the target stays empty [104]
     junk = seal(b"\x01" * 64, identity=eng.identity, provenance=bytes(32), taint=0, n_tokens=4)
     op = eng.restore(seq, SPACE, junk)
     coord.tick()
     st = eng.op_poll(op)
     assert st.state == OpState.FAILED and st.error != 0
-    assert eng.ledger.length(eng.ops.bare[seq].seq) == 0
+    assert eng.ledger.length(eng.sequences.bare[seq].seq) == 0
     assert eng.export_size(eng.lane_sequence(1), SPACE, rng(12), 0)[0] == len(data)
 
 
@@ -207,14 +207,14 @@ def test_bare_sequences(lc):
     err(Status.EBUSY, eng.trim, lane_seq, SPACE, 4)
     fork = eng.seq_fork(lane_seq, 0)
     used = eng.ledger.used
-    assert eng.ledger.length(eng.ops.bare[fork].seq) == 40 and eng.ledger.used == used  # shared
-    assert eng.ops.bare[fork].pending == 1  # the lane's sampled token, KV not computed yet
+    assert eng.ledger.length(eng.sequences.bare[fork].seq) == 40 and eng.ledger.used == used  # shared
+    assert eng.sequences.bare[fork].pending == 1  # the lane's sampled token, KV not computed yet
     assert eng.snapshot_boundary(fork, SPACE, 1000) == 32
     assert eng.snapshot_boundary(fork, SPACE, 20) == 16
     err(Status.REJECT_BOUNDS, eng.trim, fork, SPACE, 42)
     eng.trim(fork, SPACE, 35)
-    assert eng.ops.bare[fork].pending == 0
-    assert eng.ledger.length(eng.ops.bare[fork].seq) == 35
+    assert eng.sequences.bare[fork].pending == 0
+    assert eng.ledger.length(eng.sequences.bare[fork].seq) == 35
     eng.sequence_free(fork)
     err(Status.ERR_UNKNOWN_HANDLE, eng.sequence_free, fork)
     assert eng.ledger.used == used

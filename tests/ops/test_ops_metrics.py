@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 from daemon_harness import Daemon
 from ops_harness import ref_worker
+from proc_testutil import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from basertd.client import ClientError, ErrorCode
@@ -129,6 +130,29 @@ def test_metrics_move_with_traffic_and_gauges_settle_at_zero(daemon):
     assert row.misses == value(after, "basertd_prefix_cache_misses_total", worker="0") >= 6
     assert row.hits == value(after, "basertd_prefix_cache_hits_total", worker="0")
     assert row.cached_tokens == value(after, "basertd_cached_tokens_total", worker="0")
+
+
+def test_engine_pool_gauges_keep_the_last_ticks_counters_while_idle(daemon):
+    d = daemon
+    with d.client() as c:
+        assert c.generate("pool gauges", max_tokens=6, temperature=0).usage.completion_tokens == 6
+    d.wait_idle()
+
+    def idle_scrape() -> dict | None:
+        m = scrape_http(d)
+        return None if value(m, "basertd_lanes_active", worker="0") else m
+
+    idle = wait_until(idle_scrape, what="worker 0 idle")
+    pages = next(
+        int(labels["num_gpu_blocks"])
+        for (name, items), _ in idle.items()
+        if name == "vllm:cache_config_info" and (labels := dict(items))
+    )
+    # the engine's own pool count, from the last tick's MemCounters, long after the loop read them
+    assert value(idle, "basertd_engine_pool_blocks_total", worker="0") == pages > 0
+    assert 0 <= value(idle, "basertd_engine_pool_blocks_used", worker="0") <= pages
+    again = scrape(d)  # and on every later scrape, not only the one right after a tick
+    assert value(again, "basertd_engine_pool_blocks_total", worker="0") == pages
 
 
 def test_access_log_is_one_content_free_line_per_request(daemon):

@@ -283,13 +283,13 @@ def test_a_refused_admit_fails_the_request_and_frees_its_grammar_handle_and_seed
     core = make_core()
     req, sink = make_req("abcd")
     core.submit(req)
-    req.grammar_handle = 42  # created by the loop for this admission
+    core.grammars.hold(req, 42)  # created by the loop for this admission
     plan, tick_plan = launch(core)
     assert tick_plan.admits[0].grammar_handle == 42
     ev, read = events(plan, refused={only_tag(plan): Status.REJECT_BOUNDS})
     accept(core, plan, ev, read)
     assert sink.end().code == ErrorCode.INVALID_REQUEST and "REJECT_BOUNDS" in sink.end().message
-    assert core.lanes == {} and core.grammars.pending_free == [42] and req.grammar_handle == 0
+    assert core.lanes == {} and core.grammars.pending_free == [42] and core.grammars.get(req) == 0
 
 
 def test_a_transiently_refused_admit_is_requeued_at_the_head_of_its_class():
@@ -372,7 +372,7 @@ def test_a_rejected_plan_changes_nothing_and_plans_again_smaller():
     reqs = [make_req(f"req {i}")[0] for i in range(4)]
     for r in reqs:
         core.submit(r)
-    reqs[0].grammar_handle = 9
+    core.grammars.hold(reqs[0], 9)
     seed = Seed(handle=77, length=0, expires_after=5)
     plan, _ = launch(core)
     plan.seeds[reqs[1].key] = seed
@@ -410,10 +410,14 @@ def test_a_lost_worker_requeues_its_lanes_for_resume_with_decode_replay():
     plan = tick(core)
     ta, tb = (tag for tag, _ in plan.draft.admitted)
     tick(core, emits={ta: ([65, 66], Finish.NONE), tb: ([67], Finish.NONE)})
-    a.grammar_handle = 5
+    core.grammars.hold(a, 5)
     lost = apply(core, None, Lost("worker died"))
     assert core.lanes == {} and lost.failed == [] and core.crash_resumes == 2
-    assert {r.key for r in lost.resume} == {a.key, b.key} and a.grammar_handle == 0
+    assert (
+        {r.key for r in lost.resume} == {a.key, b.key}
+        and core.grammars.get(a) == 0
+        and len(core.grammars) == 0
+    )
     for req in lost.resume:
         core.requeue(req)
     assert next(iter(core.queues)) is a  # the oldest at the head
@@ -433,6 +437,25 @@ def test_a_poison_request_fails_after_max_crash_resumes_without_a_token():
             core.requeue(r)
     assert lost.failed == [req.key] and sink.end().code == ErrorCode.WORKER_FAILED
     assert len(core.queues) == 0
+
+
+def test_partial_emits_of_a_tick_that_died_are_no_progress_a_completed_tick_past_the_crash_is():
+    core = make_core(max_crash_resumes=3)
+    req, sink = make_req("poison", max_tokens=50)
+    core.submit(req)
+    for crash in range(2):  # each incarnation streams a token, then dies before its result
+        _, _ = launch(core)
+        (tag,) = core.lanes
+        on_emit(core, tag, [70 + crash])
+        for r in apply(core, None, Lost(f"crash {crash}")).resume:
+            core.requeue(r)
+    assert req.crash_streak == 2 and sink.ids() == [70, 71] and sink.end() is None
+    plan, _ = launch(core)  # a completed tick that only replays what was delivered: no progress
+    (tag,) = core.lanes
+    accept(core, plan, *events(plan, emits={tag: ([], Finish.NONE)}))
+    assert req.crash_streak == 2
+    plan = tick(core, emits={tag: ([72], Finish.NONE)})  # past its last crash, and the tick ended
+    assert req.crash_streak == 0 and sink.ids() == [70, 71, 72]
 
 
 def test_requests_one_crash_from_failing_run_one_at_a_time():
@@ -502,7 +525,7 @@ def test_a_finished_constrained_lane_frees_its_grammar_handle_when_it_retires():
     core = make_core()
     req, _ = make_req("json please", max_tokens=10)
     core.submit(req)
-    req.grammar_handle = 31
+    core.grammars.hold(req, 31)
     tag = only_tag(tick(core))
     tick(core, emits={tag: ([123, 125], Finish.GRAMMAR)})
     assert core.grammars.pending_free == []  # the lane still holds it until it retires

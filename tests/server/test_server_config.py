@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,32 @@ def test_runtime_dir_falls_back_to_a_user_dir_when_the_system_one_is_not_writabl
         locked.write_text("not a directory")
     got = cfg.resolve_runtime_dir(Config())
     assert got == tmp_path / "xdg" / "basertd" and got.is_dir()
+
+
+def test_a_squatted_per_user_runtime_dir_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    shared_tmp = tmp_path / "tmp"
+    shared_tmp.mkdir(mode=0o777)
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
+    (tmp_path / "system").write_text("not a directory")  # /run/basertd not usable
+    monkeypatch.setattr(cfg, "SYSTEM_RUNTIME_DIR", str(tmp_path / "system" / "basertd"))
+    squat = shared_tmp / f"basertd-{os.getuid()}"
+    squat.mkdir(mode=0o700)
+    os.chown(squat, 65534, 65534)  # made first by another user (nobody)
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+        cfg.resolve_runtime_dir(Config())
+    os.chown(squat, os.geteuid(), os.getegid())
+    os.chmod(squat, 0o777)
+    with pytest.raises(ConfigError, match="others may write"):
+        cfg.resolve_runtime_dir(Config())
+    squat.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    squat.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="not a directory"):
+        cfg.resolve_runtime_dir(Config())
+    squat.unlink()
+    got = cfg.resolve_runtime_dir(Config())  # absent: created private, and used
+    assert got == squat and stat.S_IMODE(got.stat().st_mode) == 0o700

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from daemon_harness import Daemon
-from proc_testutil import pid_alive
+from proc_testutil import pid_alive, wait_until
 from serving_harness import direct_ref, ref_toml
 
 from basertd.client import AsyncClient, ClientError
@@ -197,3 +197,77 @@ def test_a_crashed_workers_lanes_resume_on_a_live_peer_of_the_same_model():
         assert crashed and all(a["worker_id"] == 1 for a in crashed), access  # finished on the peer
         (lost,) = [e for e in events if e.get("event") == "worker_lanes_resumed"]
         assert sorted(lost["moved_to_peers"]) == sorted(a["key"] for a in crashed)
+
+
+@pytest.mark.slow
+def test_four_poison_requests_on_two_workers_fail_and_leave_both_workers_serving():
+    """Each poison request kills whichever worker decodes it, after its partial emits delivered a
+    token (``test_crash_emit_top_k``): those tokens are no progress, its crash count travels with
+    it from worker to worker, so it fails ``worker_failed`` after ``max_crash_resumes`` deaths in
+    all; deaths with a tick in flight never count as a worker's failed starts: no worker is given
+    up, the bystanders complete exactly, and both workers serve afterwards."""
+    toml = ref_toml(
+        lanes=4, context=CONTEXT, grant=2, ref={**REF, "test_crash_emit_top_k": POISON_K}, workers=2
+    )
+    normal = {"max_tokens": 24, "temperature": 0.0}
+    with Daemon(toml) as d:
+
+        async def scenario():
+            async with await AsyncClient.connect(d.socket) as c:
+                poisons = [
+                    await c.stream(
+                        f"poison {i}", request_id=f"poison{i}", max_tokens=24, top_k=POISON_K, seed=i
+                    )
+                    for i in range(4)
+                ]
+                others = [await c.stream(f"bystander {i}", request_id=f"ok{i}", **normal) for i in range(4)]
+                errs = []
+                for s in poisons:
+                    try:
+                        async for _ in s:
+                            pass
+                        errs.append(None)
+                    except ClientError as exc:
+                        errs.append(exc)
+                outs = []
+                for s in others:
+                    ids = []
+                    async for t in s:
+                        ids += t.ids
+                    outs.append((ids, s.done))
+                return errs, outs
+
+        errs, outs = asyncio.run(asyncio.wait_for(scenario(), 180))
+        assert all(e is not None and e.code == ErrorCode.WORKER_FAILED for e in errs), errs
+
+        # the last death's respawn may still run: never given up, both come back
+        def all_ready():
+            rows = d.workers()
+            return rows if all(w.state == "ready" for w in rows) else None
+
+        rows = wait_until(all_ready, 30, interval=0.1, what="both workers ready")
+        deaths = sum(w.respawns for w in rows)
+        assert deaths <= 4 * 2, rows  # at most max_crash_resumes (2) deaths per poison request
+        with d.client() as c, direct_ref(lanes=4, context=CONTEXT, ref=REF) as direct:
+            for i, (ids, done) in enumerate(outs):
+                gen = api.Generate(request_id="x", prompt="", **normal)
+                assert ids == direct.run(c.tokenize(f"bystander {i}"), gen)
+                assert done.finish_reason == "length"
+        events = d.log_events()
+        assert not [e for e in events if e.get("event") == "worker_given_up"], events
+        access = {e["request_id"]: e for e in events if e.get("event") == "access"}
+        served = {access[f"ok{i}"]["worker_id"] for i in range(4)}
+
+        async def after():  # both workers serve: concurrent requests land on each
+            async with await AsyncClient.connect(d.socket) as c:
+                outs = await asyncio.gather(
+                    *(
+                        c.generate(f"after the poison {i}", request_id=f"after{i}", max_tokens=16)
+                        for i in range(8)
+                    )
+                )
+                assert all(len(o.ids) == 16 for o in outs)
+
+        asyncio.run(asyncio.wait_for(after(), 60))
+        access = [e for e in d.log_events() if e.get("event") == "access"]
+        assert {e["worker_id"] for e in access if e["request_id"].startswith("after")} == {0, 1}, served

@@ -202,12 +202,14 @@ def test_u64_seeds_fold_to_a_32_bit_stream_key_and_big_top_k_is_off():
     assert s.params.top_k == 0  # a top_k over the vocabulary keeps every token: off
 
 
-def test_a_delivered_token_ends_a_crash_streak_and_specs_under_the_limit_pass():
+def test_a_delivered_token_alone_does_not_end_a_crash_streak_and_specs_under_the_limit_pass():
     req, _ = make(max_tokens=5)
     req.crash_streak = 1
     req.deliver([])
     assert req.crash_streak == 1  # nothing delivered: still on the streak
     req.deliver(ids("a"))
-    assert req.crash_streak == 0
+    # a partial emit's tokens may come from a tick that then dies: only the scheduler ends the
+    # streak, for a completed tick (tests/server/test_scheduler_core.py)
+    assert req.crash_streak == 1
     check_generate(api.Generate(request_id="r", prompt="x", regex="a" * MAX_GRAMMAR_CHARS))
     check_generate(api.Generate(request_id="r", prompt="x", response_format={"type": "json_object"}))

@@ -13,7 +13,14 @@ import pytest
 from basertd.schema.abi import Status
 from basertd.schema.tick import ShedPolicy, TickEvents, TokenRange, TokenRef
 from basertd.worker.engines import EngineOptionError, EngineOptions, open_engine
-from basertd.worker.engines.base import CAPABILITY_METHODS, Capability, Engine, EngineError, EngineInfo
+from basertd.worker.engines.base import (
+    CAPABILITY_METHODS,
+    Capability,
+    Engine,
+    EngineError,
+    EngineInfo,
+    ServedBy,
+)
 
 
 class CoreOnly(Engine):
@@ -117,6 +124,37 @@ def test_a_capability_is_served_whole_or_not_at_all():
         class HalfBias(CoreOnly):
             def logit_bias_create(self, tokens, values):
                 return 1
+
+
+def test_a_capability_served_by_a_part_counts_and_each_call_reaches_the_part():
+    class Grammars:
+        def __init__(self) -> None:
+            self.freed: list[int] = []
+
+        def grammar_create(self, json_schema, kind="json_schema"):
+            return 11 if kind == "regex" else 0
+
+        def grammar_free(self, handle):
+            self.freed.append(handle)
+
+    class Composed(CoreOnly):
+        grammar_create = ServedBy("grammars")
+        grammar_free = ServedBy("grammars")
+
+        def __init__(self) -> None:
+            self.grammars = Grammars()
+
+    eng = Composed()
+    assert eng.capabilities() == {Capability.GRAMMAR}
+    assert eng.grammar_create("a+", kind="regex") == 11 and eng.grammar_create("{}") == 0
+    eng.grammar_free(11)
+    assert eng.grammars.freed == [11]
+    doc = Composed.grammar_free.__doc__
+    assert doc.startswith("``grammars.grammar_free``: ") and "rule 113" in doc  # the protocol's contract
+    with pytest.raises(TypeError, match="serves part of grammar: it lacks grammar_free"):
+
+        class Half(CoreOnly):
+            grammar_create = ServedBy("grammars")
 
 
 def test_unserved_host_tier_ops_check_their_target_first():

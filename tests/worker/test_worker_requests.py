@@ -306,7 +306,8 @@ def test_match_seed_and_evict(worker):
     prompt = list(range(30, 42))  # 12 tokens = 3 pages
     worker.tick(admit(worker, 1, prompt, decode=1))
     worker.tick(TickPlan(plan_seq=2, retires=[LaneRetire(lane_tag=1, publish_to_cache=1)]))
-    assert worker.ping().stats["cache_entries"] >= 1
+    stats = worker.ping().stats
+    assert stats["cache_entries"] >= 1 and stats["cache_bytes"] > 0  # `cache stats` reads both
     span = worker.proc.prompt_ring.write(np.array(prompt, dtype=np.uint32))
     match = worker.call(worker.link.match(span))
     lens = [c.prefix_len for s in match.spaces for c in s.candidates]
@@ -322,11 +323,12 @@ def test_match_seed_and_evict(worker):
         worker.call(worker.link.seed_release(grant.seed_handle))  # consumed by the admit (rule 81)
     assert err.value.status == Status.ERR_UNKNOWN_HANDLE
     worker.tick(TickPlan(plan_seq=4, retires=[LaneRetire(lane_tag=2)]))
-    entries = worker.ping().stats["cache_entries"]
+    entries, held = worker.ping().stats["cache_entries"], worker.ping().stats["cache_bytes"]
     freed = worker.call(
         worker.link.cache_evict(ShedPolicy(evictable_cache_classes=1, max_evict_bytes=1 << 30), 1 << 30)
     )
     assert freed > 0 and worker.ping().stats["cache_entries"] < entries
+    assert worker.ping().stats["cache_bytes"] < held
     assert worker.request(link.CacheEvictEntries(keys=[])) == link.Ok()  # nothing named, nothing evicted
 
 

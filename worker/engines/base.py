@@ -162,6 +162,29 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
 """The methods of each capability: an engine defines all of them or none."""
 
 
+class ServedBy:
+    """An ``Engine`` method an engine serves through one of its parts: ``seq_fork =
+    ServedBy("sequences")`` in an engine class makes ``engine.seq_fork`` the ``seq_fork`` of
+    ``engine.sequences`` (same name, same signature), so an adapter composes one part per
+    capability instead of writing a forwarding method for each call. The contract is the
+    ``Engine`` method's docstring (the ABI rule); what the engine decides where the ABI leaves a
+    choice is in the part's method. It counts for its ``Capability`` as a defined method does."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        contract = getattr(Engine, name, None)
+        self.__doc__ = f"``{self.part}.{name}``: {contract.__doc__ if contract is not None else ''}"
+
+    def __get__(self, engine: object, owner: type | None = None) -> Any:
+        if engine is None:
+            return self
+        return getattr(getattr(engine, self.part), self.name)
+
+
 def unsupported(engine: object, capability: Capability, call: str) -> EngineError:
     """The error an engine's missing capability answers: ``EngineError(ERR_OP_UNSUPPORTED)``
     naming the engine class, the call and the capability (ABI rule 16)."""

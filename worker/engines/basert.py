@@ -471,6 +471,7 @@ def open_engine(options: EngineOptions) -> BasertEngine:
                 "library": lib.path,
                 "eos_period": str(cfg.eos_period),
                 "tick_delay_us": str(cfg.tick_delay_us),
+                "grammar_kinds": "json_schema",
             },
         )
     except BaseException:

@@ -33,8 +33,10 @@ their end; after a restart they are generated again from their seed (the same to
 reference engine).
 
 Errors: ``Durability.resume`` raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST). A failed
-commit (``JournalFailed``) stops acknowledging: held replies are dropped and ``on_failed`` is
-called (the daemon stops).
+commit (``JournalFailed``), or any other exception of the committer, stops acknowledging: held
+replies are dropped, ``failure`` says why and ``on_failed`` is called (the daemon stops with exit
+status ``EXIT_JOURNAL_FAILED``, so systemd's ``Restart=on-failure`` restarts it). The committer
+never ends silently.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("basertd.durable")
 
+EXIT_JOURNAL_FAILED = 74
+"""The daemon's exit status after the write-ahead log failed while serving (a write, an fsync, a
+rotation, or the committer itself): ``EX_IOERR`` of sysexits.h, distinct from 1 (cannot start)
+and 2 (bad configuration)."""
+MAINTAIN_EVERY_S = 60.0
+"""Most seconds between two ``Journal.maintain`` calls while no commit happens (expired results
+leave the disk on an idle daemon too)."""
 MAX_REMEMBERED = 65536
 """Requests of this run whose tokenizer and stop strings are remembered for replaying their text."""
 CLIENT_ID = "client_id"
@@ -194,6 +203,9 @@ class Durability:
         self._settled.set()
         self._task: asyncio.Task | None = None
         self._failed = False
+        self._closing = False
+        self.failure: str | None = None
+        """Why the journal stopped acknowledging (None while it works)."""
         self.commits = 0
 
     # --- the committer ---------------------------------------------------------------------------
@@ -202,6 +214,14 @@ class Durability:
         """Start the committer task (on the running loop)."""
         if self.enabled and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="wal-commit")
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The committer ended: unless the daemon closes it, that is a failure (never silent)."""
+        if self._closing or self._failed:
+            return
+        exc = None if task.cancelled() else task.exception()
+        self._fail(exc if exc is not None else RuntimeError("the committer task ended"))
 
     def hold(self, sink: DurableSink, msg: object) -> None:
         """Hold ``msg`` (its record is buffered in the journal) until the next commit returns."""
@@ -213,7 +233,15 @@ class Durability:
 
     async def _run(self) -> None:
         while True:
-            await self._kick.wait()
+            try:
+                await asyncio.wait_for(self._kick.wait(), MAINTAIN_EVERY_S)
+            except TimeoutError:
+                try:
+                    await asyncio.to_thread(self.journal.maintain)
+                except Exception as exc:  # any failure of the log stops acknowledging
+                    self._fail(exc)
+                    return
+                continue
             self._kick.clear()
             batch, self._held = self._held, []
             if not batch:
@@ -222,7 +250,7 @@ class Durability:
             try:
                 # every record of ``batch`` was buffered before this point: this commit holds it
                 await asyncio.to_thread(self.journal.commit)
-            except JournalFailed as exc:
+            except Exception as exc:  # JournalFailed or a bug: never a silent end
                 self._fail(exc)
                 return
             self.commits += 1
@@ -234,11 +262,18 @@ class Durability:
             if not self._held:
                 self._settled.set()
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: BaseException) -> None:
         self._failed = True
+        self.failure = f"{type(exc).__name__}: {exc}"
         self._held.clear()
         self._settled.set()
-        log.error("durability_failed", error=str(exc), note="no reply is acknowledged any more; stopping")
+        log.error(
+            "durability_failed",
+            error=self.failure,
+            exit_status=EXIT_JOURNAL_FAILED,
+            note="no reply is acknowledged any more; stopping",
+            exc_info=None if isinstance(exc, JournalFailed) else exc,  # a bug: its traceback
+        )
         if self.on_failed is not None:
             self.on_failed()
 
@@ -253,6 +288,7 @@ class Durability:
     async def close(self) -> None:
         """Flush, stop the committer and close the journal (commits what is buffered, releases the
         state directory's lock). Idempotent; never raises."""
+        self._closing = True
         with contextlib.suppress(Exception):
             await self.flush()
         if self._task is not None:

@@ -31,11 +31,23 @@ Epoch: every open bumps ``epoch`` past every earlier one (the ``epoch`` file and
 makes it durable before returning; every frame carries it. The daemon fences with it: anything
 stamped with an older epoch (lane tags, shm names, worker generations) belongs to a dead daemon.
 
-Rotation and compaction: when a segment passes ``segment_bytes``, ``commit`` writes a checkpoint
-of the durable state into a new segment (finished requests older than ``result_ttl_s`` left out),
-makes it durable, then deletes the old segments; ``compact()`` does the same on demand.
+Rotation and compaction: when a segment has grown ``segment_bytes`` past its own checkpoint (so a
+checkpoint larger than ``segment_bytes`` does not rotate at every commit), or once it is older than
+``result_ttl_s`` (at least ``MIN_AGE_ROTATION_S``) while it holds an expired result (so a
+finished result leaves the disk within about twice its TTL, or a minute, even when little is
+written; ``maintain()`` checks it between commits), ``commit`` writes a checkpoint of the
+durable state into a new segment (finished requests older than ``result_ttl_s`` left out), makes
+it durable, then deletes the old segments; ``compact()`` does the same on demand. Frames, the
+checkpoint's included, are cut by bytes (``wal_format.FRAME_BYTES``), far under what the reader accepts
+(``wal_format.MAX_FRAME_BYTES``, 256 MiB). Segments that ``--wal-recover=truncate`` quarantined
+(``*.corrupt``) are kept for inspection, the newest ``KEEP_CORRUPT`` only.
 
-Errors: ``StateDirLocked`` (another daemon holds ``state_dir``), ``WalCorrupt`` (recovery refuses;
+Space: ``open`` refuses a state directory with fewer than ``min_free_bytes`` free
+(``StateDirFull``) and wraps any failure to write there into ``StateDirUnwritable``, so a daemon
+never reports ready on a log it cannot write.
+
+Errors: ``StateDirLocked`` (another daemon holds ``state_dir``), ``StateDirFull``,
+``StateDirUnwritable``, ``WalCorrupt`` (recovery refuses;
 the message says what to do), ``JournalUsageError`` (a call that contradicts the journal; nothing
 changes), ``JournalFailed`` (a write or fsync failed: the journal is closed for good, as after a
 failed fsync the kernel may have dropped the pages; the daemon must stop acknowledging).
@@ -57,10 +69,18 @@ from typing import Literal
 import msgspec
 
 from basertd.schema.client import Timings, Usage
+from basertd.server.durability.wal_files import (
+    KEEP_CORRUPT,
+    StateDirFull,
+    StateDirUnwritable,
+    check_free,
+    fsync_dir,
+    prune_corrupt,
+    write_all,
+)
 from basertd.server.durability.wal_format import (
     WAL_DIR,
     Accept,
-    Batch,
     Finish,
     FinishedResult,
     LogState,
@@ -70,12 +90,15 @@ from basertd.server.durability.wal_format import (
     UnfinishedRequest,
     WalCorrupt,
     WalError,
+    batches_of,
     encode_frame,
+    encode_frames,
     segment_name,
 )
 from basertd.server.durability.wal_recover import RecoverMode, RecoveryReport, plan_recovery
 
 __all__ = [
+    "KEEP_CORRUPT",
     "FinishedResult",
     "Journal",
     "JournalFailed",
@@ -84,7 +107,9 @@ __all__ = [
     "NullJournal",
     "Recovered",
     "RequestRecord",
+    "StateDirFull",
     "StateDirLocked",
+    "StateDirUnwritable",
     "UnfinishedRequest",
     "WalCorrupt",
     "WalError",
@@ -96,8 +121,11 @@ DEFAULT_SEGMENT_BYTES = 64 << 20
 """A segment is rotated (checkpoint + compaction) once it passes this many bytes."""
 LOCK_FILE = "lock"
 EPOCH_FILE = "epoch"
-CHECKPOINT_FRAME_RECORDS = 4096
-"""Most records per checkpoint frame."""
+MIN_AGE_ROTATION_S = 60.0
+"""A segment rotates for its expired results only once it is this old (a ``result_ttl_s`` of 0
+must not rotate the whole state at every commit)."""
+DEFAULT_MIN_FREE_BYTES = 64 << 20
+"""Free bytes ``state_dir`` must have at open (one segment's worth: a rotation writes a checkpoint)."""
 
 
 class StateDirLocked(WalError):
@@ -165,13 +193,15 @@ class Journal:
         recover: RecoverMode = "refuse",
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
         on_commit: CommitHook | None = None,
         clock: Callable[[], float] = time.time,
     ) -> Journal:
-        """Lock ``state_dir`` (created 0700 if missing), recover its log, bump the epoch and write a
-        fresh checkpoint. ``recover``: "refuse" raises ``WalCorrupt`` on corruption, "truncate"
-        keeps the log up to it and renames the dropped segments ``*.corrupt``. ``clock`` gives
-        wall-clock seconds (result expiry). Raises ``StateDirLocked``, ``WalCorrupt``, OSError."""
+        """Lock ``state_dir`` (created 0700 if missing), check it has ``min_free_bytes`` free,
+        recover its log, bump the epoch and write a fresh checkpoint. ``recover``: "refuse" raises
+        ``WalCorrupt`` on corruption, "truncate" keeps the log up to it and renames the dropped
+        segments ``*.corrupt``. ``clock`` gives wall-clock seconds (result expiry). Raises
+        ``StateDirLocked``, ``StateDirFull``, ``StateDirUnwritable``, ``WalCorrupt``."""
         if mode == "off":
             return NullJournal()
         if mode != "tick":
@@ -180,7 +210,13 @@ class Journal:
             raise JournalUsageError(f"recover must be 'refuse' or 'truncate', got {recover!r}")
         j = _FileJournal(Path(state_dir), result_ttl_s, segment_bytes, clock)
         try:
-            j._open(recover)
+            j._open(recover, min_free_bytes)
+        except OSError as exc:
+            j._release()
+            raise StateDirUnwritable(
+                f"state_dir {state_dir} cannot take a write ({exc}): give the daemon a writable "
+                'state_dir with free space, or set [durability] mode = "off"'
+            ) from exc
         except BaseException:
             j._release()
             raise
@@ -223,6 +259,12 @@ class Journal:
         """Rotate now: checkpoint the durable state into a new segment, drop the old ones."""
         raise NotImplementedError
 
+    def maintain(self) -> bool:
+        """Rotate when the segment is older than ``result_ttl_s`` and holds an expired result
+        (they leave the disk even when nothing is committed); returns whether it rotated. Blocks
+        for the fsyncs: call it from a thread. Raises ``JournalFailed``."""
+        raise NotImplementedError
+
     def result(self, request_id: str) -> FinishedResult | None:
         """The durable result of a finished request still within ``result_ttl_s``, else None."""
         raise NotImplementedError
@@ -258,26 +300,14 @@ class NullJournal(Journal):
     def compact(self) -> None:
         pass
 
+    def maintain(self) -> bool:
+        return False
+
     def result(self, request_id: str) -> FinishedResult | None:
         return None
 
     def close(self) -> None:
         pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 class _FileJournal(Journal):
@@ -294,20 +324,24 @@ class _FileJournal(Journal):
         self._fd = -1
         self._seq = 0  # current segment number
         self._seg_size = 0
+        self._checkpoint_size = 0  # bytes of the current segment's own checkpoint
+        self._seg_started = 0.0  # clock() when the current segment was written
         self._durable = LogState()  # the mirror of what is on disk; checkpoints copy it
         self._view: dict[str, int] = {}  # running request -> token count, buffered included
         self._buffer: list[Record] = []
         self._buf_lock = threading.Lock()
-        self._io_lock = threading.Lock()
+        self._io_lock = threading.Lock()  # one writer: commit, rotation
+        self._state_lock = threading.Lock()  # the durable mirror, held only while it changes
         self._failed: str | None = None
         self._closed = False
 
     # --- open ------------------------------------------------------------------------------------
 
-    def _open(self, recover: RecoverMode) -> None:
+    def _open(self, recover: RecoverMode, min_free_bytes: int) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.wal_dir.mkdir(exist_ok=True, mode=0o700)
         self._lock()
+        check_free(self.state_dir, min_free_bytes)
         file_epoch = self._read_epoch(recover)
         plan = plan_recovery(self.state_dir, recover)
         report = plan.report
@@ -331,6 +365,7 @@ class _FileJournal(Journal):
         self._view = {rid: len(r.tokens) for rid, r in state.live.items()}
         self._seq = plan.next_seq - 1
         self._rotate(drop=plan.drop, quarantine=plan.quarantine)
+        prune_corrupt(self.wal_dir)
         self.recovered = Recovered(
             unfinished=[
                 UnfinishedRequest(record=r.record, tokens=list(r.tokens)) for r in state.live.values()
@@ -376,12 +411,12 @@ class _FileJournal(Journal):
         tmp = self.state_dir / f"{EPOCH_FILE}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            _write_all(fd, f"{self.epoch}\n".encode())
+            write_all(fd, f"{self.epoch}\n".encode())
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, self.state_dir / EPOCH_FILE)
-        _fsync_dir(self.state_dir)
+        fsync_dir(self.state_dir)
 
     def _release(self) -> None:
         for name in ("_fd", "_lock_fd"):
@@ -397,27 +432,27 @@ class _FileJournal(Journal):
         and every older segment (``quarantine`` ones are renamed ``*.corrupt``). Caller holds
         ``_io_lock`` (or is ``_open``)."""
         state = self._durable
-        state.expire(self.clock(), self.ttl_s)
+        with self._state_lock:
+            state.expire(self.clock(), self.ttl_s)
         seq = self._seq + 1
         path = self.wal_dir / segment_name(seq)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             records = state.checkpoint_records(seq, self.epoch, self.clock())
             size = 0
-            for i in range(0, len(records), CHECKPOINT_FRAME_RECORDS):
-                state.seq += 1
-                frame = encode_frame(
-                    Batch(self.epoch, state.seq, records[i : i + CHECKPOINT_FRAME_RECORDS]), seq
-                )
-                _write_all(fd, frame)
+            for batch in batches_of(self.epoch, state.seq + 1, records):
+                state.seq = batch.seq
+                frame = encode_frame(batch, seq)
+                write_all(fd, frame)
                 size += len(frame)
             self._timed_fsync(fd)
-            _fsync_dir(self.wal_dir)
+            fsync_dir(self.wal_dir)
         except BaseException:
             os.close(fd)
             raise
         old_fd, old_seq = self._fd, self._seq
         self._fd, self._seq, self._seg_size = fd, seq, size
+        self._checkpoint_size, self._seg_started = size, self.clock()
         self.stats.bytes_written += size
         if old_fd >= 0:
             os.close(old_fd)
@@ -431,7 +466,7 @@ class _FileJournal(Journal):
                 p.unlink()
             except FileNotFoundError:
                 pass
-        _fsync_dir(self.wal_dir)
+        fsync_dir(self.wal_dir)
 
     def _timed_fsync(self, fd: int) -> float:
         t0 = time.perf_counter()
@@ -505,25 +540,39 @@ class _FileJournal(Journal):
             if not records:
                 return 0
             state = self._durable
-            batch = Batch(self.epoch, state.seq + 1, records)
-            frame = encode_frame(batch, self._seq)
             try:
-                _write_all(self._fd, frame)
+                batches, data = encode_frames(self.epoch, state.seq + 1, records, self._seq)
+                write_all(self._fd, data)
                 fsync_s = self._timed_fsync(self._fd)
             except OSError as exc:
                 self._fail(exc)
                 raise JournalFailed(f"write-ahead log write failed: {exc}") from exc
-            state.apply_batch(batch)  # cannot contradict: every call was checked against _view
-            self._seg_size += len(frame)
+            with self._state_lock:
+                for batch in batches:  # cannot contradict: every call was checked against _view
+                    state.apply_batch(batch)
+            self._seg_size += len(data)
             st = self.stats
-            st.bytes_written += len(frame)
+            st.bytes_written += len(data)
             st.commits += 1
             st.records_written += len(records)
             if self.on_commit is not None:
-                self.on_commit(len(frame), fsync_s)
-            if self._seg_size >= self.segment_bytes:
+                self.on_commit(len(data), fsync_s)
+            if self._rotation_due():
                 self._rotate_or_fail()
-            return len(frame)
+            return len(data)
+
+    def _rotation_due(self) -> bool:
+        """The segment grew ``segment_bytes`` past its checkpoint, or is older than the TTL (and
+        ``MIN_AGE_ROTATION_S``) while an expired result is still on disk (module docstring)."""
+        grown = self._seg_size - self._checkpoint_size
+        if grown >= self.segment_bytes:
+            return True
+        now = self.clock()
+        if now - self._seg_started <= max(self.ttl_s, MIN_AGE_ROTATION_S):
+            return False
+        with self._state_lock:
+            oldest = next(iter(self._durable.results.values()), None)  # in finishing order
+        return oldest is not None and now - oldest.t_finished > self.ttl_s
 
     def _rotate_or_fail(self) -> None:
         try:
@@ -541,8 +590,18 @@ class _FileJournal(Journal):
             self._check_open()
             self._rotate_or_fail()
 
-    def result(self, request_id: str) -> FinishedResult | None:
+    def maintain(self) -> bool:
         with self._io_lock:
+            self._check_open()
+            if not self._rotation_due():
+                return False
+            self._rotate_or_fail()
+            return True
+
+    def result(self, request_id: str) -> FinishedResult | None:
+        """Never waits for a write or an fsync in flight (only for the mirror's update), so the
+        event loop may call it."""
+        with self._state_lock:
             res = self._durable.results.get(request_id)
             if res is not None and self.clock() - res.t_finished > self.ttl_s:
                 return None

@@ -46,6 +46,9 @@ HEADER = struct.Struct("<4sIQ")
 """Frame header: magic, body length (bytes), xxh3_64 checksum."""
 MAX_FRAME_BYTES = 1 << 28
 """Largest frame body (bytes); a longer length field marks a bad frame."""
+FRAME_BYTES = 16 << 20
+"""A writer cuts a frame (a checkpoint's, or a large group commit's) once its records pass this
+many encoded bytes (``batches_of``); one record larger than this goes alone in its frame."""
 SEGMENT_SUFFIX = ".wal"
 WAL_DIR = "wal"
 """Sub-directory of ``state_dir`` holding the segments."""
@@ -329,6 +332,40 @@ def list_segments(wal_dir: Path) -> list[tuple[int, Path]]:
         if m and entry.is_file(follow_symlinks=False):
             found.append((int(m.group(1)), Path(entry.path)))
     return sorted(found)
+
+
+def batches_of(epoch: int, first_seq: int, records: list[Record]) -> list[Batch]:
+    """``records`` as batches numbered from ``first_seq``, each about ``FRAME_BYTES`` encoded bytes
+    at most (a record larger than that alone), so no frame nears ``MAX_FRAME_BYTES``."""
+    parts: list[list[Record]] = []
+    part: list[Record] = []
+    size = 0
+    for rec in records:
+        n = len(_size_encoder.encode(rec))
+        if part and size + n > FRAME_BYTES:
+            parts.append(part)
+            part, size = [], 0
+        part.append(rec)
+        size += n
+    if part:
+        parts.append(part)
+    return [Batch(epoch, first_seq + i, p) for i, p in enumerate(parts)]
+
+
+def encode_frames(
+    epoch: int, first_seq: int, records: list[Record], segment: int
+) -> tuple[list[Batch], bytes]:
+    """The batches of one group commit and their frames' bytes: one frame when it fits in
+    ``FRAME_BYTES`` (the usual case, encoded once), else ``batches_of``."""
+    whole = Batch(epoch, first_seq, records)
+    data = encode_frame(whole, segment)
+    if len(data) <= FRAME_BYTES:
+        return [whole], data
+    batches = batches_of(epoch, first_seq, records)
+    return batches, b"".join(encode_frame(b, segment) for b in batches)
+
+
+_size_encoder = msgspec.msgpack.Encoder()
 
 
 def segment_name(seq: int) -> str:

@@ -6,11 +6,14 @@ the same for all of them (DESIGN.md "Client API"):
 
 1. admission: the daemon is ready and not draining; the request's values are inside the limits
    table (``basertd.server.frontend.limits``); the prompt's byte length can fit the context at all;
+   a structured-output spec passes its cheap checks and names a kind the worker compiles;
 2. tokenizing, with BOS as the worker wants it: long texts off the event loop (a bounded thread
    pool), so a megabyte prompt never stalls other streams;
 3. routing: the least loaded worker serving the model, then the peer holding the longest cached
    prefix (``Fleet.route`` / ``route_prefix``); the scheduler's own admission check (context
-   window, KV pool, queue caps);
+   window, KV pool, queue caps); only then the spec compiled, once per distinct spec, in a child
+   process (``spec_compiler.SpecCompiler``), so a spec that crashes the compiler is a 400 and a
+   flood of specs the queues refuse costs no compilation;
 4. the request record (``GenerationRequest``) with an ``ObservedSink`` around the transport's
    sink, so metrics, the access log and drain accounting see every API alike; with durability on
    (``basertd.server.durability.durable``) a ``DurableSink`` around that journals the request and holds
@@ -47,9 +50,11 @@ from basertd.server.frontend.limits import (
     check_prompt_bytes,
     check_prompt_tokens,
 )
+from basertd.server.frontend.spec_compiler import SpecCompiler
 from basertd.server.frontend.streams import GenerationStream, QueueSink, ResumedStream
 from basertd.server.observe.metrics import Metrics
-from basertd.server.request.grammar import GrammarRequestError, spec_from_request
+from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, spec_from_request
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.states import DaemonState, HealthStatus
@@ -97,10 +102,23 @@ class Frontend:
         self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._pending = 0
         self.requests_total = 0
+        cc = fleet.config.compile
+        self.specs = SpecCompiler(
+            metrics,
+            processes=cc.processes,
+            timeout_s=cc.grammar_timeout_s,
+            max_pending=cc.max_pending,
+            memory_bytes=cc.memory_mib << 20,
+        )
 
-    def close(self) -> None:
-        """Stop the tokenizer threads (running jobs finish)."""
+    def start(self) -> None:
+        """Start the grammar compiler's child processes in the background."""
+        self.specs.pool.start()
+
+    async def close(self) -> None:
+        """Stop the tokenizer threads (running jobs finish) and the grammar compiler's children."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        await self.specs.close()
 
     # --- off-loop work ---------------------------------------------------------------------------
 
@@ -179,6 +197,19 @@ class Frontend:
 
     # --- views for the HTTP dialects (``basertd.server.transport.http.port.FrontendPort``) ------
 
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The candidate of ``spec`` that compiles (``SpecCompiler.compile``: a fallback chosen,
+        the result cached for admission), for a dialect that must know it before it builds its
+        ``Generate`` (a tool grammar). The queue caps of the worker ``model`` goes to are checked
+        first. Raises ``AdmissionError`` (INVALID_REQUEST naming the spec's ``label``,
+        QUEUE_FULL, NOT_FOUND, SHUTTING_DOWN)."""
+        self._admissible()
+        self.fleet[self.fleet.route(model)].scheduler.core.check_admission(0, 1, qos)
+        try:
+            return await self.specs.compile(spec)
+        except GrammarRequestError as exc:
+            raise AdmissionError(exc.code, str(exc)) from None
+
     def route(self, model: str) -> int:
         """The worker a new request for ``model`` ("" = any) goes to now (``Fleet.route``). Raises
         ``AdmissionError(NOT_FOUND)`` for a model no worker serves."""
@@ -216,6 +247,10 @@ class Frontend:
         """Workers that serve now."""
         return self.fleet.ready_count
 
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by id (``Fleet.snapshots``; on the event loop)."""
+        return self.fleet.snapshots()
+
     def metrics_exposition(self) -> str:
         """The Prometheus text exposition of the daemon's registry."""
         return self.metrics.exposition()
@@ -250,7 +285,7 @@ class Frontend:
     async def _submit(self, gen: api.Generate, sink: RequestSink, api_name: str) -> GenerationRequest:
         self._admissible()
         check_generate(gen)
-        try:  # structured output: compiled and validated here, it never reaches a worker invalid
+        try:  # structured output: cheap checks now, compiled after the queue caps
             spec = spec_from_request(gen.response_format, gen.grammar, gen.regex)
         except GrammarRequestError as exc:
             raise AdmissionError(exc.code, str(exc)) from None
@@ -274,6 +309,24 @@ class Frontend:
                 ErrorCode.WORKER_FAILED, f"worker {wid} changed its model; retry the request"
             )
         m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        if spec is not None:
+            kinds = m.scheduler.core.limits.grammar_kinds
+            if spec.kind not in kinds:
+                raise AdmissionError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"worker {wid} ({m.config.engine}) compiles only {', '.join(kinds) or 'no'} grammars, "
+                    f"not {spec.kind}",
+                )
+            try:  # in a child process: a spec that crashes the compiler fails only this request
+                spec = await self.specs.compile(spec)
+            except GrammarRequestError as exc:
+                raise AdmissionError(exc.code, str(exc)) from None
+            self._admissible()
+            if sink.closed:
+                raise AdmissionError(
+                    ErrorCode.CANCELLED, "the client went away before its request was queued"
+                )
+            m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
         req = GenerationRequest(
             request_id=gen.request_id,

@@ -3,8 +3,11 @@
 ``Drainer`` holds the daemon's drain state and the set of accepted requests that have not ended
 (queued or running; the request observer adds and discards them). ``drain(timeout_s, code)``:
 
-1. from the first call on, ``draining`` is True: the daemon refuses every new Generate with a
-   typed error (``refusal()``: DRAINING, or SHUTTING_DOWN for a drain before a stop);
+1. from the first call on, ``draining`` is True (health says so at once); after ``grace_s``
+   seconds (``[operators] drain_grace_s``, 0 by default: at once) the daemon refuses every new
+   Generate with a typed error (``refusal()``: DRAINING, or SHUTTING_DOWN for a drain before a
+   stop). During the grace requests are still accepted, so a router whose health checks see the
+   drain stops sending before anything is refused;
 2. requests already accepted keep being served, queued ones included (they were acknowledged);
 3. at ``timeout_s`` whatever is still in flight is cancelled with ``code`` through its scheduler
    (its lane retires in the next plan, the client gets ``Error(code)`` after the tokens it had);
@@ -18,6 +21,7 @@ acknowledged is lost: a request is only ever cancelled by the timeout, with a ty
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +61,7 @@ class Drainer:
         self._resumed = asyncio.Event()
         self.draining = False
         self.code = ErrorCode.DRAINING
+        self._refuse_at = 0.0
 
     # --- in-flight accounting --------------------------------------------------------------------
 
@@ -84,27 +89,36 @@ class Drainer:
 
     def refusal(self) -> tuple[ErrorCode, str] | None:
         """The typed error a new Generate gets now, or None when requests are accepted."""
-        if not self.draining:
+        if not self.draining or time.monotonic() < self._refuse_at:
             return None
         if self.code is ErrorCode.SHUTTING_DOWN:
             return self.code, "basertd is shutting down; retry on another instance"
         return self.code, "basertd is draining (an operator ran basertctl drain); retry later or elsewhere"
 
-    def begin(self, code: ErrorCode = ErrorCode.DRAINING) -> None:
-        """Refuse new requests from now on with ``code`` (SHUTTING_DOWN wins over DRAINING)."""
+    def begin(self, code: ErrorCode = ErrorCode.DRAINING, grace_s: float = 0.0) -> None:
+        """Drain from now on: refuse new requests with ``code`` (SHUTTING_DOWN wins over
+        DRAINING) once ``grace_s`` seconds have passed (a later call never extends the grace)."""
         if not self.draining:
             self._resumed = asyncio.Event()
-            log.info("drain_started", in_flight=self.in_flight, code=str(code))
+            self._refuse_at = time.monotonic() + max(0.0, grace_s)
+            log.info("drain_started", in_flight=self.in_flight, code=str(code), grace_s=grace_s)
         if not self.draining or code is ErrorCode.SHUTTING_DOWN:
             self.code = code
         self.draining = True
 
-    async def drain(self, timeout_s: float, code: ErrorCode = ErrorCode.DRAINING) -> DrainOutcome:
-        """Drain (module docstring): wait up to ``timeout_s`` seconds (>= 0) for the in-flight
-        requests, then cancel the rest with ``code``. Several drains may wait at once."""
-        self.begin(code)
+    async def drain(
+        self, timeout_s: float, code: ErrorCode = ErrorCode.DRAINING, grace_s: float = 0.0
+    ) -> DrainOutcome:
+        """Drain (module docstring): accept requests for ``grace_s`` more seconds, then wait up to
+        ``timeout_s`` seconds (>= 0) for the in-flight requests, then cancel the rest with
+        ``code``. Several drains may wait at once."""
+        self.begin(code, grace_s)
         resumed = self._resumed
         t0 = time.monotonic()
+        grace_left = self._refuse_at - t0
+        if grace_left > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(resumed.wait()), grace_left)
         idle = asyncio.ensure_future(self._idle.wait())
         woke = asyncio.ensure_future(resumed.wait())
         try:

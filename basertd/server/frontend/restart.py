@@ -3,13 +3,17 @@
 
 ``requeue(durability, fleet, metrics, drainer)`` turns each unfinished record
 (``Durability.unfinished``) into a ``GenerationRequest`` through the same routing and admission
-as a new request — ``Fleet.route`` to a worker serving its model, ``Fleet.route_prefix`` to the
-peer holding its longest cached prefix, ``SchedulerCore.check_admission`` for the context window and
-KV pool — except that the queue caps are not applied: the request was acknowledged before the
-restart, and refusing it now would lose it. Its durable tokens count as delivered
-(``Durability.restore``), so it resumes with ``decode_replay`` (ABI rules 71-73) and its replies
-go to whoever ``Resume``\\ s it. A request that can no longer run (its model is not served, its
-prompt no longer fits) ends with that ``Error``, journaled.
+as a new request — the field limits (``check_generate``), the vocabulary of the worker it routes
+to (prompt and logit-bias ids), its structured-output spec compiled again
+(``request.grammar.validate_spec``), ``Fleet.route`` to a worker serving its model,
+``Fleet.route_prefix`` to the peer holding its longest cached prefix,
+``SchedulerCore.check_admission`` for the context window and KV pool — except that the queue caps
+are not applied: the request was acknowledged before the restart, and refusing it now would lose
+it. Its durable tokens count as delivered (``Durability.restore``), so it resumes with
+``decode_replay`` (ABI rules 71-73) and its replies go to whoever ``Resume``\\ s it. A request
+that no longer passes after a configuration change (its model is not served, its prompt no longer
+fits the context, its ids are outside the new vocabulary, its grammar no longer compiles) is never
+run: it ends with that typed ``Error`` ("after a restart: ..."), journaled.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.server.durability.durable import Durability
+from basertd.server.durability.wal import RequestRecord
 from basertd.server.fleet import Fleet
 from basertd.server.frontend.access import ObservedSink
 from basertd.server.frontend.drain import Drainer
+from basertd.server.frontend.limits import check_generate, check_logit_bias, check_prompt_tokens
 from basertd.server.observe.metrics import Metrics
+from basertd.server.request.grammar import GrammarRequestError, validate_spec
 from basertd.server.request.record import AdmissionError, GenerationRequest, sampler_for
 
 log = structlog.get_logger("basertd.restart")
@@ -36,6 +43,26 @@ class Detached:
         pass
 
 
+def _admit(durability: Durability, fleet: Fleet, gen: api.Generate, record: RequestRecord) -> int:
+    """The worker a recovered request goes to, after the checks a new request passes (module
+    docstring) but the queue caps. Raises ``AdmissionError``."""
+    check_generate(gen)
+    spec = durability.grammar_of(record)
+    if spec is not None:
+        try:
+            validate_spec(spec.kind, spec.text)
+        except GrammarRequestError as exc:
+            raise AdmissionError(exc.code, str(exc)) from None
+    prompt = list(record.prompt)
+    wid = fleet.route(record.model)
+    vocab = fleet[wid].tokenizer.vocab_size
+    check_logit_bias(gen, vocab)
+    check_prompt_tokens(prompt, vocab, fleet[wid].config.context_length)
+    wid = fleet.route_prefix(wid, prompt)
+    fleet[wid].scheduler.core.check_admission(len(prompt), record.max_tokens, record.qos, acknowledged=True)
+    return wid
+
+
 def requeue(durability: Durability, fleet: Fleet, metrics: Metrics, drainer: Drainer) -> int:
     """Queue every unfinished request of the recovered log (module docstring). Returns how many
     were queued (those whose durable tokens already ended them finish at once, not counted)."""
@@ -44,14 +71,13 @@ def requeue(durability: Durability, fleet: Fleet, metrics: Metrics, drainer: Dra
         observed = ObservedSink(Detached(), client_id, metrics, drainer)
         sink = durability.sink_for(record, observed)
         prompt = list(record.prompt)
+        gen = durability.generate_of(record, client_id)
         try:
-            wid = fleet.route_prefix(fleet.route(record.model), prompt)
-            m = fleet[wid]
-            m.scheduler.core.check_admission(len(prompt), record.max_tokens, record.qos, acknowledged=True)
+            wid = _admit(durability, fleet, gen, record)
         except AdmissionError as exc:
             sink.send(api.Error(code=exc.code, request_id=client_id, message=f"after a restart: {exc}"))
             continue
-        gen = durability.generate_of(record, client_id)
+        m = fleet[wid]
         req = GenerationRequest(
             request_id=client_id,
             prompt=prompt,

@@ -10,9 +10,11 @@ incarnation (its cache starts empty) is ``AllBlocksCleared``. Page = the engine'
 ``block_size`` is the page size in tokens, hashes are the index's ``page_hashes``
 (``h_i = xxh3_64(tokens of page i, seed=h_(i-1))``, unsigned 64-bit).
 
-**Wire** (vLLM's ``vllm/distributed/kv_events.py``): msgspec structs, ``array_like`` with
-``omit_defaults``; events are tagged unions (the tag is the class name, the first array
-element). One publisher per worker, ``data_parallel_rank`` = worker index. Every batch is the
+**Wire** (vLLM's ``vllm/distributed/kv_events.py``): msgspec structs with ``omit_defaults``;
+the batch is ``array_like``; events are tagged unions whose tag is the class name: the first
+array element (``[kv_events] layout = "array"``, vLLM before 0.28) or the ``type`` key of a map
+(``layout = "map"``, vLLM 0.28 on, what vllm-router's ``kv_aware`` decodes). One publisher per
+worker, ``data_parallel_rank`` = worker index. Every batch is the
 multipart message ``[topic, seq (8-byte big-endian unsigned), payload]`` on a PUB-compatible
 socket; ``seq`` counts batches of that worker from 0. A bound endpoint is one per worker (the TCP
 port plus the worker index, ``_dp<i>`` after an ipc/inproc path, as vLLM offsets data-parallel
@@ -81,7 +83,9 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 class BlockStored(KVCacheEvent):
     """Pages entered the cache: ``block_hashes`` (a chain, parent first), the hash of the page
     before the first one (None at the start of a prompt), their ``token_ids`` (``block_size``
-    per page, concatenated), ``lora_id`` (None: no adapters here), ``medium``."""
+    per page, concatenated), ``lora_id`` (None: no adapters here), ``medium``, ``lora_name``
+    (None; current vLLM sends it, and vllm-router skips a ``BlockStored`` of fewer than these 8
+    array elements as malformed), ``extra_keys`` (None, omitted)."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -89,6 +93,8 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -100,6 +106,47 @@ class BlockRemoved(KVCacheEvent):
 
 class AllBlocksCleared(KVCacheEvent):
     """Every page of this publisher's worker is gone (a new worker incarnation)."""
+
+
+class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the events in vLLM's current layout (0.28 on): a map whose ``type`` is the class
+    name (``[kv_events] layout = "map"``); the fields are those of the array-like events."""
+
+
+class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
+    """``BlockStored`` as a map."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+
+
+class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
+    """``BlockRemoved`` as a map."""
+
+    block_hashes: list[int]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
+    """``AllBlocksCleared`` as a map."""
+
+
+_AS_MAP: dict[type, type] = {
+    BlockStored: MapBlockStored,
+    BlockRemoved: MapBlockRemoved,
+    AllBlocksCleared: MapAllBlocksCleared,
+}
+
+
+def as_map(event: KVCacheEvent) -> MapKVCacheEvent:
+    """``event`` in the map layout (same fields, tag ``type``)."""
+    return _AS_MAP[type(event)](**msgspec.structs.asdict(event))
 
 
 class KVEventBatch(EventBatch):
@@ -126,8 +173,9 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
 
 
 def binds(endpoint: str) -> bool:
-    """Whether the PUB socket binds ``endpoint`` (wildcard host, ``::``, ipc or inproc) rather than
-    connecting to a subscriber that bound it (vLLM's rule)."""
+    """Whether the PUB socket binds ``endpoint`` under ``[kv_events] bind = "auto"`` (wildcard
+    host, ``::``, ipc or inproc) rather than connecting to a subscriber that bound it (vLLM's
+    rule); ``bind = "bind"`` binds any address, ``"connect"`` never binds."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
@@ -154,9 +202,11 @@ class KvEventsPublisher:
         self.medium = medium
         # a bound address is one per worker; connecting publishers share the subscriber's address
         # (ZMQ fans them in; the batches carry data_parallel_rank)
-        self.endpoint = offset_endpoint(config.endpoint, rank) if binds(config.endpoint) else config.endpoint
+        self.binding = config.bind == "bind" or (config.bind == "auto" and binds(config.endpoint))
+        self.endpoint = offset_endpoint(config.endpoint, rank) if self.binding else config.endpoint
         self.replay_endpoint = offset_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else ""
         self.topic = (os.path.expandvars(config.topic) if topic is None else topic).encode()
+        self.maps = config.layout == "map"
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.batches = 0
         self.sent = 0
@@ -177,7 +227,7 @@ class KvEventsPublisher:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.LINGER, 0)
-            if binds(self.endpoint):
+            if self.binding:
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
@@ -214,6 +264,7 @@ class KvEventsPublisher:
                 block_size=block,
                 lora_id=None,
                 medium=self.medium,
+                lora_name=None,
             )
         )
 
@@ -248,7 +299,8 @@ class KvEventsPublisher:
         if not self._events or self._closed:
             self._events.clear()
             return
-        batch = EventBatch(ts=time.time(), events=self._events, data_parallel_rank=self.rank)
+        events: list[Any] = [as_map(e) for e in self._events] if self.maps else self._events
+        batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=self.rank)
         self._events = []
         payload = self._encoder.encode(batch)
         try:

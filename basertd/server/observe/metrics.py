@@ -311,13 +311,21 @@ class Metrics:
         self.connections_dropped = Counter(
             "connections_dropped",
             "Client connections refused or closed by a [limits] cap, by reason (total_cap, uid_cap, "
-            "buffer_budget, frame_timeout, idle_timeout, slow_reader).",
+            "buffer_budget, frame_timeout, idle_timeout, slow_reader), or by an [http] bound "
+            "(http_total_cap, http_peer_cap, http_header_timeout, http_body_timeout, "
+            "http_idle_timeout, http_write_timeout).",
             ["reason"],
             namespace=ns,
             registry=r,
         )
         self.connections_open = Gauge(
             "client_connections", "Open client-socket connections.", namespace=ns, registry=r
+        )
+        self.http_connections_open = Gauge(
+            "http_connections",
+            "Open HTTP connections (counted against http.max_connections).",
+            namespace=ns,
+            registry=r,
         )
         self.request_buffer_bytes = Gauge(
             "request_buffer_bytes",
@@ -358,6 +366,21 @@ class Metrics:
         self.windows = Windows()
         """Rolling windows of the same events for the live views (``basertctl top``, the page at
         ``/``): fed by the helpers below, never read back from the registry."""
+        self.grammar_compiles = Counter(
+            "grammar_compiles",
+            "Grammar specs compiled at admission (each distinct spec once; cached results not counted).",
+            namespace=ns,
+            registry=r,
+        )
+        self.sandbox_failures = Counter(
+            "sandbox_jobs_failed",
+            "Jobs of a sandbox pool (pool: grammar, chat_template) that gave no result, by reason: "
+            "refused (the spec or template is invalid), timeout, crash (the child process died), busy "
+            "(too many waiting).",
+            ["pool", "reason"],
+            namespace=ns,
+            registry=r,
+        )
         self.info = Gauge("build_info", "The daemon's version.", ["version"], namespace=ns, registry=r)
         self._live = _LiveCollector()
         r.register(self._live)
@@ -475,8 +498,17 @@ class Metrics:
         """Worker ``worker_id`` holds ``count`` grammar handles of the scheduler's now."""
         self.grammar_handles.labels(str(worker_id)).set(count)
 
+    def grammar_compiled(self) -> None:
+        """One grammar spec was compiled in a child process (a cache miss)."""
+        self.grammar_compiles.inc()
+
+    def sandbox_failed(self, pool: str, reason: str) -> None:
+        """A job of sandbox pool ``pool`` gave no result (``reason``: refused, timeout, crash, busy)."""
+        self.sandbox_failures.labels(pool, reason).inc()
+
     def connection_dropped(self, reason: str) -> None:
-        """A client connection was refused or closed by a ``[limits]`` cap (``reason``)."""
+        """A client connection was refused or closed by a ``[limits]`` cap or an ``[http]`` bound
+        (``reason``)."""
         self.connections_dropped.labels(reason).inc()
 
     def wal_commit(self, nbytes: int, fsync_s: float) -> None:

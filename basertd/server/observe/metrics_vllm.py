@@ -12,6 +12,9 @@ workers serving it, and read at scrape time like the live gauges (exactly 0 once
   where cached blocks with no reference count as free).
 - ``vllm:cache_config_info`` (gauge 1): labels ``block_size`` (the engine's page, tokens),
   ``num_gpu_blocks`` (pages of the pool), ``enable_prefix_caching``.
+- ``vllm:lora_requests_info`` (gauge, the scrape time in seconds since the epoch, as vLLM sets
+  it): labels ``max_lora`` "0", ``running_lora_adapters`` and ``waiting_lora_adapters`` "" (no
+  adapters are served; the endpoint picker reads the series to learn that).
 - ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (counters, tokens): prompt tokens
   at each request's first admission, and those of them served from the prefix cache
   (``basertd_prefix_cache_query_tokens`` / ``basertd_cached_tokens``; a re-admission after a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -69,6 +73,12 @@ class VllmCollector(_LiveCollector):
         hits = CounterMetricFamily(
             "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=labels
         )
+        lora = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests (no adapters are served here).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        lora.add_metric(["0", "", ""], time.time())
         counts = self.metrics.cache_counters
         for model in dict.fromkeys(model_of[w.worker_id] for w in workers):
             mine = [w for w in workers if model_of[w.worker_id] == model]
@@ -91,6 +101,7 @@ class VllmCollector(_LiveCollector):
         yield info
         yield queries
         yield hits
+        yield lora
 
 
 def bind_vllm(metrics: Metrics, source: Callable[[], LiveState]) -> VllmCollector:

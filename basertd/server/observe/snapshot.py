@@ -57,12 +57,13 @@ class WorkerSnapshot:
     (incarnations after the first), ``last_error`` (why the last start failed, "" while ready).
     The scheduler: ``limits`` (``WorkerLimits`` of the current or last incarnation, or of the
     config before the first handshake), ``lanes`` (by tag, retiring ones included), ``queues``
-    (every QoS class, highest first), ``mem`` (the engine's memory counters of the last tick, None
-    once the loop has read them), ``stall_reason`` (the progress watchdog's, None while it
-    progresses), ``prefix_caching`` (``[cache] enabled``). Counters only grow, across respawns:
-    ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens``, ``decode_tokens``
-    (engine tokens), ``preemptions``, ``checkpoints``, ``crash_resumes`` (lanes requeued), and
-    ``yields_requested`` (yields asked of ticks in flight)."""
+    (every QoS class, highest first), ``mem`` (the engine's memory counters of the last accepted
+    tick of the current incarnation, None before its first), ``stall_reason`` (the progress
+    watchdog's, None while it progresses), ``prefix_caching`` (``[cache] enabled``). Counters
+    only grow, across respawns: ``ticks_run``, ``plans_rejected``, ``requests_done``,
+    ``prefill_tokens``, ``decode_tokens`` (engine tokens), ``preemptions``, ``checkpoints``,
+    ``crash_resumes`` (lanes requeued), and ``yields_requested`` (yields asked of ticks in
+    flight)."""
 
     worker_id: int
     taken_at: float

@@ -434,9 +434,10 @@ class ControlService:
     async def _drain(self, msg: control.Drain) -> control.DrainResult:
         timeout = _timeout(msg.timeout_s)
         self._check_running()
-        self.d.drainer.begin(ErrorCode.DRAINING)
+        grace = self.d.config.operators.drain_grace_s
+        self.d.drainer.begin(ErrorCode.DRAINING, grace)
         self.d.publish_status()
-        outcome = await self.d.drainer.drain(timeout, ErrorCode.DRAINING)
+        outcome = await self.d.drainer.drain(timeout, ErrorCode.DRAINING, grace)
         self.d.publish_status()
         left = self.d.drainer.in_flight if outcome.resumed else outcome.cancelled
         return control.DrainResult(drained=outcome.drained, lanes_active=left, waited_s=outcome.waited_s)

@@ -8,10 +8,13 @@ or, on chat requests, with the tool-call grammar ``tool_grammar`` builds from ``
 message carries (``to_message``); the worker answers a grammar handle for ``LaneAdmit.
 grammar_handle`` (DESIGN.md "Link W", ABI rules 74 and 113).
 
-Every spec is compiled and validated here with llguidance (no tokenizer needed), so an invalid
-schema, grammar or regex is a ``GrammarRequestError`` carrying the library's message (an HTTP 400)
-and never reaches a worker. JSON schemas compile with compact separators and no free whitespace,
-as the llama.cpp engine compiles them.
+Building a spec here costs no compilation: only the cheap checks run (field shapes, JSON text,
+the schema's depth with its ``$ref``s followed, ``schema_depth``), then ``spec_compiler.
+SpecCompiler`` compiles it once, after admission's queue caps, in a child process with the
+worker's compiler (``basertd.grammar_compile``), so an invalid schema, grammar or regex is a
+``GrammarRequestError`` carrying the library's message (an HTTP 400) and never reaches a worker,
+and a spec that crashes llguidance kills only that child. ``tools`` are bounded in count and bytes
+(``check_tool_caps``).
 
 Tool calls are JSON: one call is ``{"name": <function name>, "arguments": {...}}``; parallel calls
 (when allowed) are a JSON array of calls. ``parse_tool_calls`` turns generated text into OpenAI
@@ -23,11 +26,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import llguidance
-
+from basertd.grammar_compile import JSON_OPTIONS
 from basertd.json_bounds import bound_numbers
 from basertd.schema import link
 from basertd.schema.client import ErrorCode
@@ -36,11 +38,6 @@ from basertd.server.request.schema_depth import MAX_REF_DEPTH, ref_depth
 KINDS = ("json_schema", "lark", "regex")
 """Spec kinds a GRAMMAR_CREATE carries."""
 
-_JSON_OPTIONS: llguidance.JsonCompileOptions = {
-    "whitespace_flexible": False,
-    "item_separator": ",",
-    "key_separator": ":",
-}
 _FN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -55,21 +52,36 @@ class GrammarRequestError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """One validated grammar: ``kind`` in KINDS and its ``text`` (JSON-schema text, Lark or regex)."""
+    """One grammar: ``kind`` in KINDS and its ``text`` (JSON-schema text, Lark or regex).
+    ``fallback``: a spec to use instead when this one does not compile (the tool grammar of
+    ``tool_choice="auto"`` with the tool schemas as given, when their bounded numbers do not
+    compile); ``label``: what a compile error names (e.g. the request field). Neither goes to
+    the worker nor takes part in equality."""
 
     kind: str
     text: str
+    fallback: GrammarSpec | None = field(default=None, compare=False)
+    label: str = field(default="", compare=False)
+
+    def candidates(self) -> list[tuple[str, str]]:
+        """``(kind, text)`` of this spec then of each fallback, in the order they are tried."""
+        out, spec = [], self
+        while spec is not None:
+            out.append((spec.kind, spec.text))
+            spec = spec.fallback
+        return out
 
     def to_message(self) -> link.GrammarCreate:
         """The Link W GRAMMAR_CREATE carrying this spec."""
         return link.GrammarCreate(json_schema=self.text, kind=self.kind)
 
 
-def validate_spec(kind: str, text: str) -> GrammarSpec:
-    """Compile ``text`` of ``kind`` with llguidance; the spec, or GrammarRequestError with the
-    library's message (unknown kind, schema text that is not a JSON object or boolean, a schema
-    deeper than ``MAX_REF_DEPTH`` levels once its ``$ref``s are followed (``schema_depth``), a
-    schema, grammar or regex that does not compile)."""
+def validate_spec(kind: str, text: str, label: str = "") -> GrammarSpec:
+    """The spec of ``text`` of ``kind`` after the checks that cost no compilation; llguidance
+    compiles it later, in a child process (``spec_compiler.SpecCompiler``). Raises
+    GrammarRequestError for an unknown kind, schema text that is not a JSON object or boolean, or
+    a schema deeper than ``MAX_REF_DEPTH`` levels once its ``$ref``s are followed
+    (``schema_depth``)."""
     if kind == "json_schema":
         try:
             schema = json.loads(text)
@@ -77,30 +89,23 @@ def validate_spec(kind: str, text: str) -> GrammarSpec:
             raise GrammarRequestError(f"JSON schema is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarRequestError("a JSON schema is an object or a boolean")
-        if ref_depth(schema) > MAX_REF_DEPTH:
-            raise GrammarRequestError(
-                f"JSON schema too deep: more than {MAX_REF_DEPTH} levels of nesting and $ref"
-            )
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-        except ValueError as exc:
-            raise GrammarRequestError(f"invalid JSON schema: {exc}") from None
-    elif kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    elif kind == "regex":
-        grammar = llguidance.LLMatcher.grammar_from_regex(text)
-    else:
+        _check_depth(schema)
+    elif kind not in KINDS:
         raise GrammarRequestError(f"unknown grammar kind {kind!r}")
-    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        what = {"json_schema": "JSON schema", "lark": "grammar", "regex": "regex"}[kind]
-        raise GrammarRequestError(f"invalid {what}: {msgs[0] if msgs else 'does not compile'}")
-    return GrammarSpec(kind, text)
+    return GrammarSpec(kind, text, label=label)
 
 
-def schema_spec(schema: dict[str, Any] | bool) -> GrammarSpec:
-    """A validated json_schema spec of a schema value (GrammarRequestError if it does not compile)."""
-    return validate_spec("json_schema", json.dumps(schema, separators=(",", ":")))
+def _check_depth(schema: Any) -> None:
+    if ref_depth(schema) > MAX_REF_DEPTH:
+        raise GrammarRequestError(
+            f"JSON schema too deep: more than {MAX_REF_DEPTH} levels of nesting and $ref"
+        )
+
+
+def schema_spec(schema: dict[str, Any] | bool, label: str = "") -> GrammarSpec:
+    """The json_schema spec of a schema value (GrammarRequestError when too deep, ``validate_spec``)."""
+    _check_depth(schema)
+    return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")), label=label)
 
 
 def spec_from_request(
@@ -112,7 +117,8 @@ def spec_from_request(
     JSON object; ``json_schema`` needs ``json_schema.schema`` (an object; ``name`` and ``strict``
     are accepted, and every output meets the schema whatever ``strict`` says). Raises
     GrammarRequestError for more than one of the three, an unknown or malformed
-    ``response_format``, a non-string ``grammar`` / ``regex``, or a spec that does not compile."""
+    ``response_format``, a non-string ``grammar`` / ``regex``, or a schema too deep
+    (``validate_spec``); whether the spec compiles is ``SpecCompiler``'s to say."""
     given = [x for x in (response_format, grammar, regex) if x is not None]
     if isinstance(response_format, dict) and response_format.get("type") == "text":
         given.remove(response_format)
@@ -163,11 +169,30 @@ class Tool:
     parameters: dict[str, Any]
 
 
+MAX_TOOLS = 128
+"""Most function tools one request may offer (``[compile] max_tools``' default)."""
+MAX_TOOLS_BYTES = 1 << 20
+"""Largest ``tools`` array, as compact JSON (bytes; ``[compile] max_tools_bytes``' default)."""
+
+
+def check_tool_caps(tools: Any, max_tools: int = MAX_TOOLS, max_bytes: int = MAX_TOOLS_BYTES) -> None:
+    """Refuse a ``tools`` list longer than ``max_tools`` entries or larger than ``max_bytes`` as
+    compact JSON: GrammarRequestError naming the cap. Anything else passes (``parse_tools`` says
+    what is malformed)."""
+    if not isinstance(tools, list):
+        return
+    if len(tools) > max_tools:
+        raise GrammarRequestError(f"tools: at most {max_tools} tools per request, got {len(tools)}")
+    size = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise GrammarRequestError(f"tools: at most {max_bytes} bytes of tools as JSON, got {size}")
+
+
 def parse_tools(tools: Any) -> list[Tool]:
     """The function tools of an OpenAI ``tools`` array (``[{"type": "function", "function":
     {"name", "description"?, "parameters"?}}]``). Raises GrammarRequestError for anything else:
     not a list, a non-function tool, a bad or duplicate name, parameters that are not an object
-    schema that compiles."""
+    schema or too deep (``validate_spec``); they are compiled with the tool grammar."""
     if not isinstance(tools, list) or not tools:
         raise GrammarRequestError("tools must be a non-empty array")
     out: list[Tool] = []
@@ -189,7 +214,7 @@ def parse_tools(tools: Any) -> list[Tool]:
         if not isinstance(params, dict):
             raise GrammarRequestError(f"tools[{i}].function.parameters must be a JSON schema object")
         try:
-            schema_spec(params)
+            _check_depth(params)
         except GrammarRequestError as exc:
             raise GrammarRequestError(f"tools[{i}].function.parameters: {exc}") from None
         out.append(Tool(name, desc, params))
@@ -247,8 +272,10 @@ def tool_grammar(
     tool-call JSON (``call_schema`` over all tools); a named function: one call of that function
     (never an array); parallel calls are an array of at most ``max_calls`` (None: no bound);
     "auto": a Lark grammar accepting either a call (its output starts with ``{``,
-    or ``[`` for parallel calls) or free text that does not start with ``{``, ``[`` or whitespace.
-    Raises GrammarRequestError for malformed ``tools`` or ``tool_choice``."""
+    or ``[`` for parallel calls) or free text that does not start with ``{``, ``[`` or whitespace,
+    its numbers bounded as in every JSON-schema grammar (``basertd.json_bounds``) with the schemas
+    as given for its ``fallback``. The spec is not compiled here (``SpecCompiler``); its ``label``
+    names the tools. Raises GrammarRequestError for malformed ``tools`` or ``tool_choice``."""
     if tools is None or tools == []:
         tool_choice_mode(tool_choice, [])
         return None
@@ -256,20 +283,20 @@ def tool_grammar(
     mode, name = tool_choice_mode(tool_choice, parsed)
     if mode == "none":
         return None
+    label = "tools (function.parameters)"
     if mode == "function":
-        return schema_spec(call_schema([t for t in parsed if t.name == name], parallel=False))
+        return schema_spec(call_schema([t for t in parsed if t.name == name], parallel=False), label)
     schema = call_schema(parsed, parallel=bool(parallel_tool_calls), max_calls=max_calls)
     if mode == "required":
-        return schema_spec(schema)
-    try:  # numbers bounded as in every JSON-schema grammar (``basertd.json_bounds``) ...
-        return validate_spec("lark", _auto_lark(bound_numbers(schema)))
-    except GrammarRequestError:  # ... unless that does not compile: then as given
-        return validate_spec("lark", _auto_lark(schema))
+        return schema_spec(schema, label)
+    _check_depth(schema)
+    as_given = GrammarSpec("lark", _auto_lark(schema), label=label)
+    return GrammarSpec("lark", _auto_lark(bound_numbers(schema)), fallback=as_given, label=label)
 
 
 def _auto_lark(schema: dict[str, Any]) -> str:
     """The Lark text of ``tool_choice="auto"``: a tool call (compact JSON) or free text."""
-    schema = {**schema, "x-guidance": dict(_JSON_OPTIONS)}  # compact JSON inside Lark too
+    schema = {**schema, "x-guidance": dict(JSON_OPTIONS)}  # compact JSON inside Lark too
     return (
         "start: call | TEXT\n"
         "TEXT: /[^{\\[ \\t\\r\\n][\\s\\S]*/\n"

@@ -165,13 +165,15 @@ class GenerationRequest:
 
     Worker crashes (DESIGN.md "Scheduling": a crash is a preemption): ``crash_resumes`` (times it
     was requeued because its worker died while it ran; the access log's field) and
-    ``crash_streak`` (crashes it ran at with no token delivered in between; at the scheduler's
-    ``max_crash_resumes`` it fails WORKER_FAILED).
+    ``crash_streak`` (crashes of the workers it ran on, counted across workers, since it last made
+    progress; at the scheduler's ``max_crash_resumes`` it fails WORKER_FAILED) and ``crash_mark``
+    (its generated-token count at its last crash). Progress is a tick that *completed* on a worker
+    and delivered this request tokens past ``crash_mark`` (``basertd.server.sched.apply``): tokens
+    of a partial emit whose tick then died prove nothing, as a poison request may emit before it
+    kills its worker.
 
     Structured output: ``grammar`` (the validated spec, ``basertd.server.request.grammar.GrammarSpec``, or
-    None) and ``grammar_handle`` (its handle on the current worker incarnation while the request
-    owns a lane, else 0: a handle lives from the plan that admits the lane to the plan that retires
-    it, ABI rule 74)."""
+    None; its handle on the worker is booked by the scheduler, ``basertd.server.sched.grammar_handles``)."""
 
     request_id: str
     prompt: list[int]
@@ -203,8 +205,8 @@ class GenerationRequest:
     ttft_ticks: int | None = None
     crash_resumes: int = 0
     crash_streak: int = 0
+    crash_mark: int = 0
     grammar: GrammarSpec | None = None
-    grammar_handle: int = 0
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer)
@@ -318,8 +320,6 @@ class GenerationRequest:
         else:
             text = self._detok.feed(take)
         self.generated.extend(take)
-        if take:
-            self.crash_streak = 0  # progress: a later crash starts a new streak
         if reason is None and self.remaining <= 0:
             reason = "length"
         send = self.sink.send if out is None else out.append

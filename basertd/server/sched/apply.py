@@ -205,6 +205,12 @@ def apply_accepted(st: SchedulerState, plan: Plan, tick: Accepted, now: float, o
         lane.requeue = False
 
     _apply_emits(st, events, tick.tokens, now, out)
+    for tag, _ in draft.decodes:  # a completed tick that took a request past its last crash
+        lane = st.lanes.get(tag)
+        if lane is not None and tag not in shed:
+            req = lane.request
+            if req.crash_streak and len(req.generated) > req.crash_mark:
+                req.crash_streak = 0
 
     for lane in st.lanes.values():
         if lane.request.finished:

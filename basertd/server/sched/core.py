@@ -263,6 +263,7 @@ class SchedulerCore(SchedulerState):
             req = requests[cand.key]
             sampler = req.sampler
             seed = plan.seeds.get(cand.key)
+            grammar = self.grammars.get(req)
             admits.append(
                 LaneAdmit(
                     lane_tag=tag,
@@ -272,8 +273,8 @@ class SchedulerCore(SchedulerState):
                     params=sampler.params,
                     rng_counter_base=sampler.rng_counter_base(len(req.generated)),
                     decode_replay=len(req.generated),
-                    grammar_handle=req.grammar_handle,
-                    grammar_replay=len(req.generated) if req.grammar_handle else 0,
+                    grammar_handle=grammar,
+                    grammar_replay=len(req.generated) if grammar else 0,
                     logit_bias_handle=biases.get(cand.key, 0),
                     want_logprobs=sampler.want_logprobs,
                 )
@@ -488,25 +489,26 @@ class SchedulerCore(SchedulerState):
     ) -> None:
         """The worker died or broke the link (``error``): a preemption of every live lane. Each
         request is to resume with its delivered tokens (``res.resume``, youngest first: the loop
-        requeues each, here or on a peer); one that ran at ``max_crash_resumes`` crashes in a row
-        without a token in between fails WORKER_FAILED, and so does every one when the progress
-        watchdog restarted the worker (``stalled``: its running work is what stalled). Grammar
-        handles of the incarnation are forgotten. ``planned`` (a hand-over between two ticks, the
-        worker alive): every request resumes, no crash charged (``handovers`` counts them)."""
+        requeues each, here or on a peer); one that ran at ``max_crash_resumes`` crashes, counted
+        across workers, without progress in between (``GenerationRequest.crash_streak``: a
+        completed tick delivering tokens past its last crash) fails WORKER_FAILED, and so does
+        every one when the progress watchdog restarted the worker (``stalled``: its running work
+        is what stalled). Grammar handles of the incarnation are forgotten. ``planned`` (a
+        hand-over between two ticks, the worker alive): every request resumes, no crash charged
+        (``handovers`` counts them)."""
         live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
         self.flight = None
-        for req in self.queues:  # handles made for a plan that never ran
-            req.grammar_handle = 0
+        self.grammars.forget()  # those of lanes and of plans that never ran died with the worker
         live.sort(key=lambda lane: -lane.request.t_received)
         for lane in live:
             req = lane.request
-            req.grammar_handle = 0
             if planned:
                 self.handovers += 1
                 res.resume.append(req)
                 continue
             req.crash_streak += 1
+            req.crash_mark = len(req.generated)
             if stalled is not None:
                 self.fail(
                     req,
@@ -521,8 +523,8 @@ class SchedulerCore(SchedulerState):
                 self.fail(
                     req,
                     ErrorCode.WORKER_FAILED,
-                    f"worker {self.worker_id} died {req.crash_streak} times in a row while this request "
-                    f"ran, without a token in between (last: {error})",
+                    f"the worker died {req.crash_streak} times in a row while this request ran, "
+                    "without progress in between",
                     now,
                     out,
                 )
@@ -534,7 +536,9 @@ class SchedulerCore(SchedulerState):
             res.resume.append(req)
 
     def detach(self) -> None:
-        """The incarnation is gone: its leases, grammar handles and plan caps go with it."""
+        """The incarnation is gone: its leases, grammar handles, plan caps and memory counters go
+        with it."""
         self.to_release.clear()
+        self.last_mem = None
         self.grammars.forget()
         self.flight = None

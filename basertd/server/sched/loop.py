@@ -6,8 +6,9 @@ clients as ``Delivery`` records; the loop hands them to the requests' sinks (``_
 gives the core the clock (``time.monotonic()``). Each turn it:
 
 1. runs the commands queued for the gap between two ticks (``basertd.server.cache.commands``:
-   the cache verbs, pin holds), releases unused seed leases, frees dropped grammar handles, reads
-   the engine's rate curve, renews pin leases and evicts down to the low watermark;
+   the cache verbs, pin holds), releases unused seed leases, frees the worker-held handles no
+   lane needs (grammars, logit-bias tables: ``basertd.server.sched.handles``), reads the engine's
+   rate curve, renews pin leases and evicts down to the low watermark;
 2. resolves every cached-prefix hint of the coming plan first (``core.hint_requests``: writes the
    prompt into ring 1, ``space_match`` then ``seed_acquire``), then has the plan drafted once
    (``core.draft``);
@@ -58,15 +59,16 @@ from basertd.server.cache.policy import WorkerCache
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.notify import Heartbeat
-from basertd.server.observe.snapshot import LaneSnapshot, QueueSnapshot, WorkerSnapshot
+from basertd.server.observe.snapshot import WorkerSnapshot
 from basertd.server.request.record import AdmissionError, GenerationRequest
 from basertd.server.request.tokenizer import Tokenizer
+from basertd.server.sched import grammar_handles, logit_bias
 from basertd.server.sched.core import QUEUED_FIRST_S, SchedulerCore
 from basertd.server.sched.draft import Plan, Resolved
-from basertd.server.sched.logit_bias import BiasTables
 from basertd.server.sched.outcome import Accepted, Delivery, Lost, Rejected
 from basertd.server.sched.pin_warmup import rewarm, warm_prefix
 from basertd.server.sched.plan_builder import rate_curve
+from basertd.server.sched.view import worker_snapshot
 from basertd.server.sched.watchdog import Phase, ProgressWatchdog
 from basertd.server.states import SlotState
 from basertd.server.workers.limits import WorkerLimits
@@ -142,11 +144,12 @@ class Scheduler:
         self._commands: deque[tuple[Command, asyncio.Future]] = deque()
         self._wake = asyncio.Event()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
-        self._biases = BiasTables()  # logit-bias tables of this incarnation's requests
+        self._biases = logit_bias.bias_tables(slot.worker_id)  # this incarnation's requests'
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
         self._stalled: str | None = None
         self._curve_at = 0.0
+        self._watermark_tick = 0  # core.ticks_run when the pool was last held to the watermarks
         self._phase = Phase.NO_WORKER
         self._handover: str | None = None  # why the loop is to park (``hand_over``)
         self._parked = asyncio.Event()
@@ -183,10 +186,16 @@ class Scheduler:
         return len(out)
 
     def on_give_up(self, last_error: str) -> None:
-        """The supervisor stopped retrying: queued requests cannot be served, fail them typed."""
-        n = self.fail_queued(ErrorCode.WORKER_FAILED, f"worker {self.worker_id} is unavailable: {last_error}")
+        """The supervisor stopped retrying: queued requests cannot be served, fail them typed.
+        Clients get a generic message; ``last_error`` (the worker's own line: file paths, exit
+        status) stays in the log and the operator views (``basertctl status``, Health)."""
+        n = self.fail_queued(
+            ErrorCode.WORKER_FAILED,
+            f"worker {self.worker_id} is unavailable: it could not be started "
+            "(the operator finds why in `basertctl status` and the daemon's log)",
+        )
         if n:
-            log.warning("queued_requests_failed", worker_id=self.worker_id, count=n)
+            log.warning("queued_requests_failed", worker_id=self.worker_id, count=n, last_error=last_error)
 
     def reconfigure(self, config: SchedulerConfig, cache: CacheConfig) -> None:
         """Take a reload's ``[scheduler]`` and ``[cache]`` knobs (``basertd.server.ops.reload``):
@@ -246,44 +255,14 @@ class Scheduler:
 
     def snapshot(self) -> WorkerSnapshot:
         """This worker now, as operators and metrics see it (``basertd.server.observe.snapshot``):
-        a frozen copy, taken on the event loop."""
-        core, slot, now = self.core, self.slot, time.monotonic()
-        lanes = tuple(
-            LaneSnapshot(
-                tag=lane.tag,
-                request_id=lane.request.request_id,
-                qos=lane.request.qos,
-                phase=lane.phase,
-                prompt_tokens=lane.prompt_len,
-                generated_tokens=len(lane.request.generated),
-                cached_tokens=lane.request.cached_tokens,
-                reserved_tokens=lane.reserved,
-                admitted_at=lane.admitted_at,
-            )
-            for lane in core.lanes.values()
-        )
-        return WorkerSnapshot(
-            worker_id=self.worker_id,
-            taken_at=now,
-            state=slot.state,
-            pid=slot.proc.pid if slot.proc is not None else 0,
-            respawns=slot.respawns,
-            last_error="" if slot.state is SlotState.READY else slot.last_error,
-            limits=core.limits,
-            lanes=lanes,
-            queues=tuple(QueueSnapshot(q, depth, wait) for q, depth, wait in core.queue_rows(now)),
-            mem=core.last_mem,
-            stall_reason=self.watchdog.reason,
-            prefix_caching=core.cache.enabled,
-            ticks_run=core.ticks_run,
-            plans_rejected=core.plans_rejected,
-            requests_done=core.requests_done,
-            prefill_tokens=core.prefill_tokens_total,
-            decode_tokens=core.decode_tokens_total,
-            preemptions=core.preemptions,
-            checkpoints=core.checkpoints,
-            crash_resumes=core.crash_resumes,
-            yields_requested=self._yield.requested,
+        a frozen copy, taken on the event loop (``sched.view.worker_snapshot``)."""
+        return worker_snapshot(
+            self.worker_id,
+            self.core,
+            self.slot,
+            self.watchdog.reason,
+            self._yield.requested,
+            time.monotonic(),
         )
 
     async def ticked(self) -> None:
@@ -358,7 +337,7 @@ class Scheduler:
                 self._yield.proc = None
                 core.cache_policy.detach()
                 core.detach()  # leases and grammar handles die with the incarnation
-                self._biases.clear()
+                self._biases.forget()
 
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
@@ -457,9 +436,11 @@ class Scheduler:
                 fut.set_result(result)
         while core.to_release:
             await wc.release(port, core.to_release.pop())
-        await core.grammars.free_pending(proc.link)
+        laned = {lane.request.key for lane in core.lanes.values()}
+        for handles in (core.grammars, self._biases):  # sched.handles: freed between ticks
+            handles.drop_where(lambda req: req.finished and req.key not in laned)
+            await handles.free_pending(proc.link)
         await self._read_curve(proc)
-        await self._biases.sweep(proc.link, {lane.request.key for lane in core.lanes.values()})
         if wc.renewals_due():
             for pin in await wc.renew(port):
                 self._spawn(self._rewarm(pin.pin_id))
@@ -467,9 +448,9 @@ class Scheduler:
         for pin in wc.pins.values():
             if not pin.handle and pin.pin_id not in self._warming and now >= pin.retry_at:
                 self._spawn(self._rewarm(pin.pin_id))
-        if core.last_mem is not None:
+        if core.last_mem is not None and self._watermark_tick != core.ticks_run:
+            self._watermark_tick = core.ticks_run  # once per accepted tick
             target = wc.watermark_target(core.last_mem)
-            core.last_mem = None  # re-read after the next tick
             if target:
                 try:
                     freed = await wc.evict(port, target)
@@ -531,9 +512,9 @@ class Scheduler:
         made: list[GenerationRequest] = []
         for _, cand in plan.draft.admitted:
             req = plan.requests[cand.key]
-            if not req.finished and req.grammar is not None and not req.grammar_handle:
+            if not req.finished and req.grammar is not None and not core.grammars.get(req):
                 await self._create_grammar(proc, req)
-                if req.grammar_handle:
+                if core.grammars.get(req):
                     made.append(req)
         if any(req.finished for req in plan.requests.values()):
             core.abandon(plan)
@@ -545,7 +526,7 @@ class Scheduler:
     async def _create_grammar(self, proc: WorkerProcess, req: GenerationRequest) -> None:
         """A grammar handle for ``req``'s admission; a worker that gives none fails ``req``
         INTERNAL (and dequeues it). Raises ``LinkError`` when the link died."""
-        why = await self.core.grammars.create(proc.link, req)
+        why = await grammar_handles.create(self.core.grammars, proc.link, req)
         if why is None or req.grammar is None:
             return
         log.warning("grammar_create_failed", worker_id=self.worker_id, request_key=req.key, error=why)
@@ -575,7 +556,7 @@ class Scheduler:
         core, requests = self.core, plan.requests
         now = time.monotonic()
         reqs = [requests[c.key] for _, c in plan.draft.admitted]
-        biases, refused = await self._biases.handles(proc.link, reqs)
+        biases, refused = await logit_bias.handles(self._biases, proc.link, reqs)
         for req, why in refused:
             self._deliver(core.drop(req, ErrorCode.INVALID_REQUEST, str(why), time.monotonic()))
         if refused or any(requests[key].finished for key in biases):

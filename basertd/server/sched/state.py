@@ -17,7 +17,7 @@ from basertd.server.cache.policy import WorkerCache
 from basertd.server.config import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
 from basertd.server.request.record import GenerationRequest, RequestState
-from basertd.server.sched.grammar_handles import GrammarHandles
+from basertd.server.sched.grammar_handles import grammar_handles
 from basertd.server.sched.lanes import Lane, RequestQueues, on_probation
 from basertd.server.sched.outcome import Outbox
 from basertd.server.sched.plan_builder import PlanLimits, TickRates
@@ -30,11 +30,13 @@ class SchedulerState:
     Public: ``worker_id``, ``limits`` (``WorkerLimits``), ``config`` (``[scheduler]``), ``cache``
     (``[cache]``), ``metrics``, ``lanes`` (tag -> ``Lane``), ``queues`` (``RequestQueues``),
     ``rates`` (``TickRates``), ``cache_policy`` (``WorkerCache``), ``grammars``
-    (``GrammarHandles``: the core only marks handles to free, the loop sends the frees), and the
+    (a ``WorkerHandles`` by request, ``basertd.server.sched.handles``: the core drops the handle of
+    a lane that ends, the loop creates them and sends the frees), and the
     counters ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens_total``,
     ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``, ``handovers``
     (lanes handed over by a planned replacement, not charged as crashes).
-    ``last_mem``: the memory counters of the last tick (None once read). ``to_release``: seed
+    ``last_mem``: the engine's memory counters of the last accepted tick of this incarnation
+    (None before its first; the snapshot's ``mem`` and the ``engine_pool_*`` gauges). ``to_release``: seed
     lease handles the loop releases between ticks (ABI rule 81). ``can_yield`` / ``step_tokens``:
     what the current incarnation's engine supports (``basertd.shm.control``)."""
 
@@ -57,7 +59,7 @@ class SchedulerState:
         self.queues = RequestQueues()
         self.rates = TickRates(config.tick_target_s, config.prefill_budget, config.decode_grant)
         self.cache_policy = cache_policy if cache_policy is not None else WorkerCache(worker_id, cache)
-        self.grammars = GrammarHandles(worker_id, self.metrics)
+        self.grammars = grammar_handles(worker_id, self.metrics)
         self.ticks_run = 0
         self.plans_rejected = 0
         self.requests_done = 0

@@ -16,7 +16,8 @@ Resource caps (``[limits]``, ``basertd.server.config.LimitsConfig``; the reading
 ``basertd.server.transport.conn_limits``): connections in all and per peer uid, bytes of half-received
 request frames over all connections, a frame timeout and an idle timeout. A connection over a cap
 gets ``Error(queue_full)``, one that times out ``Error(timeout)``; either is then closed, counted
-in ``basertd_connections_dropped_total{reason}``, and what it held is released.
+in ``basertd_connections_dropped_total{reason}``, and what it held is released. Accepts that fail
+for want of descriptors are logged once per burst (``accept_errors``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from basertd.schema.client import ErrorCode
 from basertd.schema.codec import ClientCodec, FrameError
 from basertd.server.config import LimitsConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
+from basertd.server.transport import accept_errors
 from basertd.server.transport.conn_limits import BufferBudget, ConnectionCaps, ConnectionDropped, read_frame
 from basertd.server.transport.peercred import peer_credentials
 
@@ -214,6 +216,7 @@ class ApiServer:
     async def start(self) -> None:
         """Bind and listen (or, with ``sock``, start accepting on it)."""
         _raise_fd_limit(self.limits.max_connections + SPARE_FDS)
+        accept_errors.install(asyncio.get_running_loop())
         if self.sock is not None:
             self._server = await asyncio.start_unix_server(self._on_client, sock=self.sock, limit=1 << 16)
             log.info("listening", socket=str(self.path), inherited=True)

@@ -6,11 +6,27 @@ from typing import Any
 
 from basertd.schema.abi import SpaceKind
 
+ALL_GRAMMAR_KINDS = ("json_schema", "lark", "regex")
+"""Every grammar kind GRAMMAR_CREATE can carry (``basertd.grammar_compile.GRAMMAR_KINDS``)."""
+TICK_ABI_GRAMMAR_KINDS = ("json_schema",)
+"""The kinds a worker whose capability record names none compiles: the tick ABI's
+``grammar_create`` takes a JSON schema only."""
+
+
+def grammar_kinds_of(extra: dict[str, str]) -> tuple[str, ...]:
+    """The grammar kinds a worker compiles: its capability record's ``extra["grammar_kinds"]``
+    (comma-separated), else the tick ABI's (``TICK_ABI_GRAMMAR_KINDS``)."""
+    listed = extra.get("grammar_kinds")
+    if listed is None:
+        return TICK_ABI_GRAMMAR_KINDS
+    return tuple(k for k in listed.split(",") if k in ALL_GRAMMAR_KINDS)
+
 
 class WorkerLimits:
     """The numbers admission and planning need from a worker's capability record (or, before
     the first handshake, from its config): context length, lanes and max batch size, page size
-    (tokens), KV capacity (tokens) and the prompt tokens one plan may write into the prompt ring."""
+    (tokens), KV capacity (tokens), the prompt tokens one plan may write into the prompt ring and
+    the grammar kinds it compiles (``grammar_kinds_of``; every kind until the first handshake)."""
 
     def __init__(
         self,
@@ -20,6 +36,7 @@ class WorkerLimits:
         page_tokens: int,
         kv_tokens: int,
         max_admit_tokens: int,
+        grammar_kinds: tuple[str, ...] = ALL_GRAMMAR_KINDS,
     ) -> None:
         self.context_length = context_length
         self.max_lanes = max_lanes
@@ -27,6 +44,7 @@ class WorkerLimits:
         self.page_tokens = page_tokens
         self.kv_tokens = kv_tokens
         self.max_admit_tokens = max_admit_tokens
+        self.grammar_kinds = grammar_kinds
 
     @classmethod
     def from_worker(cls, proc: Any) -> WorkerLimits:
@@ -49,4 +67,5 @@ class WorkerLimits:
             page_tokens=max(1, caps.page_size_tokens),
             kv_tokens=kv,
             max_admit_tokens=proc.prompt_ring.max_span_elems // 2,
+            grammar_kinds=grammar_kinds_of(caps.extra),
         )

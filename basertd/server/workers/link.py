@@ -141,6 +141,9 @@ class WorkerLink:
         self._seq = 0
         self._pending: dict[int, asyncio.Future] = {}
         self._tick: _Tick | None = None
+        self.died_in_tick = False
+        """Set when the link failed: True when a plan sent by ``tick`` had no result yet (the
+        death is charged to that tick's requests, ``basertd.server.workers.slot``)."""
         self._hello: asyncio.Future | None = None
         self._ops_done: dict[int, link.StateOpDone] = {}
         self._op_waiters: dict[int, asyncio.Future] = {}
@@ -270,6 +273,7 @@ class WorkerLink:
             if not fut.done():
                 fut.set_exception(error)
         self._op_waiters.clear()
+        self.died_in_tick = self._tick is not None
         self._tick = None
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(error)

@@ -9,8 +9,15 @@ One ``WorkerSlot`` per configured worker runs one supervisor task on the daemon'
   period, reap, release the rings and the ipc endpoint) and starts a new one after a backoff of
   ``backoff_initial_s`` doubling up to ``backoff_max_s`` seconds;
 - after ``max_failures`` failures in a row (a start that failed, or an incarnation that died
-  before finishing a single tick) it stops retrying, logs one ``worker_given_up`` line and calls
-  ``on_give_up``; the next request (``poke``) starts it again;
+  before finishing a single tick with no tick in flight) it stops retrying, logs one
+  ``worker_given_up`` line and calls ``on_give_up``; the next request (``poke``) starts it again.
+  A start failure is *any* exception of ``WorkerProcess.start`` (``zmq.ZMQError`` under fd
+  exhaustion included), never a dead supervisor task;
+- a death while a tick was in flight (``WorkerLink.died_in_tick``) is charged to the requests of
+  that tick (the scheduler's ``[scheduler] max_crash_resumes`` bound, counted across workers), not
+  to the slot: a poison request fails typed and never gets its worker given up. The backoff still
+  doubles until an incarnation finishes a tick, so a worker that dies on every tick respawns at
+  most every ``backoff_max_s`` seconds;
 - a start that fails with exit status 2 (bad command line) or 3 (engine or model cannot load;
   ``worker_proc.PERMANENT_EXIT_CODES``) gives up at once: respawning the same spec cannot fix a
   configuration or model error. ``last_error`` is then the worker's own one-line reason.
@@ -162,8 +169,23 @@ class WorkerSlot:
         """Start the supervisor task on the running loop (spawns the first incarnation)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
-                self._run(), name=f"supervisor-{self.worker_id}"
+                self._supervise(), name=f"supervisor-{self.worker_id}"
             )
+
+    async def _supervise(self) -> None:
+        """``_run`` until stopped; an exception that escapes it (a bug of ours) is logged with its
+        traceback and the supervision starts over after ``backoff_max_s``: the slot is never left
+        ``restarting`` with no task behind it."""
+        while not self._stopping:
+            try:
+                await self._run()
+            except Exception as exc:
+                self.last_error = f"supervisor error: {_describe(exc)}"
+                with contextlib.suppress(Exception):  # logging itself may fail (fd exhaustion)
+                    log.exception("supervisor_error", worker_id=self.worker_id, error=_describe(exc))
+                self.consecutive_failures += 1
+                self._set_state(SlotState.RESTARTING)
+                await asyncio.sleep(self.backoff_max_s)
 
     async def _run(self) -> None:
         backoff = self.backoff_initial_s
@@ -192,7 +214,7 @@ class WorkerSlot:
                 self.spec, self._next_spec = self._next_spec, None
             try:
                 proc = await WorkerProcess.start(self.spec)
-            except (LinkError, OSError, ValueError) as exc:
+            except Exception as exc:  # any start failure is retried, never a dead supervisor task
                 self.start_failures += 1
                 if isinstance(exc, WorkerStartError) and exc.permanent:
                     # A usage or load error: the same spec fails the same way; give up now.
@@ -201,11 +223,13 @@ class WorkerSlot:
                     self.permanent_at = time.monotonic()
                     continue
                 self.consecutive_failures += 1
-                self.last_error = f"start failed: {exc}"
-                log.warning(
+                self.last_error = f"start failed: {_describe(exc)}"
+                expected = isinstance(exc, (LinkError, OSError, ValueError))
+                (log.warning if expected else log.error)(
                     "worker_start_failed",
                     worker_id=self.worker_id,
-                    error=str(exc),
+                    error=_describe(exc),
+                    exc_info=not expected,
                     failures=self.consecutive_failures,
                     retry_in_s=backoff,
                 )
@@ -242,11 +266,12 @@ class WorkerSlot:
                 backoff = self.backoff_initial_s
                 log.info("worker_replaced", worker_id=self.worker_id, pid=proc.pid, exit_status=code)
                 continue
+            in_tick = proc.link.died_in_tick
             code = await proc.close(min(self.close_grace_s, 1.0), reason="link lost")
             if self._progress:
                 backoff = self.backoff_initial_s
-                self.consecutive_failures = 1
-            else:
+                self.consecutive_failures = 0 if in_tick else 1
+            elif not in_tick:  # charged to the tick's requests (module docstring), not the slot
                 self.consecutive_failures += 1
             self.last_error = f"{why} (exit status {code})"
             log.warning(
@@ -255,6 +280,7 @@ class WorkerSlot:
                 pid=proc.pid,
                 exit_status=code,
                 reason=str(why),
+                in_tick=in_tick,
                 failures=self.consecutive_failures,
                 respawn_in_s=backoff,
             )
@@ -275,3 +301,8 @@ class WorkerSlot:
         if proc is not None:
             await proc.close(self.close_grace_s, reason="daemon stopping")
         self._set_state(SlotState.STOPPED)
+
+
+def _describe(exc: BaseException) -> str:
+    """``exc`` as one line naming its type (``ZMQError: Too many open files``)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -29,9 +29,10 @@ def model_path(worker: WorkerConfig) -> str:
 
 def worker_spec(
     worker_id: int, w: WorkerConfig, *, runtime_dir: str, log_level: str
-) -> tuple[WorkerSpec, tuple[str, str], str]:
-    """The worker spec, the tokenizer it implies as ``(kind, path)`` (``("gguf", path)`` or
-    ``("bytes", "")``) and the model's served name. Raises ``basertd.models.ModelUnavailable``
+) -> tuple[WorkerSpec, tuple[str, str] | tuple[str, str, int], str]:
+    """The worker spec, the tokenizer it implies as ``(kind, path)`` (``("gguf", path)``) or
+    ``("bytes", "", vocab_size)`` (the reference engine's ``vocab_size``, 0 when not configured)
+    and the model's served name. Raises ``basertd.models.ModelUnavailable``
     when the default model cannot be assembled."""
     common = dict(
         worker_id=worker_id,
@@ -63,7 +64,8 @@ def worker_spec(
     lib = lib or model or None  # the reference engine's factory (a library named as `model`)
     ref = dict(w.ref_config) if w.ref_config else None
     name = Path(lib).stem if lib else "basert-ref"
-    return WorkerSpec(engine="basert", lib=lib, ref_config=ref, **common), ("bytes", ""), name
+    vocab = int((ref or {}).get("vocab_size", 0))  # the byte vocabulary, sized as the engine's
+    return WorkerSpec(engine="basert", lib=lib, ref_config=ref, **common), ("bytes", "", vocab), name
 
 
 def _is_shared_object(path: str) -> bool:

@@ -5,8 +5,9 @@
 ``engine`` (the Engine surface, composing the rest), ``context`` (the llama_context and its
 sizes), ``cells`` (llama.cpp memory, the KV cell ledger of ``pool`` and sequence ids, changed
 together), ``seeds`` (matches, leases, publish, evict, over ``prefix_cache``: published prefixes,
-leases, sliding-window rules), ``ops`` (bare sequences, snapshot / restore), ``state`` (sealed
-envelopes), ``validate`` (plan -> reject codes) and ``work`` (the validated plan), ``tick`` (one
+leases, sliding-window rules), ``sequences`` (bare sequences, forks, adoption), ``ops`` (exports,
+snapshots, restores), ``state`` (sealed envelopes), ``validate`` (plan -> reject codes),
+``feasibility`` (the KV a plan may need) and ``work`` (the validated plan), ``tick`` (one
 tick's state and lane work), ``rounds`` (decode rounds, batches, yield and abort), ``batch`` (the
 reused llama_batch), ``model`` (loading, vocabulary, model id), ``lane`` (per-lane cursors),
 ``sampling`` (vectorised samplers, counter-based RNG, logit biases), ``rings`` (the engine's side

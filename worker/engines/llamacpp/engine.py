@@ -10,21 +10,24 @@ are chosen on the host from each lane's logits row (``sampling``); HOST lanes ge
 logits ring instead.
 
 This module is the Engine surface; the work is in its parts: ``cells.Cells`` (llama.cpp memory,
-the cell ledger and sequence ids, changed together), ``seeds.Seeds`` (matches, leases, publish,
-evict), ``ops.StateOps`` (bare sequences, snapshot / restore), ``tick.Tick`` (one tick's state and
-lane work), ``rounds.Rounds`` (decode rounds, batches, yield and abort) and ``validate``.
+the cell ledger and sequence ids, changed together), ``tick.Tick`` (one tick's state and lane
+work), ``rounds.Rounds`` (decode rounds, batches, yield and abort) and ``validate``. Each optional
+capability is served by one part (``base.ServedBy``: the call goes to the part's method of the same
+name): the prefix cache by ``seeds.Seeds`` (matches, leases, publish, evict), state ops by
+``sequences.Sequences`` (bare sequences, adoption) and ``ops.StateOps`` (exports, snapshots,
+restores), grammars by ``grammar.GrammarSet``, logit biases by ``sampling.LogitBiases``, the
+yield by ``rounds``, embeddings by ``embed.Embedder``, prompt scores by ``score.Scorer``. No
+HOST_TIER (no host tier for llama.cpp KV: demote and promote answer ERR_OP_UNSUPPORTED after the
+checks every op makes).
 
 Where the ABI leaves a choice, this engine's semantics are documented where they are made: lane
-stops, HOST commits and the pending last token in ``tick``; budgets, internal work and KV
-feasibility in ``validate``; publishing into a full cache in ``seeds``; state-op timing in
-``ops``; the yield inside a tick in ``rounds``.
+stops, HOST commits and the pending last token in ``tick``; budgets and internal work in
+``validate``, KV feasibility in ``feasibility``; publishing into a full cache in ``seeds``;
+state-op timing in ``ops``; the yield inside a tick in ``rounds``.
 
 Output depends on batch composition and, through the order of llama.cpp's sums over KV cells, on
 where cells sit in the cache; two runs are bit-identical when both match (tests compare with a bare
 loop from an empty cache, and elsewhere allow divergence only at a near-tie of the reference).
-
-Capabilities (``base.Capability``): everything but HOST_TIER (no host tier for llama.cpp KV:
-demote and promote answer ERR_OP_UNSUPPORTED after the checks every op makes).
 
 Test hooks live outside this module: ``hooks`` is None in production; tests install a
 ``basertd.worker.engines.llamacpp.hooks.LaneTestHooks`` (fault injection, forced finishes, as the
@@ -40,22 +43,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llama_cpp as L
-import numpy as np
 
-from basertd.schema.abi import ALL_SPACES, SpaceKind, Status
-from basertd.schema.tick import (
-    CacheKey,
-    MatchResult,
-    MemCounters,
-    OpStatus,
-    ShedPolicy,
-    StateSpaceDesc,
-    TickEvents,
-    TickPlan,
-    TickTimings,
-    TokenRange,
-    TokenRef,
-)
+from basertd.grammar_compile import GRAMMAR_KINDS
+from basertd.schema.abi import SpaceKind, Status
+from basertd.schema.tick import MemCounters, StateSpaceDesc, TickEvents, TickPlan, TickTimings
 from basertd.worker.engines.base import (
     Engine,
     EngineError,
@@ -64,6 +55,7 @@ from basertd.worker.engines.base import (
     PartialEmit,
     PlanRejected,
     RingMapping,
+    ServedBy,
     TokenizerSpec,
 )
 from basertd.worker.engines.llamacpp.cells import Cells
@@ -73,13 +65,14 @@ from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.model import LlamaModel
 from basertd.worker.engines.llamacpp.ops import StateOps
-from basertd.worker.engines.llamacpp.prefix_cache import Lease, PrefixCache, window_intact
+from basertd.worker.engines.llamacpp.prefix_cache import PrefixCache
 from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.rounds import Rounds
 from basertd.worker.engines.llamacpp.sampling import LogitBiases
-from basertd.worker.engines.llamacpp.score import Scorer, Scores
+from basertd.worker.engines.llamacpp.score import Scorer
 from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID, Seeds
+from basertd.worker.engines.llamacpp.sequences import Sequences
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.tick import Tick, TickParts, new_stats
 from basertd.worker.engines.llamacpp.validate import validate_plan
@@ -175,8 +168,9 @@ class LlamaCppEngine(Engine):
         self.cells = cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max)
         self.ledger = cells.ledger  # read by validation (``validate.EngineState``)
         self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
-        self.seeds = seeds = Seeds(cells, self.cache, self.model, seed_lease_ticks, stats)
         self.rings = EngineRings()
+        ident = self.identity
+        self.seeds = seeds = Seeds(cells, self.cache, self.model, seed_lease_ticks, stats, self.rings, ident)
         self.lanes: dict[int, Lane] = {}
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
@@ -185,9 +179,10 @@ class LlamaCppEngine(Engine):
         handle = itertools.count(1).__next__  # sequence handles of lanes and bare sequences
         self.last_plan_seq: int | None = None
         live = self.lanes
-        self.ops = StateOps(
-            cells, seeds, live, self.locked, handle, self.model, self.identity, spare_sequences
+        self.sequences = Sequences(
+            cells, seeds, self.rings, live, self.locked, handle, self.model, spare_sequences
         )
+        self.ops = StateOps(self.sequences, self.identity)
         self.rates = RateCurve()
         batch_rows = sizes.n_batch + lanes
         self.rounds = Rounds(
@@ -242,6 +237,7 @@ class LlamaCppEngine(Engine):
                 "n_batch": str(self.n_batch),
                 "step_tokens": str(self.step_rows),
                 "prefill_rounds": "spread",
+                "grammar_kinds": ",".join(GRAMMAR_KINDS),
                 "description": m.description,
                 **({"yield": "step"} if self.rounds.control is not None else {}),
             },
@@ -272,10 +268,6 @@ class LlamaCppEngine(Engine):
             )
         ]
 
-    def seed_lease_ticks(self) -> int:
-        """The declared seed-lease TTL in ticks (ABI rule 84)."""
-        return self.seed_ttl
-
     def stats(self) -> dict[str, int]:
         """Counters and gauges (the reference engine's names where it has them): ticks,
         last_plan_seq, prefill_tokens_total (seeded and replayed tokens excluded),
@@ -290,12 +282,13 @@ class LlamaCppEngine(Engine):
         out.update(self.rates.stats())
         out.update(
             last_plan_seq=self.last_plan_seq or 0,
-            bare_sequences=len(self.ops.bare) + len(self.seeds.adopted),
+            bare_sequences=len(self.sequences.bare) + len(self.seeds.adopted),
             live_lanes=len(self.lanes),
             live_seed_leases=len(self.cache.leases),
             grammar_handles=len(self.grammars),
             live_logit_biases=len(self.logit_biases),
             cache_entries=len(self.cache.entries),
+            cache_bytes=self.seeds.cached_cells() * self.bytes_per_token,
             pool_bytes_used=self.ledger.used * self.bytes_per_token,
             pool_bytes_total=self.n_cells * self.bytes_per_token,
         )
@@ -307,28 +300,6 @@ class LlamaCppEngine(Engine):
         """Attach (or re-attach) the prompt, emit and optional logits rings; all or nothing
         (EngineError(ERR_RING_LAYOUT), ABI rule 125); writer cursors restart (rule 130)."""
         self.rings.attach(rings)
-
-    def attach_control(self, control: object) -> bool:
-        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) between llama_decode
-        calls: once it is set, the tick in flight ends after its current step (module docstring).
-        Returns True (this engine can yield; its capability record then says ``yield = step``)."""
-        self.rounds.attach_control(control)
-        return True
-
-    # ------------------------------------------------------------------ validation hooks
-
-    def seed_source(self, lease: Lease) -> tuple[int, int, int, int]:
-        """(seq id, length, pos_min, pos_max) of the sequence a lease serves from."""
-        return self.seeds.source(lease)
-
-    def window_ok(self, pos_min: int, share_len: int) -> bool:
-        """Whether a sequence holding ``[pos_min, ..]`` can be cut to ``share_len`` tokens and
-        continue exactly (``prefix_cache.window_intact``)."""
-        if share_len == 0:
-            return True
-        if pos_min > share_len - 1:
-            return False
-        return window_intact(pos_min, share_len - 1, share_len, self.n_swa)
 
     # ------------------------------------------------------------------ tick
 
@@ -378,130 +349,49 @@ class LlamaCppEngine(Engine):
             pool_bytes_evictable=self.seeds.evictable_bytes(),
         )
 
-    # ------------------------------------------------------------------ prefix cache and seeds
+    # ------------------------------------------------------------------ capabilities, by part
 
-    def space_match(self, space_id: int, span: TokenRef) -> MatchResult:
-        """Cached prefixes of ``span`` (tokens in the prompt ring) that can seed a lane, longest
-        first, each a multiple of page_size_tokens (ABI rule 88). Pins nothing (rule 87). Raises
-        EngineError(ERR_UNKNOWN_HANDLE) for another space id, (REJECT_BAD_REF_GENERATION) for a
-        stale span."""
-        if space_id not in (KV_SPACE_ID, ALL_SPACES):
-            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no state space {space_id}")
-        return self.seeds.match(self.rings.read_prompt(span).astype(np.int32))
+    # Capability.PREFIX_CACHE: matches, leases and eviction in ``seeds``; adoption in ``sequences``.
+    space_match = ServedBy("seeds")
+    seed_acquire = ServedBy("seeds")
+    seed_release = ServedBy("seeds")
+    seed_lease_ticks = ServedBy("seeds")
+    seed_adopt = ServedBy("sequences")
+    cache_evict = ServedBy("seeds")
+    cache_evict_entries = ServedBy("seeds")
 
-    def seed_acquire(self, span: TokenRef, prefix_len: int, determinism_class: int) -> int:
-        """Pin a cached entry serving ``span[:prefix_len]`` and return a seed handle for one admit,
-        valid for this tick and the next ``seed_lease_ticks`` (ABI rules 75-83). Raises
-        EngineError: REJECT_BOUNDS for prefix_len 0 or past the span, ERR_SEED_UNSERVABLE when no
-        entry serves it (not a page multiple, not cached, window lost, or only tainted variants for
-        a DETERMINISTIC seed), REJECT_BAD_REF_GENERATION for a stale span."""
-        toks = self.rings.read_prompt(span).astype(np.int32)
-        return self.seeds.acquire(toks, prefix_len, determinism_class)
+    # Capability.STATE_OPS: sequence handles in ``sequences``, asynchronous ops in ``ops``. No
+    # HOST_TIER: demote and promote answer ERR_OP_UNSUPPORTED after ``check_op_target``.
+    check_op_target = ServedBy("sequences")
+    lane_sequence = ServedBy("sequences")
+    sequence_create = ServedBy("sequences")
+    sequence_free = ServedBy("sequences")
+    sequence_publish = ServedBy("sequences")
+    seq_fork = ServedBy("sequences")
+    snapshot_boundary = ServedBy("sequences")
+    trim = ServedBy("sequences")
+    export_size = ServedBy("ops")
+    snapshot = ServedBy("ops")
+    restore = ServedBy("ops")
+    op_poll = ServedBy("ops")
+    op_cancel = ServedBy("ops")
+    op_output = ServedBy("ops")
 
-    def seed_release(self, seed_handle: int) -> None:
-        """Release an unconsumed lease (an adopted sequence is freed with it). Raises
-        EngineError(ERR_UNKNOWN_HANDLE) for an unknown, consumed or expired handle (ABI rule 81)."""
-        self.seeds.release(seed_handle)
+    # Capability.GRAMMAR and Capability.LOGIT_BIAS
+    grammar_create = ServedBy("grammars")
+    grammar_free = ServedBy("grammars")
+    logit_bias_create = ServedBy("logit_biases")
+    logit_bias_free = ServedBy("logit_biases")
 
-    def seed_adopt(self, seq: int, span: TokenRef) -> int:
-        """Lease the bare sequence ``seq`` (a restore target) as the seed of one admit whose prompt
-        starts with ``span`` (its length must equal the sequence's; ABI rule 86)."""
-        toks = self.rings.read_prompt(span).astype(np.int32)
-        return self.ops.adopt(seq, toks)
+    # Capability.TICK_YIELD: the yield word is read between the steps of ``rounds``.
+    attach_control = ServedBy("rounds")
 
-    def cache_evict(self, policy: ShedPolicy, bytes_target: int) -> int:
-        """Evict unpinned entries of the policy's classes, least recently used first, freeing at
-        most min(bytes_target, max_evict_bytes, cached bytes - protected_quota_bytes); returns the
-        bytes freed (ABI rule 89)."""
-        return self.seeds.evict_bytes(policy, bytes_target)
+    # Capability.EMBEDDINGS and Capability.SCORING: between ticks, each in a context of its own
+    # made on first use (``embed.Embedder``, ``score.Scorer``).
+    embed = ServedBy("embedder")
+    score = ServedBy("scorer")
 
-    def cache_evict_entries(self, keys: Sequence[CacheKey]) -> None:
-        """Drop the unpinned entries named by (compat identity, provenance digest of the entry's
-        tokens); keys naming nothing, or pinned entries, are left alone."""
-        self.seeds.evict_keys(keys, self.identity)
-
-    # ------------------------------------------------------------------ sequences and state ops
-
-    def lane_sequence(self, lane_tag: int) -> int | None:
-        """The sequence handle a live lane owns, or None."""
-        lane = self.lanes.get(lane_tag)
-        return None if lane is None else lane.handle
-
-    def sequence_create(self) -> int:
-        """A bare, empty sequence (a restore target). EngineError(EBUSY) when all spare sequences
-        are in use."""
-        return self.ops.create()
-
-    def sequence_free(self, seq: int) -> None:
-        """Free a bare sequence; EngineError(ERR_UNKNOWN_HANDLE) otherwise (ABI rule 112)."""
-        self.ops.free(seq)
-
-    def sequence_publish(self, seq: int, tokens: np.ndarray) -> None:
-        """Publish a bare sequence's whole-page prefix under ``tokens``; consumes it (rule 91)."""
-        self.ops.publish(seq, np.asarray(tokens, dtype=np.int64))
-
-    def seq_fork(self, parent: int, flags: int = 0) -> int:
-        """A bare sequence sharing every cell of ``parent`` (refcounted, zero-copy)."""
-        return self.ops.fork(parent)
-
-    def export_size(self, seq: int, space_id: int, rng: TokenRange, encoding: int) -> tuple[int, int]:
-        """``(required_bytes, sizing_gen)`` of a lossless export of ``[0, rng.end)``."""
-        return self.ops.export_size(seq, space_id, rng, encoding)
-
-    def snapshot(self, seq: int, space_id: int, boundary_pos: int, sizing_gen: int, dst_bytes: int) -> int:
-        """Start a snapshot of ``[0, boundary_pos)``; returns an op handle (ABI rules 95-98)."""
-        return self.ops.snapshot(seq, space_id, boundary_pos, sizing_gen, dst_bytes)
-
-    def restore(self, seq: int, space_id: int, data: bytes) -> int:
-        """Start restoring a sealed export into a bare sequence; returns an op handle (101-104)."""
-        return self.ops.restore(seq, space_id, data)
-
-    def snapshot_boundary(self, seq: int, space_id: int, cap: int) -> int:
-        """Newest page-multiple length <= ``cap`` a seed could serve (rule 111)."""
-        return self.ops.snapshot_boundary(seq, space_id, cap)
-
-    def trim(self, seq: int, space_id: int, new_len: int) -> None:
-        """Trim a bare sequence to ``new_len`` tokens (rule 109)."""
-        self.ops.trim(seq, space_id, new_len)
-
-    def check_op_target(self, seq: int, space_id: int) -> None:
-        """ERR_UNKNOWN_HANDLE (space or sequence), EBUSY during another op (rule 98): what demote
-        and promote (not served: ``base.Capability.HOST_TIER``) check before ERR_OP_UNSUPPORTED."""
-        self.ops.check_target(seq, space_id)
-
-    def op_poll(self, op: int) -> OpStatus:
-        """State of an op; it completes at the next accepted tick (ABI rules 69, 99)."""
-        return self.ops.poll(op)
-
-    def op_cancel(self, op: int) -> None:
-        """Cancel a running op (ABI rule 100)."""
-        self.ops.cancel(op)
-
-    def op_output(self, op: int) -> bytes:
-        """The sealed bytes of a DONE snapshot, handed over once (EBUSY while it runs)."""
-        return self.ops.output(op)
-
-    # ------------------------------------------------------------------ grammar, bias, vocabulary
-
-    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
-        """A grammar handle for a spec of ``kind`` ("json_schema", "lark" or "regex"; ``grammar``),
-        or 0 when it does not compile. Lanes admitted with it sample only what it allows and
-        finish with Finish.GRAMMAR when it is complete."""
-        return self.grammars.create(json_schema, kind)
-
-    def grammar_free(self, handle: int) -> None:
-        """Free a grammar handle (live lanes keep their matchers); EngineError(ERR_UNKNOWN_HANDLE)
-        when absent (ABI rule 113)."""
-        self.grammars.free(handle)
-
-    def logit_bias_create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
-        """Register an additive logit bias; 0 when empty, mismatched or out of the vocabulary."""
-        return self.logit_biases.create(tokens, values)
-
-    def logit_bias_free(self, handle: int) -> None:
-        """Free a bias handle (lanes keep their copy); ERR_UNKNOWN_HANDLE if absent."""
-        if self.logit_biases.pop(handle, None) is None:
-            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no logit bias {handle}")
+    # ------------------------------------------------------------------ vocabulary
 
     def tokenize(self, text: bytes, add_special: bool) -> list[int]:
         """Token ids of ``text`` with the model's vocabulary."""
@@ -525,16 +415,6 @@ class LlamaCppEngine(Engine):
             L.llama_free(self.ctx)
             self.ctx = None
         self.model.close()
-
-    def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
-        """Pooled embeddings between ticks (``embed.Embedder``: a context of its own, made on
-        first use; base.Engine.embed)."""
-        return self.embedder.embed(inputs)
-
-    def score(self, tokens: np.ndarray, top_k: int) -> Scores:
-        """Prompt log-probabilities between ticks (``score.Scorer``: a context of its own, made on
-        first use; base.Engine.score)."""
-        return self.scorer.score(tokens, top_k)
 
     def __enter__(self) -> LlamaCppEngine:
         return self

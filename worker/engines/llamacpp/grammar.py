@@ -2,9 +2,9 @@
 
 A grammar handle (``grammar_create``) holds one compiled llguidance matcher built from a spec of a
 ``kind``: ``json_schema`` (JSON-Schema text), ``lark`` (a Lark grammar in llguidance's dialect) or
-``regex``. JSON schemas compile with compact separators and no free whitespace, so every output is
-the shortest JSON text of its value, and with their typed numbers bounded (``json_bounds``: at
-most 16 integer and 9 fraction digits), so a sampled number cannot run on. A lane admitted with
+``regex``, compiled by ``basertd.grammar_compile.compile_spec``, the compiler the coordinator
+validates with (JSON schemas compact, their typed numbers bounded by ``json_bounds``: at most 16
+integer and 9 fraction digits, so a sampled number cannot run on). A lane admitted with
 ``grammar_handle`` gets its own copy of the handle's matcher (freeing the handle later leaves live
 lanes constrained, as logit biases do).
 
@@ -21,14 +21,17 @@ that consumes the prompt's last ``g`` tokens, so a resumed lane's masks are the 
 uninterrupted lane saw.
 
 The llguidance tokenizer (every token's bytes, ~1 s on a 256k vocabulary) is built once per loaded
-model, on its first grammar.
+model, on its first grammar. Compiled matchers are kept by spec (``COMPILED_SPECS``, least recently
+used first out): the n choices and many prompts of one HTTP request carry the same spec, and each
+handle after the first is a copy of the compiled matcher (microseconds) instead of a compile (up to
+seconds for a large schema) on the worker's only thread. Each handle is still its own (rule 113).
 """
 
 from __future__ import annotations
 
-import json
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
@@ -36,68 +39,12 @@ import llguidance.llamacpp
 import llguidance.numpy
 import numpy as np
 
-from basertd.json_bounds import bound_numbers
+from basertd.grammar_compile import GrammarSpecError, compile_spec
 from basertd.schema.abi import Finish, Status
 from basertd.worker.engines.base import EngineError
 
-GRAMMAR_KINDS = ("json_schema", "lark", "regex")
-"""Spec kinds ``grammar_create`` compiles (the ``kind`` of Link W GRAMMAR_CREATE)."""
-
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
-    "whitespace_flexible": False,
-    "item_separator": ",",
-    "key_separator": ":",
-}
-"""JSON-Schema compile options: compact output, no free whitespace (overridable by the schema's
-``x-guidance``)."""
-
-
-class GrammarSpecError(ValueError):
-    """A grammar spec llguidance refuses; ``str()`` is the library's message."""
-
-
-def compile_spec(kind: str, text: str) -> str:
-    """The llguidance grammar (its JSON form) of a spec, validated without a tokenizer.
-
-    ``kind`` is one of ``GRAMMAR_KINDS``; ``text`` the schema (JSON text), Lark grammar or regex.
-    Raises GrammarSpecError with llguidance's message for an unknown kind, text that is not JSON
-    (json_schema) or a grammar that does not compile."""
-    if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except ValueError as exc:
-            raise GrammarSpecError(f"JSON schema is not JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarSpecError("a JSON schema is an object or a boolean")
-        grammar = _bounded_json_grammar(schema)
-        if grammar is None:
-            try:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            except ValueError as exc:
-                raise GrammarSpecError(str(exc)) from None
-    elif kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(text)
-    elif kind == "regex":
-        grammar = llguidance.LLMatcher.grammar_from_regex(text)
-    else:
-        raise GrammarSpecError(f"unknown grammar kind {kind!r} (one of {', '.join(GRAMMAR_KINDS)})")
-    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise GrammarSpecError(msgs[0] if msgs else "invalid grammar")
-    return grammar
-
-
-def _bounded_json_grammar(schema: dict | bool) -> str | None:
-    """The grammar of ``bound_numbers(schema)``, or None when the bounded schema does not compile
-    (the caller then compiles the schema as given, so the error, if any, is about the user's
-    schema)."""
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_OPTIONS)
-    except ValueError:
-        return None
-    is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return None if is_error else grammar
-
+COMPILED_SPECS = 32
+"""Distinct specs whose compiled matcher ``GrammarSet`` keeps for later handles."""
 
 _BYTE_ADD = np.where(
     np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool),
@@ -147,28 +94,44 @@ class GrammarSet:
         self._threads = max(1, threads)
         self._executor: llguidance.LLExecutor | None = None
         self._templates: dict[int, llguidance.LLMatcher] = {}
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self.compiles = 0
+        """Specs compiled (not copied from ``_compiled``), for tests."""
         self._next = 1
         self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
 
     # -- handles
 
-    def create(self, text: str, kind: str = "json_schema") -> int:
-        """A handle for a compiled spec (see ``compile_spec``), or 0 when it does not compile
-        (the Engine protocol's failure value)."""
-        try:
-            grammar = compile_spec(kind, text)
-        except GrammarSpecError:
-            return 0
-        m = llguidance.LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
-        if m.is_error():
-            return 0
+    def grammar_create(self, json_schema: str, kind: str = "json_schema") -> int:
+        """A handle for a spec of ``kind`` ("json_schema", "lark" or "regex"; ``compile_spec``),
+        or 0 when it does not compile (the Engine protocol's failure value). Lanes admitted with it
+        sample only what it allows and finish with Finish.GRAMMAR when it is complete. A spec
+        compiled before is copied (module docstring)."""
+        text = json_schema
+        key = (kind, text)
+        base = self._compiled.get(key)
+        if base is None:
+            try:
+                grammar = compile_spec(kind, text)
+            except GrammarSpecError:
+                return 0
+            self.compiles += 1
+            base = llguidance.LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
+            if base.is_error():
+                return 0
+            self._compiled[key] = base
+            while len(self._compiled) > COMPILED_SPECS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        m = base.deep_copy()
         h = self._next
         self._next += 1
         self._templates[h] = m
         return h
 
-    def free(self, handle: int) -> None:
-        """Drop a handle (lanes keep their matchers). EngineError(ERR_UNKNOWN_HANDLE) when absent
+    def grammar_free(self, handle: int) -> None:
+        """Drop a handle (live lanes keep their matchers). EngineError(ERR_UNKNOWN_HANDLE) when absent
         (ABI rule 113)."""
         if self._templates.pop(handle, None) is None:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no grammar {handle}")

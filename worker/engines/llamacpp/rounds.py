@@ -75,11 +75,14 @@ class Rounds:
         self.abort: AbortWatch | None = None
         self.first_step_aborted = False  # the last tick's first step was aborted
 
-    def attach_control(self, control: object) -> None:
-        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) between steps and arm
-        llama.cpp's abort callback over it."""
+    def attach_control(self, control: object) -> bool:
+        """Read ``control``'s yield word (a ``basertd.shm.ControlBlock``) between steps, so the
+        tick in flight ends after its current step once it is set, and arm llama.cpp's abort
+        callback over it (an urgent reason ends the step itself). Returns True: this engine can
+        yield (its capability record then says ``yield = step``)."""
         self.control = control
         self.abort = AbortWatch.attach(self.ctx, control)
+        return True
 
     def yield_requested(self) -> bool:
         """The control segment's yield word is set (``basertd.shm.control``)."""

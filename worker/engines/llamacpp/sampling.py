@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from basertd.schema.abi import MAX_TOP_LOGPROBS, Sampling, SamplingFlag
+from basertd.schema.abi import MAX_TOP_LOGPROBS, Sampling, SamplingFlag, Status
 from basertd.schema.tick import SamplingParams
+from basertd.worker.engines.base import EngineError
 
 ENGINE_RNG_KEY = 0x6261736572746431
 """Fixed xxh3 seed of the counter hash (the ASCII bytes "basertd1"); part of the sampling contract."""
@@ -246,8 +247,9 @@ class LogitBiases(dict[int, tuple[np.ndarray, np.ndarray]]):
         self.n_vocab = n_vocab
         self._next = 1
 
-    def create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
-        """A handle for the bias, or 0 when empty, mismatched, out of the vocabulary or not finite."""
+    def logit_bias_create(self, tokens: Sequence[int], values: Sequence[float]) -> int:
+        """A handle for an additive bias, or 0 when empty, mismatched, out of the vocabulary or not
+        finite (ABI rule 113)."""
         ids = np.asarray(list(tokens), dtype=np.int64)
         vals = np.asarray(list(values), dtype=np.float32)
         if ids.size == 0 or ids.shape != vals.shape or ids.min() < 0 or ids.max() >= self.n_vocab:
@@ -258,3 +260,9 @@ class LogitBiases(dict[int, tuple[np.ndarray, np.ndarray]]):
         self._next += 1
         self[h] = (ids.astype(np.int32), vals)
         return h
+
+    def logit_bias_free(self, handle: int) -> None:
+        """Free a bias handle (lanes keep their copy); EngineError(ERR_UNKNOWN_HANDLE) if absent
+        (ABI rule 113)."""
+        if self.pop(handle, None) is None:
+            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no logit bias {handle}")

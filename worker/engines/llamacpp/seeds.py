@@ -1,6 +1,7 @@
-"""``Seeds``: the llama.cpp engine's prefix seeds (ABI section G) over ``prefix_cache`` and
-``cells``: matches, seed leases (acquire, release, adopt, expiry), seating an admit on its lease,
-publishing a retired sequence and evicting entries.
+"""``Seeds``: the llama.cpp engine's prefix seeds (ABI section G; ``Capability.PREFIX_CACHE``
+but ``seed_adopt``, which is ``sequences``') over ``prefix_cache`` and ``cells``: matches, seed
+leases (acquire, release, adopt, expiry), seating an admit on its lease, publishing a retired
+sequence and evicting entries.
 
 Leases live ``seed_lease_ticks`` ticks past the tick count at which they were taken (rule 84);
 ``end_tick`` advances that count. An adopted sequence (``adopt``, rule 86) is held here until its
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from basertd.schema.abi import DeterminismClass, ShedKind, Status, Tier
+from basertd.schema.abi import ALL_SPACES, DeterminismClass, ShedKind, Status, Tier
 from basertd.schema.tick import (
     CacheKey,
     MatchCandidate,
@@ -27,6 +28,7 @@ from basertd.schema.tick import (
     ShedPolicy,
     ShedReport,
     SpaceMatch,
+    TokenRef,
 )
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.cells import Cells
@@ -43,7 +45,8 @@ from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL, SHED_REASON_P
 
 if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.model import LlamaModel
-    from basertd.worker.engines.llamacpp.ops import BareSeq
+    from basertd.worker.engines.llamacpp.rings import EngineRings
+    from basertd.worker.engines.llamacpp.sequences import BareSeq
 
 KV_SPACE_ID = 0
 """space_id of the engine's one state space (PAGED_TOKEN_KV)."""
@@ -53,12 +56,22 @@ class Seeds:
     """Published prefixes and seed leases of one engine over ``cells``, for ``model`` (its id,
     sliding window and KV bytes per token): ``seed_ttl`` is the lease TTL in ticks, ``stats`` the
     engine's counters (``evictions_total``, ``cached_tokens_total``, ``cold_fallbacks_total`` are
-    counted here)."""
+    counted here), ``rings`` where spans are read, ``identity`` the compat identity of the
+    engine's cache keys."""
 
     def __init__(
-        self, cells: Cells, cache: PrefixCache, model: LlamaModel, seed_ttl: int, stats: dict[str, int]
+        self,
+        cells: Cells,
+        cache: PrefixCache,
+        model: LlamaModel,
+        seed_ttl: int,
+        stats: dict[str, int],
+        rings: EngineRings,
+        identity: bytes,
     ) -> None:
         self.cells = cells
+        self.rings = rings
+        self.identity = identity
         self.cache = cache
         self.page = cache.page
         self.model_id = model.model_id
@@ -73,6 +86,12 @@ class Seeds:
 
     # ------------------------------------------------------------------ matches
 
+    def cached_cells(self) -> int:
+        """KV cells the cache entries hold (each cell once, however many entries or lanes share
+        it): what ``cache stats`` reports as the cache's bytes."""
+        seqs = [self.cells.ledger.cells(e.seq) for e in self.cache.entries.values()]
+        return int(np.unique(np.concatenate(seqs)).size) if seqs else 0
+
     def servable_len(self, entry: CacheEntry, limit: int) -> int:
         """Longest page multiple <= ``limit`` of ``entry`` that can seed a lane (0 if none)."""
         q = (min(limit, entry.length) // self.page) * self.page
@@ -81,9 +100,23 @@ class Seeds:
         pmin, pmax = self.cells.pos_range(entry.seq)
         return q if prefix_servable(pmin, pmax, q, self.n_swa) else 0
 
-    def match(self, toks: np.ndarray) -> MatchResult:
-        """Cached prefixes of ``toks`` that can seed a lane, longest first, one per (length,
-        taint), each a page multiple (ABI rules 87, 88)."""
+    def window_ok(self, pos_min: int, share_len: int) -> bool:
+        """Whether a sequence holding ``[pos_min, ..]`` can be cut to ``share_len`` tokens and
+        continue exactly (``prefix_cache.window_intact``)."""
+        if share_len == 0:
+            return True
+        if pos_min > share_len - 1:
+            return False
+        return window_intact(pos_min, share_len - 1, share_len, self.n_swa)
+
+    def space_match(self, space_id: int, span: TokenRef) -> MatchResult:
+        """Cached prefixes of ``span`` (prompt-ring tokens) that can seed a lane, longest first,
+        one per (length, taint), each a page multiple (ABI rules 87, 88); pins nothing. Raises
+        EngineError(ERR_UNKNOWN_HANDLE) for another space id, (REJECT_BAD_REF_GENERATION) for a
+        stale span."""
+        if space_id not in (KV_SPACE_ID, ALL_SPACES):
+            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no state space {space_id}")
+        toks = self.rings.read_prompt(span).astype(np.int32)
         seen: set[tuple[int, int]] = set()
         cands: list[MatchCandidate] = []
         for e in self.cache.entries.values():
@@ -103,9 +136,17 @@ class Seeds:
 
     # ------------------------------------------------------------------ leases
 
-    def acquire(self, toks: np.ndarray, prefix_len: int, determinism_class: int) -> int:
-        """Pin the entry serving ``toks[:prefix_len]`` and return a seed handle (ABI rules
-        75-83); the errors are ``Engine.seed_acquire``'s."""
+    def seed_lease_ticks(self) -> int:
+        """The declared seed-lease TTL in ticks (ABI rule 84)."""
+        return self.seed_ttl
+
+    def seed_acquire(self, span: TokenRef, prefix_len: int, determinism_class: int) -> int:
+        """Pin a cached entry serving ``span[:prefix_len]`` and return a seed handle for one admit,
+        valid for this tick and the next ``seed_lease_ticks`` (ABI rules 75-83). Raises
+        EngineError: REJECT_BOUNDS for prefix_len 0 or past the span, ERR_SEED_UNSERVABLE when no
+        entry serves it (not a page multiple, not cached, window lost, or only tainted variants for
+        a DETERMINISTIC seed), REJECT_BAD_REF_GENERATION for a stale span."""
+        toks = self.rings.read_prompt(span).astype(np.int32)
         if prefix_len <= 0 or prefix_len > toks.shape[0]:
             raise EngineError(Status.REJECT_BOUNDS, f"prefix_len {prefix_len} outside 1..{toks.shape[0]}")
         if prefix_len % self.page:
@@ -137,7 +178,7 @@ class Seeds:
 
     def adopt(self, bare: BareSeq, span: np.ndarray) -> int:
         """Lease the bare sequence ``bare`` (already checked and taken from the bare set by
-        ``StateOps.adopt``) as the seed of one admit whose prompt starts with ``span``."""
+        ``Sequences.seed_adopt``) as the seed of one admit whose prompt starts with ``span``."""
         self.adopted[bare.handle] = bare
         lease = self.cache.new_lease(
             span.copy(),
@@ -149,9 +190,9 @@ class Seeds:
         )
         return lease.handle
 
-    def release(self, seed_handle: int) -> None:
-        """Release an unconsumed lease; EngineError(ERR_UNKNOWN_HANDLE) for an unknown, consumed
-        or expired handle (ABI rule 81)."""
+    def seed_release(self, seed_handle: int) -> None:
+        """Release an unconsumed lease (an adopted sequence is freed with it);
+        EngineError(ERR_UNKNOWN_HANDLE) for an unknown, consumed or expired handle (ABI rule 81)."""
         lease = self.cache.leases.get(seed_handle)
         if lease is None:
             raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"no seed {seed_handle}")
@@ -278,7 +319,7 @@ class Seeds:
             shed.bytes_evicted += freed
         return freed
 
-    def evict_bytes(self, policy: ShedPolicy, bytes_target: int) -> int:
+    def cache_evict(self, policy: ShedPolicy, bytes_target: int) -> int:
         """Evict unpinned entries of the policy's classes, least recently used first, freeing at
         most min(bytes_target, max_evict_bytes, cached bytes - protected_quota_bytes); returns the
         bytes freed (ABI rule 89)."""
@@ -293,11 +334,12 @@ class Seeds:
             freed += self.evict(e, None, SHED_REASON_POOL)
         return freed
 
-    def evict_keys(self, keys: Sequence[CacheKey], identity: bytes) -> None:
-        """Drop the unpinned entries named by (compat identity, provenance digest); keys of another
-        identity, naming nothing, or naming pinned entries, are left alone."""
+    def cache_evict_entries(self, keys: Sequence[CacheKey]) -> None:
+        """Drop the unpinned entries named by (compat identity, provenance digest of the entry's
+        tokens); keys of another identity, naming nothing, or naming pinned entries, are left
+        alone."""
         for k in keys:
-            if k.compat_key != identity:
+            if k.compat_key != self.identity:
                 continue
             for e in list(self.cache.entries.values()):
                 if e.digest == k.provenance_digest and e.pins == 0:

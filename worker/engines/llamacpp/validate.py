@@ -32,9 +32,9 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
    complete after this tick's (truncated) prefills ILLEGAL_COMBINATION [47, 48]; HOST with
    max_new_tokens != 1, or with a row pending and no commit HOST_RULES [43, 44]; grants that could
    emit more slots than the emit ring has BOUNDS.
-10. KV: the cells the tick may need (``_check_pool``) against free cells plus what its retires
-   free, then cache entries the shed envelope lets it evict (LRU); if that is not enough
-   NEEDS_REPLAN [50-52].
+10. KV: the cells the tick may need against free cells plus what its retires free, then cache
+   entries the shed envelope lets it evict (LRU); if that is not enough NEEDS_REPLAN [50-52]
+   (``feasibility.check_kv``).
 
 Admits that no certificate serves (a required_cert_id, or minimum_exactness above what this engine
 grants) are not a plan rejection: they are REJECTED with REJECT_CERT_UNMATCHED in admit_results
@@ -45,11 +45,9 @@ Semantics this engine fixes where the ABI leaves a choice:
 - ``prefill_token_budget`` and ``max_decode_lanes`` are literal: 0 means none.
 - Internal work the coordinator did not plan (the cold prefill after a lost sliding window, the
   re-decode of a fully cached prompt's last token) is not charged to the prefill budget.
-- KV feasibility is checked against a cell ledger (``pool``) that mirrors llama.cpp's cells and
-  sharing exactly; every committed token is charged a cell when committed (its KV follows at the
-  next decode unit). NEEDS_REPLAN when retires and the shed envelope's evictions cannot make room
-  (rules 50-52). Lanes are never shed; a decode grant of 0 is ILLEGAL_COMBINATION and grants that
-  could overflow the emit ring are BOUNDS, as in the reference engine.
+- KV feasibility (``feasibility``) is checked against a cell ledger that mirrors llama.cpp's cells
+  exactly. Lanes are never shed; a decode grant of 0 is ILLEGAL_COMBINATION and grants that could
+  overflow the emit ring are BOUNDS, as in the reference engine.
 """
 
 from __future__ import annotations
@@ -61,11 +59,13 @@ import numpy as np
 from basertd.schema.abi import Exactness, Sampling, ShedKind, Status, TickFlag
 from basertd.schema.tick import LaneAdmit, ShedEntry, TickPlan
 from basertd.worker.engines.base import EngineError, PlanRejected
+from basertd.worker.engines.llamacpp.feasibility import check_kv
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.pool import CellLedger
-from basertd.worker.engines.llamacpp.prefix_cache import CacheEntry, Lease, PrefixCache, common_prefix
+from basertd.worker.engines.llamacpp.prefix_cache import PrefixCache, common_prefix
 from basertd.worker.engines.llamacpp.rings import EngineRings
+from basertd.worker.engines.llamacpp.seeds import Seeds
 from basertd.worker.engines.llamacpp.work import GRANTED_CLASS, SHED_REASON_BUDGET, AdmitWork, TickWork
 
 MAX_LOGPROBS_BYTE = 21  # 1 + MAX_TOP_LOGPROBS
@@ -88,14 +88,7 @@ class EngineState(Protocol):
     rings: EngineRings
     cache: PrefixCache
     ledger: CellLedger
-
-    def seed_source(self, lease: Lease) -> tuple[int, int, int, int]:
-        """(llama seq id, length, pos_min, pos_max) of what a lease serves from."""
-        ...
-
-    def window_ok(self, pos_min: int, share_len: int) -> bool:
-        """Whether sharing ``[0, share_len)`` of a source with that pos_min keeps the window."""
-        ...
+    seeds: Seeds  # a lease's source sequence and its sliding window (``source``, ``window_ok``)
 
 
 def _reject(status: Status, msg: str) -> PlanRejected:
@@ -266,7 +259,7 @@ def validate_plan(st: EngineState, plan: TickPlan) -> TickWork:
                 Status.REJECT_BOUNDS, f"decodes could emit {slots} slots, the emit ring has {emits.slots}"
             )
 
-    _check_pool(st, work, admitted, cursor)
+    check_kv(st, work, admitted, cursor)
     return work
 
 
@@ -322,7 +315,7 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
             raise _reject(Status.REJECT_STALE_SEED, f"lane {tag}: prompt does not start with the seed prefix")
         used_leases.add(a.seed_handle)
         w.lease = lease
-        _, _, pos_min, _ = st.seed_source(lease)
+        _, _, pos_min, _ = st.seeds.source(lease)
         kv_avail = p - lease.pending  # an adopted fork of a lane may lack its last token's KV
         if p == n:  # the whole prompt is cached: (re-)decode position p - 1 for its logits
             share = p - 1
@@ -332,7 +325,7 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
             w.produced = p
         else:
             share = kv_avail
-        if st.window_ok(pos_min, share):
+        if st.seeds.window_ok(pos_min, share):
             w.share_len = w.kv_len = share
             w.prefilled = min(p, n_p)
         else:  # the window is gone: prefill from 0 inside the engine, replay like a cold lane
@@ -345,78 +338,3 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
         else:
             w.cert_reject = True
     return w
-
-
-def _check_pool(
-    st: EngineState, work: TickWork, admitted: dict[int, AdmitWork], cursor: dict[int, int]
-) -> None:
-    """KV cells the tick may need vs. what is free (ABI rules 50-52). Fills ``work.evict``.
-
-    A lane is charged a cell for every token it has committed, including the one or two whose KV
-    the next decode unit computes (a sampled or committed token, a replayed token, the re-decoded
-    end of a cached prompt): those cells are reserved, so a pending forward always finds one, and
-    commits, seed back-offs and HOST replay tokens count when they are committed (rule 52). A tick
-    adds its prefill chunks (and the internal cold prefill after a lost window), one cell per
-    decode unit that produces a token (HOST units that only hand out a row produce none), and one
-    per commit."""
-    need = 0
-    for w in admitted.values():
-        if w.cert_reject:
-            continue
-        after = cursor.get(w.rec.lane_tag, w.prefilled)
-        fed = max(w.kv_len, after)
-        need += fed - w.kv_len
-        if after >= w.prefill_end:
-            need += max(0, w.produced - fed)
-    for tag, after in cursor.items():
-        lane = st.lanes.get(tag)
-        if lane is not None:
-            need += max(0, after - lane.kv_len)
-    committed = {tag for tag, _ in work.commits}
-    need += len(committed)
-    for tag, max_new in work.decodes:
-        lane = st.lanes.get(tag)
-        if lane is not None:
-            produced, n_known, host = lane.produced + (tag in committed), lane.n_tokens, lane.is_host
-        else:
-            w = admitted[tag]
-            produced, n_known, host = w.produced, w.prompt.shape[0], w.rec.sampling == Sampling.HOST
-        if host:
-            need += 1 if produced < n_known else 0  # a HOST unit replays a token or hands out a row
-        else:
-            need += min(max_new, max(0, st.context_length - produced))
-    reserved = sum(ln.pending_tokens for ln in st.lanes.values())
-    work.cells_needed = need
-    if need <= st.ledger.free - reserved:
-        return
-    drops = []
-    for tag, publish in work.retires:
-        lane = st.lanes.get(tag)
-        if lane is not None:
-            keep = (lane.kv_len // st.cache.page) * st.cache.page if publish else 0
-            drops.append((lane.seq, keep))
-            reserved -= lane.pending_tokens
-    have = st.ledger.free - reserved + st.ledger.freed_by(drops)
-    if need <= have:
-        return
-    pol = work.plan.shed_policy
-    bpt = st.bytes_per_token
-    all_entries = [(e.seq, 0) for e in st.cache.entries.values()]
-    total = st.ledger.freed_by(all_entries) * bpt
-    cap = min(pol.max_evict_bytes, max(0, total - pol.protected_quota_bytes))
-    freed_bytes = 0
-    chosen: list[CacheEntry] = []
-    for e in st.cache.eviction_order(pol.evictable_cache_classes):
-        trial = drops + [(x.seq, 0) for x in chosen] + [(e.seq, 0)]
-        now = st.ledger.free - reserved + st.ledger.freed_by(trial)
-        gain = (now - have) * bpt
-        if freed_bytes + gain > cap:
-            continue
-        chosen.append(e)
-        freed_bytes += gain
-        have = now
-        if need <= have:
-            break
-    if need > have:
-        raise _reject(Status.NEEDS_REPLAN, f"tick needs {need} KV cells, at most {have} can be freed")
-    work.evict = chosen

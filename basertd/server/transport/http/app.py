@@ -2,7 +2,9 @@
 (``basertd.server.transport.native_api``). It serves three dialects, one package each with its
 ``routes`` (aiohttp handlers), ``wire`` (request and response shapes) and ``translate`` (wire to
 ``Generate`` and back): ``openai/`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/tokenize``, ``/detokenize``), ``anthropic/`` (``/v1/messages``) and ``ollama/`` (``/api/...``).
+``/tokenize``, ``/detokenize``; ``openai/render.py``: vLLM's ``/v1/*/render``), ``anthropic/``
+(``/v1/messages``) and ``ollama/`` (``/api/...``); ``router_api`` serves what routers poll
+(``/server_info``, ``/model_info``, ``/get_load``).
 Every handler sees the front end only through ``port.FrontendPort``; shared pieces are ``body``
 (reading and decoding bodies), ``templates`` (chat templates per worker), ``resume``
 (``Last-Event-ID``, closing streams), ``sse``, ``errors``, ``auth`` and ``tool_calls``.
@@ -16,7 +18,10 @@ belongs to (``error_response``; OpenAI's by default).
 
 A client that disconnects cancels its request at once: aiohttp cancels the handler
 (``handler_cancellation``), and leaving the handler closes every stream (the lane retires in the
-next plan; a queued request never starts).
+next plan; a queued request never starts). Every connection enters through the ``door``
+(``door.Door``: caps, head / body / idle deadlines, the write timeout that closes a connection
+whose replies go unread, cancelling its requests the same way); on a loopback TCP listener every
+request first passes the ``Host`` / ``Origin`` checks (``origin.HostPolicy``, 403).
 
 ``HttpServer(config, frontend, ...)``: ``start()`` binds every ``[http] listen`` entry and each
 adopted socket (systemd's ``FileDescriptorName=http``); ``addresses`` lists what it serves;
@@ -37,22 +42,28 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from basertd.server.config import HttpConfig, parse_listen
+from basertd.server.config import CompileConfig, HttpConfig, parse_listen
+from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError
 from basertd.server.states import HealthStatus
+from basertd.server.transport import accept_errors
 from basertd.server.transport.http import opsview, resume
 from basertd.server.transport.http.anthropic import wire as anthropic_wire
 from basertd.server.transport.http.anthropic.routes import AnthropicApi
 from basertd.server.transport.http.auth import Authorizer, load_api_keys
-from basertd.server.transport.http.body import json_response
+from basertd.server.transport.http.body import BODY_TIMEOUT_S, json_response
+from basertd.server.transport.http.door import Door, DoorRunner, door_middleware
 from basertd.server.transport.http.embeddings import EmbeddingsApi
 from basertd.server.transport.http.errors import HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
 from basertd.server.transport.http.ollama.routes import OllamaApi
+from basertd.server.transport.http.openai.render import RenderApi
 from basertd.server.transport.http.openai.routes import OpenAiApi
 from basertd.server.transport.http.opsview import OpsView, OverviewSource
+from basertd.server.transport.http.origin import HostPolicy
 from basertd.server.transport.http.port import FrontendPort
+from basertd.server.transport.http.router_api import RouterApi
 from basertd.server.transport.http.templates import Templates
 
 log = structlog.get_logger("basertd.http")
@@ -77,7 +88,10 @@ def error_response(err: HttpError, path: str = "") -> web.Response:
 class HttpServer:
     """The HTTP APIs of one daemon over ``frontend`` (module docstring). ``socket_mode``:
     permission bits of the Unix sockets it binds; ``adopted``: listening sockets passed by
-    systemd."""
+    systemd; ``metrics`` counts connections the door drops (``door``); ``native_connections``
+    (the native socket's ``[limits] max_connections``) sizes the descriptor limit
+    (``Door.fit_fd_limit``); ``compile``: the limits chats render under (``templates``),
+    ``on_sandbox_failure(pool, reason)`` counts a render that gave no text."""
 
     def __init__(
         self,
@@ -87,6 +101,10 @@ class HttpServer:
         socket_mode: int = 0o660,
         adopted: list[socket.socket] | None = None,
         overview: OverviewSource | None = None,
+        metrics: Metrics | None = None,
+        native_connections: int = 0,
+        compile: CompileConfig | None = None,
+        on_sandbox_failure: Any = None,
     ) -> None:
         self.config = config
         self.frontend = frontend
@@ -94,13 +112,19 @@ class HttpServer:
         self.adopted = list(adopted or [])
         keys = load_api_keys(config.api_key_file) if config.api_key_file else []
         self.auth = Authorizer(keys)
-        self.templates = Templates(frontend)
+        self.hosts = HostPolicy(config.allowed_hosts)
+        self.door = Door(config, metrics)
+        self.native_connections = native_connections
+        self.templates = Templates(frontend, compile, on_sandbox_failure)
         self.resumes = resume.ResumeIndex()
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
         self._unix: list[tuple[Path, int]] = []
         self.addresses: list[str] = []
-        app = web.Application(middlewares=[self._middleware], client_max_size=config.max_body_bytes)
+        app = web.Application(
+            middlewares=[door_middleware(self.door), self._middleware], client_max_size=config.max_body_bytes
+        )
+        app[BODY_TIMEOUT_S] = config.body_timeout_s
         openai_api = OpenAiApi(frontend, self.templates, self.resumes, self.releaser)
         ollama_api = OllamaApi(frontend, self.templates)
         ollama_routes = ollama_api.routes()
@@ -115,6 +139,8 @@ class HttpServer:
                 *AnthropicApi(frontend, self.templates, self.resumes, self.releaser).routes(),
                 *ollama_routes,
                 *EmbeddingsApi(frontend).routes(),
+                *RenderApi(frontend, self.templates).routes(),
+                *RouterApi(frontend).routes(),
             ]
         )
         self.app = app
@@ -122,9 +148,20 @@ class HttpServer:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind every listener (module docstring). Raises ``OSError``; nothing stays bound then."""
-        runner = self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        """Bind every listener (module docstring) and start the chat-template processes. Raises
+        ``OSError``; nothing stays bound then."""
+        self.templates.pool.start()
+        self.door.fit_fd_limit(self.native_connections)
+        accept_errors.install(asyncio.get_running_loop())
+        cfg = self.config
+        runner = self._runner = DoorRunner(
+            self.app,
+            self.door,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            # the door closes idle connections (idle_timeout_s); aiohttp's own timer is a backstop
+            keepalive_timeout=cfg.idle_timeout_s + cfg.header_timeout_s,
         )
         await runner.setup()
         try:
@@ -185,6 +222,7 @@ class HttpServer:
                 if path.lstat().st_ino == inode:
                     path.unlink()
         self._unix.clear()
+        await self.templates.close()
 
     # --- middleware ------------------------------------------------------------------------------
 
@@ -195,6 +233,7 @@ class HttpServer:
             authorization = request.headers.get("Authorization")
             if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
                 authorization = "Bearer " + request.headers["x-api-key"]
+            self.hosts.check(request)
             public = request.path == "/health" or opsview.is_public(request.path)
             self.auth.check(sock, authorization, public=public)
             TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only

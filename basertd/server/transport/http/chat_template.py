@@ -115,26 +115,42 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        max_chars: int | None = None,
     ) -> str:
         """The prompt text of ``messages`` (dicts with ``role`` and ``content``; assistant turns
         may carry ``tool_calls``, tool turns ``tool_call_id``), with ``tools`` (OpenAI's array)
         defined when given. Raises ``ChatTemplateError`` when the template refuses them
-        (``raise_exception``) or fails."""
+        (``raise_exception``) or fails, or its text grows past ``max_chars`` characters (checked
+        as it renders). Unbounded in time: the daemon renders in a child process
+        (``templates.Templates.render``)."""
         extra: dict[str, Any] = {} if tools is None else {"tools": tools}
         try:
-            return self._compiled.render(  # type: ignore[attr-defined]
+            parts = self._compiled.generate(  # type: ignore[attr-defined]
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 **extra,
             )
+            if max_chars is None:
+                return "".join(parts)
+            out, size = [], 0
+            for part in parts:
+                size += len(part)
+                if size > max_chars:
+                    raise ChatTemplateError(
+                        f"chat template: the rendered chat is longer than {max_chars} characters"
+                    )
+                out.append(part)
+            return "".join(out)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
         except RecursionError:
             raise ChatTemplateError("chat template failed: recursion too deep") from None
+        except (MemoryError, OverflowError):
+            raise ChatTemplateError("chat template failed: out of memory") from None
 
     def needs_bos(self, rendered: str) -> bool:
         """False when ``rendered`` already starts with the BOS text (tokenize without adding one)."""

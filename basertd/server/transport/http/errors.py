@@ -4,7 +4,7 @@ A failure is an ``HttpError`` (status, message, type, param, code, extra headers
 ``{"error": {"message", "type", "param", "code"}}``. Statuses: 400 invalid request / context
 length exceeded / empty prompt, 401 missing or wrong API key, 403 refused peer, 404 unknown model
 or route, 405 wrong method, 413 body too large, 429 queue full (with ``Retry-After``), 503
-draining / shutting down / no worker, 500 internal (never a traceback).
+draining / shutting down / no worker (with ``Retry-After``), 500 internal (never a traceback).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from basertd.schema.client import ErrorCode
 from basertd.server.request.record import AdmissionError
 
 RETRY_AFTER_S = 1
-"""Seconds a 429 asks the client to wait (``Retry-After``)."""
+"""Seconds a 429 or a 503 (draining, shutting down, no worker) asks the client to wait
+(``Retry-After``); a router that reads it retries, elsewhere or later."""
 
 _TYPES = {
     400: "invalid_request_error",
@@ -69,7 +70,7 @@ class HttpError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
-        if status == 429:
+        if status in (429, 503):
             self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
     @property

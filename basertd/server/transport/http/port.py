@@ -21,6 +21,8 @@ from typing import Any, Protocol
 from basertd.schema import client as api
 from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores
+from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.request.grammar import GrammarSpec
 from basertd.server.states import HealthStatus
 
 
@@ -122,6 +124,11 @@ class FrontendPort(Protocol):
         (INVALID_REQUEST for an engine without embeddings)."""
         ...
 
+    async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
+        """The candidate of ``spec`` that compiles (cached for admission), after the queue caps of
+        ``model``'s worker for ``qos``. Raises ``AdmissionError`` (INVALID_REQUEST, QUEUE_FULL)."""
+        ...
+
     def route(self, model: str) -> int:
         """The worker handle a new request for ``model`` ("" = any) goes to now. Raises
         ``AdmissionError(NOT_FOUND)`` for a model no worker serves."""
@@ -149,6 +156,11 @@ class FrontendPort(Protocol):
 
     def workers_ready(self) -> int:
         """Workers that serve now."""
+        ...
+
+    def worker_snapshots(self) -> list[WorkerSnapshot]:
+        """Every worker now, by worker handle (``WorkerSnapshot``: lanes, queues, limits); cheap,
+        read on the event loop (the endpoints routers poll, ``router_api``)."""
         ...
 
     def metrics_exposition(self) -> str:

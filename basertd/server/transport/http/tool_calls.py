@@ -18,9 +18,11 @@ through, and ``parse`` turns the finished text into OpenAI ``tool_calls``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from basertd.server.request import grammar
 from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, Tool
@@ -58,11 +60,29 @@ class ToolPlan:
         complete call is a call cut short, never content."""
         return self.mode != "auto"
 
+    def with_spec(self, spec: GrammarSpec) -> ToolPlan:
+        """This plan constraining the output with ``spec`` (the candidate that compiled)."""
+        return dataclasses.replace(self, spec=spec)
+
+
+class Renderer(Protocol):
+    """Renders a chat with a template (``templates.Templates.render``, off the event loop)."""
+
+    def __call__(
+        self,
+        template: ChatTemplate,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> Awaitable[str]: ...
+
 
 def plan_of(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
     """The plan of a request's tool fields; None when they ask for no tool call (no tools, or
-    ``tool_choice: "none"``). Raises a 400 ``HttpError`` with the reason for malformed ``tools``,
-    an unknown ``tool_choice`` or a function name it does not offer."""
+    ``tool_choice: "none"``). Its spec is not compiled yet (``templates.Templates.tool_plan``
+    compiles it). Raises a 400 ``HttpError`` with the reason for malformed ``tools``, an unknown
+    ``tool_choice`` or a function name it does not offer."""
     parallel = True if parallel_tool_calls is None else bool(parallel_tool_calls)
     if tools is not None and not tools:
         raise bad_request("tools must be a non-empty array (leave it out for no tools)", "tools")
@@ -143,21 +163,22 @@ def _has_tool_turns(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
-def render(template: ChatTemplate, messages: list[dict[str, Any]], plan: ToolPlan | None) -> str:
-    """The prompt text of a chat with tools (module docstring). Raises ``ChatTemplateError``."""
+async def render(
+    renderer: Renderer, template: ChatTemplate, messages: list[dict[str, Any]], plan: ToolPlan | None
+) -> str:
+    """The prompt text of a chat with tools (module docstring), each rendering by ``renderer``.
+    Raises ``ChatTemplateError``."""
     if template.uses_tools:
         try:
-            return template.render(messages, add_generation_prompt=True, tools=plan.raw if plan else None)
+            return await renderer(template, messages, tools=plan.raw if plan else None)
         except ChatTemplateError:
             if not _has_tool_turns(messages):
                 raise
-        return template.render(
-            text_form(messages, None), add_generation_prompt=True, tools=plan.raw if plan else None
-        )
+        return await renderer(template, text_form(messages, None), tools=plan.raw if plan else None)
     if plan is None and not _has_tool_turns(messages):
-        return template.render(messages, add_generation_prompt=True)
+        return await renderer(template, messages)
     preamble = grammar.tools_preamble(plan.tools, plan.mode, plan.name) if plan else None
-    return template.render(text_form(messages, preamble), add_generation_prompt=True)
+    return await renderer(template, text_form(messages, preamble))
 
 
 def parse(plan: ToolPlan, text: str) -> list[dict[str, Any]] | None:

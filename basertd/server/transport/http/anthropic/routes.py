@@ -60,20 +60,23 @@ class AnthropicApi:
         return [web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count)]
 
     async def _prompt(self, req: CountRequest, plan: tool_calls.ToolPlan | None) -> tuple[int, list[int]]:
+        self.templates.check_messages(len(req.messages))
         messages, prefill = tr.conversation(req)
         if prefill and plan is not None:
             raise bad_request("a final assistant message (prefill) cannot be combined with tools", "messages")
         try:
             wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages, plan) + prefill
+            text = await self.templates.render_chat(template, messages, plan) + prefill
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         tokens = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
         return wid, tokens
 
     async def count(self, request: web.Request) -> web.Response:
-        req = body.decode(await request.read(), CountRequest)
-        _, tokens = await self._prompt(req, tr.tools_of(req))
+        req = body.decode(await body.read(request), CountRequest)
+        qos = body.qos_of(None, request.headers.get(body.QOS_HEADER))
+        plan = await self.templates.tool_plan(req.model, qos, *tr.tool_fields(req))
+        _, tokens = await self._prompt(req, plan)
         return web.json_response({"input_tokens": len(tokens)})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
@@ -86,7 +89,7 @@ class AnthropicApi:
         req = body.decode(await body.read(request), MessagesRequest)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
         tr.check_max_tokens(req)
-        plan = tr.tools_of(req)
+        plan = await self.templates.tool_plan(req.model, qos, *tr.tool_fields(req))
         wid, prompt = await self._prompt(req, plan)
         mid = new_id()
         gen = tr.generate_of(req, mid, prompt, qos, plan)

@@ -11,7 +11,7 @@ the prefix cache is automatic. Images, documents and extended thinking are a 400
 Tools (``basertd.server.transport.http.tool_calls``): ``tools`` (``name``, ``description``,
 ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool`` with ``name``, ``none``;
 ``disable_parallel_tool_use``) map to OpenAI's function tools, ``tool_choice`` and
-``parallel_tool_calls`` (``tools_of``); ``any`` and ``tool`` constrain the reply to calls,
+``parallel_tool_calls`` (``tool_fields``); ``any`` and ``tool`` constrain the reply to calls,
 ``auto`` to text or calls. ``tool_use`` blocks of assistant turns and ``tool_result`` blocks of
 user turns go back into the template as tool calls and tool results.
 """
@@ -41,9 +41,9 @@ def _text_of(content: str | list[Block], where: str) -> str:
     return "\n".join(texts)
 
 
-def tools_of(req: CountRequest) -> tool_calls.ToolPlan | None:
-    """The tool plan of ``tools`` / ``tool_choice`` in OpenAI's terms (module docstring), or
-    None. Raises 400 for malformed tools or choices."""
+def tool_fields(req: CountRequest) -> tuple[Any, Any, bool]:
+    """``(tools, tool_choice, parallel_tool_calls)`` in OpenAI's terms (module docstring), for
+    ``templates.Templates.tool_plan``. Raises 400 for malformed tools or choices."""
     tc = req.tool_choice
     parallel = True
     if tc is not None:
@@ -71,7 +71,7 @@ def tools_of(req: CountRequest) -> tool_calls.ToolPlan | None:
         tools = oa_tools
     elif tc is not None and tc != "none":
         raise bad_request("tool_choice needs tools", "tool_choice")
-    return tool_calls.plan_of(tools, tc, parallel)
+    return tools, tc, parallel
 
 
 def _result_text(block: Block, where: str) -> str:

@@ -132,7 +132,7 @@ class OllamaApi:
         if req.raw:
             text, add_special = req.prompt, True
         else:
-            text, add_special = self._render(model, tr.generate_messages(req))
+            text, add_special = await self._render(model, tr.generate_messages(req))
         return await self._run(request, req, model, text, add_special, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -142,18 +142,22 @@ class OllamaApi:
         if not req.messages:
             head = self._head(model) | {"message": {"role": "assistant", "content": ""}}
             return web.json_response(head | {"done": True, "done_reason": "load"})
-        plan = tool_calls.plan_of(req.tools, None, True) if req.tools else None  # the client sends []
+        self.templates.check_messages(len(req.messages or []))
+        qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
+        plan = (  # the client sends [] for no tools
+            await self.templates.tool_plan(model, qos, req.tools, None, True) if req.tools else None
+        )
         if plan is not None and req.format:
             raise bad_request("format and tools cannot be used together", "format")
-        text, add_special = self._render(model, tr.chat_messages(req), plan)
+        text, add_special = await self._render(model, tr.chat_messages(req), plan)
         return await self._run(request, req, model, text, add_special, chat=True, plan=plan)
 
-    def _render(
+    async def _render(
         self, model: str, messages: list[dict[str, Any]], plan: tool_calls.ToolPlan | None = None
     ) -> tuple[str, bool]:
         try:
             _, template = self.templates.for_model(model)
-            text = tool_calls.render(template, messages, plan)
+            text = await self.templates.render_chat(template, messages, plan)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         return text, template.needs_bos(text)
@@ -174,7 +178,9 @@ class OllamaApi:
         plan: tool_calls.ToolPlan | None = None,
     ) -> web.StreamResponse:
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
-        response_format = tr.response_format_of(req.format)
+        response_format, spec = tr.response_format_of(req.format)
+        if spec is not None:  # compiled now to name ``format`` in an error; admission finds it cached
+            await self.frontend.compile_spec(model, qos, spec)
         grammar = None
         if plan is not None:
             fields = tool_calls.generate_fields(plan.spec)

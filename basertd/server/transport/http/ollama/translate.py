@@ -18,12 +18,13 @@ a reply that is a call comes back as ``message.tool_calls`` with ``arguments`` a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from basertd.schema import client as api
 from basertd.schema.client import QosClass
-from basertd.server.request.grammar import GrammarRequestError, spec_from_request
+from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, spec_from_request
 from basertd.server.transport.http.errors import bad_request
 from basertd.server.transport.http.ollama.wire import ChatRequest, Common, GenerateRequest, Options
 
@@ -34,21 +35,23 @@ def refuse(req: Common, fields: tuple[str, ...]) -> None:
             raise bad_request(f"{name} is not supported by this server yet", name)
 
 
-def response_format_of(fmt: Any) -> dict[str, Any] | None:
-    """``Generate.response_format`` of Ollama's ``format``: ``"json"`` any JSON object, an
-    object a JSON schema, ``""`` / null nothing. Raises 400 for anything else."""
+def response_format_of(fmt: Any) -> tuple[dict[str, Any] | None, GrammarSpec | None]:
+    """``Generate.response_format`` of Ollama's ``format`` (``"json"`` any JSON object, an
+    object a JSON schema, ``""`` / null nothing) and its spec labelled ``format``, not compiled
+    yet. Raises 400 for anything else, or a schema that fails the cheap checks."""
     if fmt is None or fmt == "":
-        return None
+        return None, None
     if fmt == "json":
-        return {"type": "json_object"}
+        rf = {"type": "json_object"}
+        return rf, spec_from_request(rf)
     if not isinstance(fmt, (dict, bool)):
         raise bad_request('format must be "json" or a JSON schema object', "format")
     rf = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
     try:
-        spec_from_request(rf)
+        spec = spec_from_request(rf)
     except GrammarRequestError as exc:
         raise bad_request(f"format: {exc}", "format") from None
-    return rf
+    return rf, None if spec is None else dataclasses.replace(spec, label="format")
 
 
 def generate_messages(req: GenerateRequest) -> list[dict[str, Any]]:

@@ -1,7 +1,9 @@
 """OpenAI's endpoints (and llama-server's / vLLM's tokenizer endpoints) over a ``FrontendPort``:
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize`` (llama-server's and vLLM's
-field names both accepted).
+field names both accepted; vLLM's chat form of ``/tokenize``: ``messages``,
+``add_generation_prompt``). A body whose ``model`` is ``"unknown"`` (what SGLang's gateway writes
+for a request without one) goes to the default model (``router_api.served_model``).
 
 Each generation request becomes one ``Generate`` per prompt and choice (``translate``); the
 replies become OpenAI's objects (``wire.Shape``), a JSON body or SSE chunks (``sse``) ending with
@@ -24,7 +26,9 @@ from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
 from basertd.server.transport.http.openai import echo, wire
 from basertd.server.transport.http.openai import translate as tr
+from basertd.server.transport.http.openai.render import chat_max_tokens, chat_prompt
 from basertd.server.transport.http.port import FrontendPort, StreamPort
+from basertd.server.transport.http.router_api import served_model
 from basertd.server.transport.http.templates import Templates
 
 API_NAME = "openai"
@@ -82,13 +86,39 @@ class OpenAiApi:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = body.decode(await body.read(request), wire.TokenizeBody)
-        text = req.content if req.content is not None else req.prompt
-        if text is None:
-            raise bad_request("give content (or prompt)", "content")
+        req.model = served_model(self.frontend, req.model)
         add = req.add_special if req.add_special is not None else req.add_special_tokens
-        tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
+        if req.messages is not None:
+            tokens = await self._tokenize_chat(req, add)
+        else:
+            text = req.content if req.content is not None else req.prompt
+            if text is None:
+                raise bad_request("give content (or prompt, or messages)", "content")
+            tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
         ctx = self.frontend.context_length(self.frontend.route(req.model))
         return body.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": ctx})
+
+    async def _tokenize_chat(self, req: wire.TokenizeBody, add_special: bool | None) -> list[int]:
+        """vLLM's chat form of ``/tokenize``: ``messages`` rendered with the worker's template
+        (``add_generation_prompt``, default true), then tokenized (BOS unless the template wrote
+        it, or as ``add_special_tokens`` says). ``continue_final_message`` is served as false only
+        (400 otherwise, ``extensions``)."""
+        if req.continue_final_message:
+            raise bad_request(
+                "continue_final_message = true is not served here: this server accepts it only as false",
+                "continue_final_message",
+                code="unsupported_value",
+            )
+        self.templates.check_messages(len(req.messages or []))
+        messages = tr.message_dicts(req.messages or [])
+        try:
+            _, template = self.templates.for_model(req.model)
+            gen_prompt = req.add_generation_prompt is not False
+            text = await self.templates.render(template, messages, add_generation_prompt=gen_prompt)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages", code="chat_template") from None
+        add = template.needs_bos(text) if add_special is None else add_special
+        return await self.frontend.tokenize(req.model, text, add_special=add)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = body.decode(await body.read(request), wire.DetokenizeBody)
@@ -101,6 +131,7 @@ class OpenAiApi:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=False)
         req = body.decode(await body.read(request), wire.CompletionRequest)
+        req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         prompts = tr.prompts_of(req.prompt)
         max_tokens = tr.COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -141,19 +172,12 @@ class OpenAiApi:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=True)
         req = body.decode(await body.read(request), wire.ChatRequest)
+        req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
-        messages = tr.message_dicts(req.messages)
-        plan = tool_calls.plan_of(req.tools, req.tool_choice, req.parallel_tool_calls)
-        try:
-            wid, template = self.templates.for_model(req.model)
-            text = tool_calls.render(template, messages, plan)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages", code="chat_template") from None
-        prompt = await self.frontend.tokenize(req.model, text, add_special=template.needs_bos(text))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.frontend.context_length(wid) - len(prompt))
-        return await self._generate(request, req, [(prompt, max_tokens)], chat=True, tools=plan)
+        qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
+        prompt = await chat_prompt(self.frontend, self.templates, req, qos)
+        max_tokens = chat_max_tokens(self.frontend, req, prompt)
+        return await self._generate(request, req, [(prompt.tokens, max_tokens)], chat=True, tools=prompt.plan)
 
     async def _generate(
         self,
@@ -195,6 +219,7 @@ class OpenAiApi:
                 streams.append(await self.frontend.stream(gen, api_name=API_NAME))
             if stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                continuous = include_usage and bool(req.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
                 if (
                     len(streams) == 1 and streams[0].accepted is not None and tools is None and echoes is None
                 ):  # one id to resume
@@ -202,7 +227,9 @@ class OpenAiApi:
                     resume_id = streams[0].accepted.resume_id
                     self.resumes.remember(gens[0].request_id, _kind(chat), state, resume_id)
                     resumable = bool(resume_id)
-                return await self._sse(request, shape, streams, n, include_usage, echoes=echoes)
+                return await self._sse(
+                    request, shape, streams, n, include_usage, continuous=continuous, echoes=echoes
+                )
             return await self._collect(shape, streams, n, echoes)
         finally:
             await self.releaser.release(streams, resumable)
@@ -248,10 +275,14 @@ class OpenAiApi:
         *,
         ids: list[str] | None = None,
         after: int = 0,
+        continuous: bool = False,
         echoes: list[echo.Echo] | None = None,
     ) -> web.StreamResponse:
         """Stream ``streams`` as SSE; a resumed stream (``after`` > 0 tokens the client has) gets
-        no role chunk and its ids count on from ``after``; ``echoes`` (per prompt) come first."""
+        no role chunk and its ids count on from ``after``; ``echoes`` (per prompt) come first.
+        ``continuous`` (vLLM's ``stream_options.continuous_usage_stats`` with ``include_usage``):
+        every chunk carries its choice's usage so far (prompt tokens, tokens generated up to and
+        with that chunk)."""
         resp = web.StreamResponse(headers=sse.HEADERS)
         await resp.prepare(request)
         counts = [after] * len(streams)
@@ -261,9 +292,23 @@ class OpenAiApi:
             e = echoes[c // n]  # type: ignore[index]
             offsets[c] = len(e.text)
             await resp.write(sse.event(shape.chunk(c, e.text, logprobs=e.logprobs), f"{ids[c]}:0"))
+
+        def so_far(i: int) -> dict[str, Any] | None:
+            if not continuous:
+                return None
+            accepted = streams[i].accepted
+            prompt = accepted.prompt_tokens if accepted else 0
+            return {
+                "prompt_tokens": prompt,
+                "completion_tokens": counts[i],
+                "total_tokens": prompt + counts[i],
+            }
+
         if shape.chat and after == 0:
             first = b"".join(
-                sse.event(shape.chunk(i, "", role=True, include_usage=include_usage), f"{ids[i]}:0")
+                sse.event(
+                    shape.chunk(i, "", role=True, include_usage=include_usage, usage=so_far(i)), f"{ids[i]}:0"
+                )
                 for i in range(len(streams))
             )
             await resp.write(first)
@@ -276,7 +321,9 @@ class OpenAiApi:
                 lps[i].add(msg.logprobs)
                 text = held[i].feed(msg.text) if held[i] is not None else msg.text  # type: ignore[union-attr]
                 if text:
-                    chunk = shape.chunk(i, text, include_usage=include_usage, logprobs=lps[i].take())
+                    chunk = shape.chunk(
+                        i, text, include_usage=include_usage, logprobs=lps[i].take(), usage=so_far(i)
+                    )
                     await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Done):
                 dones[i] = msg
@@ -287,7 +334,12 @@ class OpenAiApi:
                         finish = "tool_calls"
                 if calls or rest:
                     chunk = shape.chunk(
-                        i, rest, include_usage=include_usage, logprobs=lps[i].take(), calls=calls
+                        i,
+                        rest,
+                        include_usage=include_usage,
+                        logprobs=lps[i].take(),
+                        calls=calls,
+                        usage=so_far(i),
                     )
                     await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
                 chunk = shape.chunk(
@@ -296,6 +348,7 @@ class OpenAiApi:
                     finish,
                     include_usage=include_usage,
                     logprobs=lps[i].take(),
+                    usage=so_far(i),
                 )
                 await resp.write(sse.event(chunk, f"{ids[i]}:{counts[i]}"))
             elif isinstance(msg, api.Error):

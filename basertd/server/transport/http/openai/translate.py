@@ -1,7 +1,8 @@
 """OpenAI request bodies to the front end's ``Generate`` (DESIGN.md "Client API").
 
-A field we do not serve (``suffix``, ``best_of``, ...) or a wrong type is a 400 naming the field
-(``body.decode``), never silently ignored; ``echo`` on completions is ``openai/echo.py``.
+A field we do not serve or a wrong type is a 400 naming the field (``body.decode``), never silently
+ignored; other servers' extension fields (``skip_special_tokens``, ``best_of``, ...) are accepted at
+their no-op values only (``extensions``); ``echo`` on completions is ``openai/echo.py``.
 ``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs`` true with ``top_logprobs``
 0..20) and ``logit_bias`` (token-id strings to a bias in [-100, 100], at most 300) map to the
 ``Generate`` fields of the same names.
@@ -26,7 +27,7 @@ import msgspec
 from basertd.schema import client as api
 from basertd.schema.abi import MAX_TOP_LOGPROBS
 from basertd.server.request.grammar import GrammarSpec
-from basertd.server.transport.http import tool_calls
+from basertd.server.transport.http import extensions, tool_calls
 from basertd.server.transport.http.errors import bad_request
 from basertd.server.transport.http.openai.wire import ChatRequest, Common, Message, usage_of
 
@@ -77,7 +78,9 @@ def prompts_of(prompt: Any) -> list[str | list[int]]:
 
 def check_fields(req: Common) -> None:
     """400 for ``n``, ``logprobs`` / ``top_logprobs`` and ``logit_bias`` keys out of their forms
-    (``logprobs_of``, ``logit_bias_of``); the value ranges are the limits table's."""
+    (``logprobs_of``, ``logit_bias_of``), and for another server's extension field at a value we
+    would not honour (``extensions.check``); the value ranges are the limits table's."""
+    extensions.check(req, chat=isinstance(req, ChatRequest))
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n}", "n")

@@ -22,13 +22,21 @@ import msgspec
 
 from basertd.schema import client as api
 from basertd.server.transport.http import tool_calls
+from basertd.server.transport.http.extensions import Extensions
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``include_usage``: a last chunk with the usage; ``continuous_usage_stats`` (vLLM's): the
+    usage so far in every chunk."""
+
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
-class Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Common(Extensions, kw_only=True, forbid_unknown_fields=True):
+    """The fields both generation endpoints share; the other servers' extension fields accepted at
+    their no-op values come from ``Extensions`` (``extensions.check``)."""
+
     model: str = ""
     max_tokens: int | None = None
     temperature: float | None = None
@@ -98,8 +106,12 @@ class ChatRequest(Common):
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
     """``POST /tokenize``: llama-server's ``content`` / ``add_special`` or vLLM's ``prompt`` /
-    ``add_special_tokens``."""
+    ``add_special_tokens``, or vLLM's chat form: ``messages`` (rendered with the chat template),
+    ``add_generation_prompt`` (default true), ``continue_final_message`` (false only)."""
 
+    messages: list[Message] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     content: str | None = None
     prompt: str | None = None
     add_special: bool | None = None
@@ -272,9 +284,12 @@ class Shape:
         include_usage: bool = False,
         logprobs: dict[str, Any] | None = None,
         calls: list[dict[str, Any]] | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One stream chunk of choice ``index`` (``logprobs``: the object of its tokens;
-        ``calls``: complete tool calls, sent as ``delta.tool_calls`` with their indexes)."""
+        ``calls``: complete tool calls, sent as ``delta.tool_calls`` with their indexes;
+        ``usage``: the usage so far with ``include_usage``, null without
+        ``continuous_usage_stats``)."""
         if self.chat:
             obj = self._head("chat.completion.chunk")
             delta: dict[str, Any] = {}
@@ -290,7 +305,7 @@ class Shape:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj["choices"] = [choice]
         if include_usage:
-            obj["usage"] = None
+            obj["usage"] = usage
         return obj
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,59 @@
+"""The committer never dies silently (``basertd.server.durability.durable.Durability``): any
+exception of a group commit, not only ``JournalFailed``, stops acknowledging (the held reply is
+never released), records why and calls ``on_failed`` (the daemon then exits 74,
+``EXIT_JOURNAL_FAILED``). The fault is real: the journal's own ``on_commit`` hook (the metrics
+histogram in the daemon) raises inside a real commit on a real state directory."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from basertd.schema import client as api
+from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
+from basertd.server.durability.wal import Journal
+from basertd.server.observe.metrics import Metrics
+from basertd.server.request.record import GenerationRequest, sampler_for
+from basertd.server.request.tokenizer import BytesTokenizer
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.sent: list = []
+        self.closed = False
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+def test_a_committer_that_dies_of_any_exception_fails_closed_and_says_so(tmp_path: Path) -> None:
+    def broken_hook(nbytes: int, fsync_s: float) -> None:
+        raise RuntimeError("histogram exploded")
+
+    async def scenario():
+        journal = Journal.open(tmp_path, on_commit=broken_hook)
+        failed = asyncio.Event()
+        dur = Durability(journal, Metrics(), on_failed=failed.set)
+        dur.start()
+        sink = Sink()
+        gen = api.Generate(request_id="a", prompt="hi", max_tokens=4, temperature=0.0, seed=1)
+        tok = BytesTokenizer()
+        req = GenerationRequest(
+            request_id="a",
+            prompt=tok.encode("hi", add_bos=False),
+            max_tokens=4,
+            sampler=sampler_for(gen),
+            sink=sink,
+            tokenizer=tok,
+        )
+        accepted = dur.wrap(gen, req.prompt, req, sink)
+        req.sink.send(accepted)  # held until its commit returns: that commit raises
+        await asyncio.wait_for(failed.wait(), 10)
+        failure = dur.failure
+        await dur.close()
+        return sink.sent, failure
+
+    sent, failure = asyncio.run(scenario())
+    assert sent == []  # nothing acknowledged
+    assert failure == "RuntimeError: histogram exploded"
+    assert EXIT_JOURNAL_FAILED == 74
