@@ -1,13 +1,13 @@
 """``basertctl``: the operator's client of the daemon socket (DESIGN.md "Operators").
 
 Verbs: ``status``, ``top`` (a live view, ``basertd.ctl_top``), ``workers``, ``lanes``, ``queue``,
-``cache stats|ls|pin|unpin|evict``, ``drain [--timeout S]``, ``resume``, ``restart-worker ID``,
-``generate``, ``metrics``, ``shutdown`` and ``config check FILE``. Every verb prints a human
-table by default and one JSON document with ``--json`` (before or after the verb). These two forms are stable:
-``basertctl [--socket PATH] generate [--max-tokens N] [--temperature T] [--seed S] [--qos CLASS]
-PROMPT`` streams the text to stdout, ``basertctl [--socket PATH] status [--json]`` prints the
-summary. ``--socket`` defaults to ``$BASERTD_SOCKET``, then the default socket path
-(``basertd.server.paths.default_socket_path``).
+``cache stats|ls|pin|unpin|evict``, ``drain [--timeout S]``, ``resume``, ``worker restart ID``
+(alias ``restart-worker ID``), ``generate``, ``metrics``, ``shutdown`` and ``config check FILE``.
+Every verb prints a human table by default and one JSON document with ``--json`` (before or after
+the verb). These two forms are stable: ``basertctl [--socket PATH] generate [--max-tokens N]
+[--temperature T] [--seed S] [--qos CLASS] PROMPT`` streams the text to stdout, ``basertctl
+[--socket PATH] status [--json]`` prints the summary. ``--socket`` defaults to ``$BASERTD_SOCKET``,
+then the default socket path (``basertd.server.paths.default_socket_path``).
 
 Control verbs need root, the daemon's user or its operator group (peer credentials); ``generate``
 only needs access to the socket. A daemon that cannot be reached gives one line naming the socket
@@ -558,13 +558,7 @@ def resume(ctx: click.Context, as_json: bool) -> None:
     _output(ctx, as_json, _plain(result), lambda d: click.echo(d["message"]))
 
 
-@cli.command("restart-worker", epilog=EPILOG)
-@click.argument("worker_id", type=click.IntRange(min=0))
-@json_flag
-@click.pass_context
-def restart_worker(ctx: click.Context, worker_id: int, as_json: bool) -> None:
-    """Restart worker WORKER_ID and wait for its new process (its running requests end with a
-    typed error; queued ones are served by the new process)."""
+def _restart_worker(ctx: click.Context, worker_id: int, as_json: bool) -> None:
     (result,) = _call(ctx, control.RestartWorker(worker_id=worker_id))
     _output(
         ctx,
@@ -572,6 +566,31 @@ def restart_worker(ctx: click.Context, worker_id: int, as_json: bool) -> None:
         _plain(result),
         lambda d: click.echo(f"worker {d['worker_id']} restarted: pid {d['pid']}"),
     )
+
+
+@cli.group(epilog=EPILOG)
+def worker() -> None:
+    """One worker process."""
+
+
+@worker.command("restart", epilog=EPILOG)
+@click.argument("worker_id", type=click.IntRange(min=0))
+@json_flag
+@click.pass_context
+def worker_restart(ctx: click.Context, worker_id: int, as_json: bool) -> None:
+    """Replace worker WORKER_ID's process by a new one of the same configuration and wait for it:
+    its running requests move to a peer serving the same model or wait for the new process, and
+    resume token-exact (as a reload replacing a worker, README "Operating")."""
+    _restart_worker(ctx, worker_id, as_json)
+
+
+@cli.command("restart-worker", epilog=EPILOG)
+@click.argument("worker_id", type=click.IntRange(min=0))
+@json_flag
+@click.pass_context
+def restart_worker(ctx: click.Context, worker_id: int, as_json: bool) -> None:
+    """The same as ``worker restart WORKER_ID`` (the older name)."""
+    _restart_worker(ctx, worker_id, as_json)
 
 
 @cli.command(epilog=EPILOG)

@@ -27,9 +27,10 @@ Operators (DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.fronte
 refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are cancelled
 typed, or with durability on handed over to the next start) and then stops, exit status 0; a
 second SIGTERM, or SIGINT, stops at once. SIGHUP reloads
-the configuration file (``basertd.server.ops.reload``). systemd gets READY=1 once every worker has
-handshaken, STATUS= lines and watchdog pings, and the client socket may come from ``LISTEN_FDS``
-(``basertd.server.observe.notify``).
+the configuration file (``basertd.server.ops.reload``; workers added, removed or replaced one at a
+time, their requests handed over, ``basertd.server.ops.worker_changes``). systemd gets READY=1
+once every worker has handshaken, STATUS= lines and watchdog pings, and the client socket may
+come from ``LISTEN_FDS`` (``basertd.server.observe.notify``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pathlib import Path
 import structlog
 
 from basertd import __version__
+from basertd.models import ModelUnavailable
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, load_config
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
@@ -74,8 +76,10 @@ from basertd.server.ops.cache_verbs import PolicyCacheControl
 from basertd.server.ops.control import CacheControl, ControlService
 from basertd.server.ops.reload import apply_reload
 from basertd.server.ops.runtime_files import remove_stale_worker_dirs
+from basertd.server.ops.worker_changes import apply_changes, prepare_changes, worker_changes
 from basertd.server.paths import resolve_runtime_dir, resolve_state_dir, socket_path
 from basertd.server.request.record import GenerationRequest
+from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.sched.loop import Scheduler
 from basertd.server.states import DaemonState, HealthStatus, SlotState
 from basertd.server.transport.http.app import HttpServer
@@ -148,6 +152,7 @@ class Daemon:
         self.started_at = time.monotonic()
         self.state = DaemonState.STARTING
         self._tasks: list[asyncio.Task] = []
+        self._reloads: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self._created_runtime_dir = False
         self.kv_events: KvEventsHub | None = None
@@ -377,30 +382,47 @@ class Daemon:
 
     def reload(self) -> None:
         """Re-read the configuration file and apply what can change at run time
-        (``basertd.server.ops.reload``); a file that does not validate changes nothing (logged)."""
+        (``basertd.server.ops.reload``; the ``[[workers]]`` tables one worker at a time,
+        ``basertd.server.ops.worker_changes``) in a task; reloads run one after another. A file
+        that does not validate, or a new worker table whose model or tokenizer does not load,
+        changes nothing (logged ``reload_failed``)."""
         if self.config_path is None:
             log.warning("reload_skipped", reason="started without a configuration file")
             return
-        self.notifier.reloading()
-        try:
-            new = load_config(self.config_path)
-        except ConfigError as exc:
-            log.error("reload_failed", error=str(exc), note="the running configuration is unchanged")
-            self.notifier.ready(self.status_line())
+        if self.fleet is None or self.state is not DaemonState.READY:
+            log.warning("reload_skipped", reason=f"the daemon is {self.state}")
             return
-        report, self.config = apply_reload(self.config, self.schedulers, new)
-        self.operators.operator_group = self.config.operators.operator_group
-        self.metrics.reloads.inc()
-        # a reload that left keys unapplied is worth a warning: the file and the daemon disagree
-        (log.warning if report.needs_restart else log.info)(
-            "reloaded",
-            config=str(self.config_path),
-            applied=report.applied,
-            not_reloaded=report.needs_restart,
-            note="keys in not_reloaded need a restart" if report.needs_restart else "",
-        )
-        configure_logging(self.config.log_level)
-        self.notifier.ready(self.status_line())
+        task = asyncio.get_running_loop().create_task(self._reload(self.fleet), name="reload")
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _reload(self, fleet: Fleet) -> None:
+        async with fleet.changing:
+            self.notifier.reloading()
+            try:
+                new = load_config(self.config_path)
+                changes = worker_changes(self.config.workers, new.workers)
+                prepared = await prepare_changes(fleet, changes, new.workers)
+            except (ConfigError, ModelUnavailable, TokenizerError, OSError, ValueError) as exc:
+                log.error("reload_failed", error=str(exc), note="the running configuration is unchanged")
+                self.notifier.ready(self.status_line())
+                return
+            report, self.config = apply_reload(self.config, self.schedulers, new)
+            fleet.config = self.config
+            self.operators.operator_group = self.config.operators.operator_group
+            await apply_changes(fleet, changes, prepared)
+            self.metrics.reloads.inc()
+            # a reload that left keys unapplied is worth a warning: the file and the daemon disagree
+            (log.warning if report.needs_restart else log.info)(
+                "reloaded",
+                config=str(self.config_path),
+                applied=report.applied,
+                workers=[c.describe() for c in changes],
+                not_reloaded=report.needs_restart,
+                note="keys in not_reloaded need a restart" if report.needs_restart else "",
+            )
+            configure_logging(self.config.log_level)
+            self.notifier.ready(self.status_line())
 
     def _cancel(self, req: GenerationRequest, code: ErrorCode, message: str) -> None:
         if self.frontend is not None:
@@ -423,6 +445,10 @@ class Daemon:
             self.api.stop_listening()
         if self.http is not None:
             self.http.stop_listening()
+        for task in list(self._reloads):  # a reload mid-way: what it handed over fails with the rest
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         if self.fleet is not None:
             for sched in self.fleet.schedulers:
                 await sched.stop()

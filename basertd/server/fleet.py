@@ -36,6 +36,7 @@ from basertd.server.request.tokenizer import Tokenizer, TokenizerError, make_tok
 from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
 from basertd.server.workers.link_errors import LinkError, LinkTimeout, WorkerError
+from basertd.server.workers.process import WorkerSpec
 from basertd.server.workers.slot import WorkerSlot
 from basertd.server.workers.specs import prefix_cache_usable, worker_spec
 
@@ -106,6 +107,22 @@ class Member:
     scheduler: Scheduler
     tokenizer: Tokenizer
     cache: WorkerCache
+    tok_key: tuple[str, str] = ("", "")
+    leaving: bool = False
+    """Being handed over (replaced or removed): new requests go to a peer when one serves the
+    model, and no peer hands its lanes here."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a worker table needs before anything changes (``Fleet.prepare``): its table, the
+    worker spec, the tokenizer key, served name and tokenizer."""
+
+    config: WorkerConfig
+    spec: WorkerSpec
+    tok_key: tuple[str, str]
+    name: str
+    tokenizer: Tokenizer
 
 
 class Fleet:
@@ -120,68 +137,85 @@ class Fleet:
         self.workers_dir = workers_dir
         self.metrics = metrics
         self.members: list[Member] = []
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[int, asyncio.Task] = {}
+        self.changing = asyncio.Lock()  # one worker change (reload, restart) at a time
         self._bos: dict[int, bool] = {}
 
     # --- construction and lifecycle --------------------------------------------------------------
 
     async def build(self) -> None:
         """Create every worker's spec, tokenizer, supervisor and scheduler (nothing started)."""
+        for worker_id, wcfg in enumerate(self.config.workers):
+            self.members.append(self._member(worker_id, wcfg, await self.prepare(worker_id, wcfg)))
+
+    async def prepare(self, worker_id: int, wcfg: WorkerConfig) -> Prepared:
+        """Worker ``worker_id``'s spec, served name and tokenizer for the table ``wcfg`` (a
+        tokenizer already loaded for the same vocabulary is shared, otherwise it loads in a
+        thread). Changes nothing. Raises ``basertd.models.ModelUnavailable`` or
+        ``TokenizerError`` (a basert bundle whose tokenizer does not load gets an
+        ``UnavailableTokenizer``)."""
+        spec, tok_key, name = worker_spec(
+            worker_id, wcfg, runtime_dir=self.workers_dir, log_level=self.config.log_level
+        )
+        tok = next((m.tokenizer for m in self.members if m.tok_key == tok_key), None)
+        if tok is None:
+            try:
+                tok = await asyncio.to_thread(make_tokenizer, *tok_key)
+            except TokenizerError as exc:
+                if tok_key[0] != "basert":
+                    raise
+                # The worker of this bundle fails the same way and is reported (status, health).
+                log.error("tokenizer_unavailable", worker_id=worker_id, reason=str(exc))
+                tok = UnavailableTokenizer(str(exc))
+        return Prepared(wcfg, spec, tok_key, name, tok)
+
+    def _member(self, worker_id: int, wcfg: WorkerConfig, prep: Prepared) -> Member:
+        """A new member (supervisor, scheduler, cache policy) from ``prep``; nothing started."""
         cfg = self.config
-        tokenizers: dict[tuple[str, str], Tokenizer] = {}
-        for worker_id, wcfg in enumerate(cfg.workers):
-            spec, tok_key, name = worker_spec(
-                worker_id, wcfg, runtime_dir=self.workers_dir, log_level=cfg.log_level
-            )
-            if tok_key not in tokenizers:
-                try:
-                    tokenizers[tok_key] = await asyncio.to_thread(make_tokenizer, *tok_key)
-                except TokenizerError as exc:
-                    if tok_key[0] != "basert":
-                        raise
-                    # The worker of this bundle fails the same way and is reported (status, health).
-                    log.error("tokenizer_unavailable", worker_id=worker_id, reason=str(exc))
-                    tokenizers[tok_key] = UnavailableTokenizer(str(exc))
-            tok = tokenizers[tok_key]
-            holder: list[Scheduler] = []
-            slot = WorkerSlot(
-                spec,
-                close_grace_s=WORKER_CLOSE_GRACE_S,
-                on_give_up=lambda err, h=holder: h and h[0].on_give_up(err),
-            )
-            limits = WorkerLimits(
-                context_length=wcfg.context_length,
-                max_lanes=wcfg.lanes,
-                max_batch_size=wcfg.lanes,
-                page_tokens=1,
-                kv_tokens=wcfg.lanes * wcfg.context_length,
-                max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
-            )
-            policy = CapabilityGatedCache(worker_id, cfg.cache)
-            sched = Scheduler(
-                slot,
-                limits,
-                cfg.scheduler,
-                cfg.cache,
-                metrics=self.metrics,
-                tokenizer=tok,
-                cache_policy=policy,
-            )
-            holder.append(sched)
-            self.members.append(Member(worker_id, wcfg, name, slot, sched, tok, policy))
-        for m in self.members:  # a crashed worker's lanes resume on a live peer of the same model
-            m.scheduler.peers = lambda me=m: [
-                o.scheduler
-                for o in self.members
-                if o is not me and o.model_name == me.model_name and o.tokenizer is me.tokenizer
-            ]
+        holder: list[Scheduler] = []
+        slot = WorkerSlot(
+            prep.spec,
+            close_grace_s=WORKER_CLOSE_GRACE_S,
+            on_give_up=lambda err, h=holder: h and h[0].on_give_up(err),
+        )
+        spec = prep.spec
+        limits = WorkerLimits(
+            context_length=wcfg.context_length,
+            max_lanes=wcfg.lanes,
+            max_batch_size=wcfg.lanes,
+            page_tokens=1,
+            kv_tokens=wcfg.lanes * wcfg.context_length,
+            max_admit_tokens=spec.prompt_ring.slots * ((spec.prompt_ring.slot_bytes - 16) // 4) // 2,
+        )
+        policy = CapabilityGatedCache(worker_id, cfg.cache)
+        sched = Scheduler(
+            slot,
+            limits,
+            cfg.scheduler,
+            cfg.cache,
+            metrics=self.metrics,
+            tokenizer=prep.tokenizer,
+            cache_policy=policy,
+        )
+        holder.append(sched)
+        m = Member(worker_id, wcfg, prep.name, slot, sched, prep.tokenizer, policy, prep.tok_key)
+        # a crashed or handed-over worker's lanes resume on a live peer of the same model
+        sched.peers = lambda me=m: [
+            o.scheduler
+            for o in self.members
+            if o is not me and not o.leaving and o.model_name == me.model_name and o.tokenizer is me.tokenizer
+        ]
+        return m
 
     def start(self) -> None:
         """Start every supervisor and scheduler task."""
-        loop = asyncio.get_running_loop()
         for m in self.members:
-            m.slot.start()
-            self._tasks.append(loop.create_task(m.scheduler.run(), name=f"scheduler-{m.worker_id}"))
+            self._start(m)
+
+    def _start(self, m: Member) -> None:
+        m.slot.start()
+        task = asyncio.get_running_loop().create_task(m.scheduler.run(), name=f"scheduler-{m.worker_id}")
+        self._tasks[m.worker_id] = task
 
     async def stop(self) -> None:
         """Stop every scheduler (what is queued or running fails SHUTTING_DOWN), then every
@@ -189,14 +223,56 @@ class Fleet:
         raises; idempotent."""
         for m in self.members:
             await m.scheduler.stop()
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        for task in self._tasks:
+        for task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
         await asyncio.gather(*(m.slot.stop() for m in self.members), return_exceptions=True)
         for tok in {id(m.tokenizer): m.tokenizer for m in self.members}.values():
+            close = getattr(tok, "close", None)
+            if close is not None:
+                close()
+
+    # --- workers changed at run time (``basertd.server.ops.worker_changes``) ---------------------
+
+    def add(self, prep: Prepared) -> Member:
+        """Append and start worker ``len(self)`` from ``prep`` (its id is the next position)."""
+        m = self._member(len(self.members), prep.config, prep)
+        self.members.append(m)
+        self._start(m)
+        return m
+
+    def retarget(self, m: Member, prep: Prepared) -> None:
+        """Make member ``m`` serve ``prep``'s table from its next incarnation on: configuration,
+        served name, tokenizer (the old one freed when no member shares it). Call while its
+        slot is being replaced (``WorkerSlot.replace``)."""
+        old = m.tokenizer
+        m.config, m.model_name, m.tok_key, m.tokenizer = prep.config, prep.name, prep.tok_key, prep.tokenizer
+        m.scheduler.tokenizer = prep.tokenizer
+        self._bos.pop(m.worker_id, None)
+        self._close_unused(old)
+
+    async def remove_last(self) -> Member:
+        """Stop and forget the last worker (its queues and lanes already handed over): its
+        scheduler (anything left fails SHUTTING_DOWN), its task, its process; its tokenizer is
+        freed when no other worker shares it."""
+        m = self.members[-1]
+        await m.scheduler.stop(f"worker {m.worker_id} was removed by a reload")
+        task = self._tasks.pop(m.worker_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await m.slot.stop()
+        self.members.pop()
+        self._bos.pop(m.worker_id, None)
+        self._close_unused(m.tokenizer)
+        return m
+
+    def _close_unused(self, tok: Tokenizer) -> None:
+        if all(o.tokenizer is not tok for o in self.members):
             close = getattr(tok, "close", None)
             if close is not None:
                 close()
@@ -286,18 +362,28 @@ class Fleet:
             raise AdmissionError(
                 ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {served})"
             )
-        alive = [i for i in ids if not self.members[i].slot.given_up] or ids
+        staying = [i for i in ids if not self.members[i].leaving] or ids
+        alive = [i for i in staying if not self.members[i].slot.given_up] or staying
         return min(alive, key=lambda i: self.members[i].scheduler.core.load())
 
     def route_prefix(self, worker_id: int, prompt: list[int], salt: int = 0) -> int:
         """Among the live workers serving the same model with the same vocabulary as
         ``worker_id``, the one holding the longest cached prefix of ``prompt`` (under cache salt
-        ``salt``) unless it is much busier (``cache_policy.route``, ``[cache] route_slack``)."""
+        ``salt``) unless it is much busier (``cache_policy.route``, ``[cache] route_slack``). Raises
+        ``AdmissionError(WORKER_FAILED)`` when worker ``worker_id`` was removed meanwhile (a
+        reload, while the prompt was tokenized)."""
+        if worker_id >= len(self.members):
+            raise AdmissionError(
+                ErrorCode.WORKER_FAILED, f"worker {worker_id} was removed; retry the request"
+            )
         me = self.members[worker_id]
         peers = [
             m.worker_id
             for m in self.members
-            if m.model_name == me.model_name and m.tokenizer is me.tokenizer and not m.slot.given_up
+            if m.model_name == me.model_name
+            and m.tokenizer is me.tokenizer
+            and not m.slot.given_up
+            and not m.leaving
         ]
         if len(peers) < 2:
             return worker_id

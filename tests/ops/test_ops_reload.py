@@ -35,19 +35,22 @@ def test_sighup_applies_runtime_knobs_and_names_the_rest():
             c.generate("before", max_tokens=2, temperature=0)
         d.wait_idle()
         assert len([e for e in d.log_events() if e.get("event") == "access"]) == 1
-        # queue_limit 1 and log level warning apply; a changed worker table needs a restart
-        text = 'log_level = "warning"\n' + original.replace("queue_limit = 64", "queue_limit = 1").replace(
-            "lanes = 2", "lanes = 3"
+        # queue_limit 1 and log level warning apply; a changed [limits] table needs a restart
+        text = (
+            'log_level = "warning"\n'
+            + original.replace("queue_limit = 64", "queue_limit = 1")
+            + ("[limits]\nmax_connections = 999\n")
         )
         d.config_path.write_text(text)
         d.proc.send_signal(signal.SIGHUP)
         report = _wait_event(d, "reloaded", 1)
         assert report["applied"] == ["log_level", "scheduler.queue_limit"]
-        assert report["not_reloaded"] == ["workers"] and "restart" in report["note"]
+        assert report["not_reloaded"] == ["limits.max_connections"] and "restart" in report["note"]
+        assert report["workers"] == []
         with d.client() as c:
             c.generate("after", max_tokens=2, temperature=0)  # access lines are info: now filtered
             workers = c.request(control.Workers()).workers
-        assert workers[0].lanes_max == 2  # the running worker keeps its lanes until a restart
+        assert workers[0].lanes_max == 2
         # queue_limit 1 is in force: two lanes busy, one request queued, the next one refused
         clients = [d.client() for _ in range(4)]
         try:
@@ -78,7 +81,7 @@ def test_config_changes_split_reloadable_and_restart_keys():
         {
             "log_level": "debug",
             "socket": "/tmp/other.sock",
-            "workers": [{"engine": "basert", "lanes": 4}],
+            "workers": [{"engine": "basert", "lanes": 4}, {"engine": "basert"}],
             "scheduler": {"decode_grant": 2},
             "cache": {"publish_on_retire": False},
             "operators": {"drain_timeout_s": 5, "metrics_listen": "127.0.0.1:9464"},
@@ -90,9 +93,11 @@ def test_config_changes_split_reloadable_and_restart_keys():
         "log_level",
         "operators.drain_timeout_s",
         "scheduler.decode_grant",
+        "workers.0",
+        "workers.1",
     ]
-    assert report.needs_restart == ["operators.metrics_listen", "socket", "workers"]
+    assert report.needs_restart == ["operators.metrics_listen", "socket"]
     running = effective_config(old, new)
     assert running.scheduler.decode_grant == 2 and running.operators.drain_timeout_s == 5
-    assert running.socket == "" and running.workers == old.workers and running.operators.metrics_listen == ""
+    assert running.socket == "" and running.workers == new.workers and running.operators.metrics_listen == ""
     assert config_changes(running, running) == config_changes(old, old)

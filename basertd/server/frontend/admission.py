@@ -366,9 +366,14 @@ class Frontend:
         self._admissible()  # the daemon may have begun draining while the prompt was tokenized
         if sink.closed:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")
+        tokenized_by = m.tokenizer
         salt = cache_salt(requester) if self.fleet.config.cache.isolate_by_api_key else 0
         wid = self.fleet.route_prefix(wid, prompt, salt)
         m = self.fleet[wid]
+        if m.tokenizer is not tokenized_by:  # a reload gave the worker another model meanwhile
+            raise AdmissionError(
+                ErrorCode.WORKER_FAILED, f"worker {wid} changed its model; retry the request"
+            )
         m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
         if spec is not None:
             kinds = m.scheduler.core.limits.grammar_kinds

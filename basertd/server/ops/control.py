@@ -40,6 +40,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
 from basertd.server.observe.overview import Header, ServedWorker, overview
 from basertd.server.observe.windows import HISTORY_S
+from basertd.server.ops import worker_changes
 from basertd.server.ops.control_errors import ControlError
 from basertd.server.ops.reload import config_changes
 from basertd.server.states import DaemonState
@@ -455,11 +456,9 @@ class ControlService:
         slot = self.d.fleet[wid].slot
         old = slot.proc
         log.warning("worker_restart_by_operator", worker_id=wid, pid=old.pid if old else 0)
-        if slot.given_up:
-            slot.poke()
-        elif old is not None:
-            slot.restart("operator request (basertctl restart-worker)")
         try:
+            # its running requests are handed over (moved to a peer or waiting), not failed
+            await asyncio.wait_for(worker_changes.restart(self.d.fleet, wid), RESTART_TIMEOUT_S)
             proc = await asyncio.wait_for(slot.ready(), RESTART_TIMEOUT_S)
         except TimeoutError:
             raise ControlError(

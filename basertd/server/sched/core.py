@@ -381,8 +381,8 @@ class SchedulerCore(SchedulerState):
             case Rejected(status=status, message=message, plan_seq=plan_seq):
                 assert plan is not None
                 res.restart = self._rejected(plan, status, message, plan_seq, now, out)
-            case Lost(error=error, stalled=stalled):
-                self._worker_lost(error, stalled, now, out, res)
+            case Lost(error=error, stalled=stalled, planned=planned):
+                self._worker_lost(error, stalled, now, out, res, planned)
         res.deliveries = out.take()
         return res
 
@@ -485,14 +485,18 @@ class SchedulerCore(SchedulerState):
             self.max_admits = verdict.max_admits
         return None
 
-    def _worker_lost(self, error: str, stalled: str | None, now: float, out: Outbox, res: Applied) -> None:
+    def _worker_lost(
+        self, error: str, stalled: str | None, now: float, out: Outbox, res: Applied, planned: bool = False
+    ) -> None:
         """The worker died or broke the link (``error``): a preemption of every live lane. Each
         request is to resume with its delivered tokens (``res.resume``, youngest first: the loop
         requeues each, here or on a peer); one that ran at ``max_crash_resumes`` crashes, counted
         across workers, without progress in between (``GenerationRequest.crash_streak``: a
         completed tick delivering tokens past its last crash) fails WORKER_FAILED, and so does
         every one when the progress watchdog restarted the worker (``stalled``: its running work
-        is what stalled). Grammar handles of the incarnation are forgotten."""
+        is what stalled). Grammar handles of the incarnation are forgotten. ``planned`` (a
+        hand-over between two ticks, the worker alive): every request resumes, no crash charged
+        (``handovers`` counts them)."""
         live = [lane for lane in self.lanes.values() if not lane.request.finished]
         self.lanes.clear()
         self.flight = None
@@ -500,6 +504,10 @@ class SchedulerCore(SchedulerState):
         live.sort(key=lambda lane: -lane.request.t_received)
         for lane in live:
             req = lane.request
+            if planned:
+                self.handovers += 1
+                res.resume.append(req)
+                continue
             req.crash_streak += 1
             req.crash_mark = len(req.generated)
             if stalled is not None:

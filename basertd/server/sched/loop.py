@@ -32,6 +32,13 @@ after ``max_crash_resumes`` crashes in a row (``core.apply`` with ``Lost``). The
 a live worker serving the same model when there is one (``peers``). A worker the progress
 watchdog restarts is not a crash: its running work is what stalled, and fails ``WORKER_FAILED``
 (``basertd.server.sched.watchdog``).
+
+A planned replacement (a reload changing the worker's ``[[workers]]`` table, ``basertctl worker
+restart``; DESIGN.md "Operators" and "Crash = preemption") goes the same way without the crash:
+``hand_over`` asks the tick in flight to yield, preempts every lane between two ticks
+(``Lost(planned=True)``: nothing charged to the requests), moves each to a peer or keeps it at
+the head of its class, and parks the loop until ``release`` (the next incarnation then serves
+what waits here).
 """
 
 from __future__ import annotations
@@ -144,6 +151,9 @@ class Scheduler:
         self._curve_at = 0.0
         self._watermark_tick = 0  # core.ticks_run when the pool was last held to the watermarks
         self._phase = Phase.NO_WORKER
+        self._handover: str | None = None  # why the loop is to park (``hand_over``)
+        self._parked = asyncio.Event()
+        self._released = asyncio.Event()
 
     # --- API side -------------------------------------------------------------------------------
 
@@ -196,6 +206,52 @@ class Scheduler:
         core.rates.tick_target_s = config.tick_target_s
         core.rates.max_prefill = config.prefill_budget
         core.rates.max_grant = config.decode_grant
+
+    async def hand_over(self, reason: str) -> None:
+        """Stop ticking this worker for a planned replacement (module docstring): the tick in
+        flight is asked to yield (DRAIN) and lands; every live lane is then preempted between two
+        ticks and its request moves to the least loaded live peer (``peers``) that can run it,
+        else waits at the head of its class here. Returns once the loop is parked (it ticks
+        nothing until ``release``), at once when no incarnation is being served. Queued requests
+        stay queued (``take_queued`` hands them to the caller)."""
+        self._handover = reason
+        self._parked = asyncio.Event()
+        self._released = asyncio.Event()
+        self._yield.request(YieldReason.DRAIN)
+        self._wake.set()
+        if self._port is not None:
+            await self._parked.wait()
+
+    def release(self) -> None:
+        """End the park of ``hand_over``: the loop waits for the slot's next incarnation (the
+        caller has made the slot drop the old one first, ``WorkerSlot.replace``)."""
+        self._handover = None
+        self._released.set()
+        self._wake.set()
+
+    def take_queued(self) -> list[GenerationRequest]:
+        """Every queued request, removed from this worker's queues (oldest first per class, class
+        order): for a hand-over to a peer when this worker leaves or changes its model."""
+        return self.core.queues.drain()
+
+    def hand_off_queued(self, why: str, peers: list[Scheduler] | None = None) -> tuple[int, int]:
+        """Move every queued request to the least loaded live peer that can run it (``peers``,
+        default ``self.peers()``; its delivered tokens kept: it resumes there exactly), failing
+        with WORKER_FAILED and ``why`` each one no peer can take: this worker leaves, or now
+        serves another model, so they cannot wait for it. Returns (moved, failed)."""
+        now = time.monotonic()
+        moved = failed = 0
+        for req in reversed(self.core.queues.drain()):  # adopt puts each at the head: keep order
+            if req.finished:
+                continue
+            peer = self.peer_for(req, peers)
+            if peer is not None:
+                peer.adopt(req)
+                moved += 1
+            else:
+                self._deliver(self.core.drop(req, ErrorCode.WORKER_FAILED, why, now))
+                failed += 1
+        return moved, failed
 
     def snapshot(self) -> WorkerSnapshot:
         """This worker now, as operators and metrics see it (``basertd.server.observe.snapshot``):
@@ -275,6 +331,8 @@ class Scheduler:
                 self._worker_lost(proc, LinkError(f"scheduler error: {exc!r}"))
                 self.slot.restart("scheduler error: engine state and ours may disagree")
             finally:
+                if self._handover is not None:  # left without parking (the worker died): nothing runs
+                    self._parked.set()
                 self._port = None
                 self._yield.proc = None
                 core.cache_policy.detach()
@@ -298,6 +356,9 @@ class Scheduler:
         dead = asyncio.ensure_future(proc.link.wait_dead())
         try:
             while True:
+                if self._handover is not None:
+                    await self._park(proc)
+                    return
                 if dead.done():
                     raise dead.result()
                 self._wake.clear()
@@ -566,18 +627,26 @@ class Scheduler:
 
     # --- a lost worker ----------------------------------------------------------------------------
 
-    def _worker_lost(self, proc: WorkerProcess, exc: LinkError) -> None:
-        """The worker died or broke the link (``Lost``, ``SchedulerCore.apply``): each request to
-        resume goes to the least loaded live peer that can run it, else back to the head of its
-        class here (the oldest at the head)."""
+    async def _park(self, proc: WorkerProcess) -> None:
+        """``hand_over`` between two ticks: preempt every lane (planned), then wait for
+        ``release``."""
+        self._worker_lost(proc, LinkError(f"handed over: {self._handover}"), planned=True)
+        self._phase = Phase.NO_WORKER
+        self._parked.set()
+        await self.heartbeat.wait(self._released.wait())
+
+    def _worker_lost(self, proc: WorkerProcess, exc: LinkError, planned: bool = False) -> None:
+        """The worker died or broke the link (``Lost``, ``SchedulerCore.apply``), or is handed
+        over (``planned``: no crash charged): each request to resume goes to the least loaded live
+        peer that can run it, else back to the head of its class here (the oldest at the head)."""
         self._yield.landed()
         stalled, self._stalled = self._stalled, None
         core = self.core
-        lost = core.apply(core.flight, Lost(str(exc), stalled), time.monotonic())
+        lost = core.apply(core.flight, Lost(str(exc), stalled, planned), time.monotonic())
         self._deliver(lost.deliveries)
         moved: list[int] = []
         for req in lost.resume:
-            peer = self._peer_for(req)
+            peer = self.peer_for(req)
             if peer is None:
                 core.requeue(req)
             else:
@@ -594,13 +663,15 @@ class Scheduler:
             resumed_keys=[r.key for r in lost.resume][::-1],
             failed_keys=lost.failed,
             moved_to_peers=moved[::-1],
+            planned=planned,
             error=str(exc),
         )
 
-    def _peer_for(self, req: GenerationRequest) -> Scheduler | None:
-        """The least loaded live peer (``peers``) that can run ``req`` now, or None."""
+    def peer_for(self, req: GenerationRequest, peers: list[Scheduler] | None = None) -> Scheduler | None:
+        """The least loaded live peer (among ``peers``, default ``self.peers()``) that can run
+        ``req`` now, or None."""
         fits = []
-        for peer in self.peers():
+        for peer in self.peers() if peers is None else peers:
             proc = peer.slot.proc
             if proc is None or not proc.link.alive or peer.slot.state != SlotState.READY:
                 continue

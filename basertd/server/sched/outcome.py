@@ -47,10 +47,13 @@ class Rejected:
 @dataclass(frozen=True, slots=True)
 class Lost:
     """The worker died or broke the link (``error``); ``stalled``: why the progress watchdog
-    restarted it (its running work then fails instead of resuming), else None."""
+    restarted it (its running work then fails instead of resuming), else None. ``planned``: not a
+    death but a hand-over (a reload replacing or removing the worker, ``basertctl worker
+    restart``): every live lane resumes and no crash is charged to its request."""
 
     error: str
     stalled: str | None = None
+    planned: bool = False
 
 
 Outcome = Accepted | Rejected | Lost

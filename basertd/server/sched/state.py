@@ -33,7 +33,8 @@ class SchedulerState:
     (a ``WorkerHandles`` by request, ``basertd.server.sched.handles``: the core drops the handle of
     a lane that ends, the loop creates them and sends the frees), and the
     counters ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens_total``,
-    ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``.
+    ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``, ``handovers``
+    (lanes handed over by a planned replacement, not charged as crashes).
     ``last_mem``: the engine's memory counters of the last accepted tick of this incarnation
     (None before its first; the snapshot's ``mem`` and the ``engine_pool_*`` gauges). ``to_release``: seed
     lease handles the loop releases between ticks (ABI rule 81). ``can_yield`` / ``step_tokens``:
@@ -67,6 +68,7 @@ class SchedulerState:
         self.preemptions = 0
         self.checkpoints = 0
         self.crash_resumes = 0
+        self.handovers = 0  # lanes moved off a live worker that a reload or an operator replaced
         self.last_mem: link.MemCounters | None = None
         self.to_release: list[int] = []
         self.can_yield = False

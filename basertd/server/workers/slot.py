@@ -22,6 +22,11 @@ One ``WorkerSlot`` per configured worker runs one supervisor task on the daemon'
   ``worker_proc.PERMANENT_EXIT_CODES``) gives up at once: respawning the same spec cannot fix a
   configuration or model error. ``last_error`` is then the worker's own one-line reason.
 
+``replace(spec)`` is a planned replacement (a reload's new ``[[workers]]`` table, ``basertctl
+worker restart``): the current incarnation is dropped at once (``proc`` None, so nothing serves it
+again), closed in order (SIGTERM: it finishes its tick and exits 0) and the next one starts from
+``spec`` without a backoff and without counting a failure.
+
 ``stop()`` ends the task and closes the worker; no child survives it (the child also has
 ``PR_SET_PDEATHSIG`` should the coordinator itself be killed).
 """
@@ -81,6 +86,7 @@ class WorkerSlot:
         self._changed = asyncio.Event()
         self._poked = asyncio.Event()
         self._stopping = False
+        self._next_spec: WorkerSpec | None = None
         self._task: asyncio.Task | None = None
 
     # --- state the scheduler waits on -----------------------------------------------------------
@@ -99,6 +105,12 @@ class WorkerSlot:
             if proc is not None and proc.link.alive:
                 return proc
             await self._changed.wait()
+
+    async def settled(self) -> SlotState:
+        """Wait until the slot serves (READY) or has given up (GIVEN_UP); returns which."""
+        while self.state not in (SlotState.READY, SlotState.GIVEN_UP):
+            await self._changed.wait()
+        return self.state
 
     @property
     def given_up(self) -> bool:
@@ -132,6 +144,23 @@ class WorkerSlot:
         proc = self.proc
         if proc is not None:
             log.warning("worker_restart_requested", worker_id=self.worker_id, pid=proc.pid, reason=reason)
+            proc.link.close()
+
+    def replace(self, spec: WorkerSpec, reason: str) -> None:
+        """Replace the current incarnation with one started from ``spec`` (module docstring);
+        the caller has handed its lanes over first (``Scheduler.hand_over``). A slot that gave up
+        starts again from ``spec``; one still starting takes ``spec`` for its next start."""
+        self._next_spec = spec
+        proc = self.proc
+        log.info("worker_replacing", worker_id=self.worker_id, pid=proc.pid if proc else 0, reason=reason)
+        if self.state is SlotState.GIVEN_UP:
+            self.spec, self._next_spec = spec, None
+            self.consecutive_failures = 0
+            self.permanent_at = None
+            self._poked.set()
+            return
+        if proc is not None:
+            self._set_state(SlotState.RESTARTING)
             proc.link.close()
 
     # --- the supervisor task --------------------------------------------------------------------
@@ -181,6 +210,8 @@ class WorkerSlot:
                 log.info("worker_retry_on_request", worker_id=self.worker_id)
             self._set_state(SlotState.STARTING if self.incarnations == 0 else SlotState.RESTARTING)
             started = time.monotonic()
+            if self._next_spec is not None:
+                self.spec, self._next_spec = self._next_spec, None
             try:
                 proc = await WorkerProcess.start(self.spec)
             except Exception as exc:  # any start failure is retried, never a dead supervisor task
@@ -228,6 +259,13 @@ class WorkerSlot:
             if self._stopping:
                 break
             self._set_state(SlotState.RESTARTING)
+            if self._next_spec is not None:  # a planned replacement: no failure, no backoff
+                code = await proc.close(self.close_grace_s, reason="replaced")
+                self.spec, self._next_spec = self._next_spec, None
+                self.consecutive_failures = 0
+                backoff = self.backoff_initial_s
+                log.info("worker_replaced", worker_id=self.worker_id, pid=proc.pid, exit_status=code)
+                continue
             in_tick = proc.link.died_in_tick
             code = await proc.close(min(self.close_grace_s, 1.0), reason="link lost")
             if self._progress:
