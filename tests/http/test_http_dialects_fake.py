@@ -31,6 +31,7 @@ from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
 from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.request import grammar
 from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -1191,3 +1192,31 @@ def test_ollama_tool_turns_may_carry_the_call_id_as_litellm_sends_them():
     assert status == 200 and out["message"]["content"] == "It is sunny."
     prompt = text_of(fake.gens[0][0].prompt_tokens)
     assert "Result of get_weather (call call_7):\nsunny, 21 C" in prompt  # the name found by the id
+
+
+OPEN = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+"""A schema as pydantic writes it: no ``additionalProperties``."""
+
+
+def test_strict_true_closes_the_schemas_objects_and_strict_false_keeps_them_open():
+    def schema_of(body):
+        fake = FakeFrontend(reply=CALL_TEXT)
+        assert post(fake, "/v1/chat/completions", body)[0] == 200
+        return fake.gens[0][0].response_format["json_schema"]["schema"]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for strict, closed in ((True, True), (False, False), (None, False)):  # what admission compiles
+        js = {"name": "city", "schema": OPEN, **({} if strict is None else {"strict": strict})}
+        got = json.loads(grammar.spec_from_request({"type": "json_schema", "json_schema": js}).text)
+        assert (got.get("additionalProperties") is False) is closed, (strict, got)
+    fn = {"name": "get_weather", "parameters": OPEN, "strict": True}
+    tool = schema_of(
+        {"messages": msgs, "tools": [{"type": "function", "function": fn}], "tool_choice": "required"}
+    )
+    assert tool["properties"]["arguments"]["additionalProperties"] is False
+    status, out = post(
+        FakeFrontend(),
+        "/v1/chat/completions",
+        {"messages": msgs, "tools": [{"type": "function", "function": {**fn, "strict": "yes"}}]},
+    )
+    assert status == 400 and "strict must be a boolean" in out["error"]["message"]

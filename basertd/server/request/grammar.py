@@ -34,6 +34,7 @@ from basertd.json_bounds import bound_numbers
 from basertd.schema import link
 from basertd.schema.client import ErrorCode
 from basertd.server.request.schema_depth import MAX_REF_DEPTH, ref_depth
+from basertd.server.request.strict_schema import close_objects
 
 KINDS = ("json_schema", "lark", "regex")
 """Spec kinds a GRAMMAR_CREATE carries."""
@@ -114,8 +115,9 @@ def spec_from_request(
     """The one grammar a request's ``response_format`` / ``grammar`` / ``regex`` ask for, or None.
 
     ``response_format`` ``{"type": "text"}`` (or None) asks for nothing; ``json_object`` is any
-    JSON object; ``json_schema`` needs ``json_schema.schema`` (an object; ``name`` and ``strict``
-    are accepted, and every output meets the schema whatever ``strict`` says). Raises
+    JSON object; ``json_schema`` needs ``json_schema.schema`` (an object; ``name`` is accepted;
+    ``strict: true`` reads it as OpenAI does, every object closed unless it says otherwise:
+    ``strict_schema.close_objects``; every output meets the schema either way). Raises
     GrammarRequestError for more than one of the three, an unknown or malformed
     ``response_format``, a non-string ``grammar`` / ``regex``, or a schema too deep
     (``validate_spec``); whether the spec compiles is ``SpecCompiler``'s to say."""
@@ -152,6 +154,8 @@ def spec_from_request(
         schema = js.get("schema", _ANY_OBJECT)
         if not isinstance(schema, (dict, bool)):
             raise GrammarRequestError("response_format.json_schema.schema must be an object")
+        if js.get("strict") is True:  # OpenAI's strict reading: objects closed unless they say so
+            schema = close_objects(schema)
         return schema_spec(schema)
     raise GrammarRequestError(f"unknown response_format type {kind!r} (text, json_object, json_schema)")
 
@@ -190,7 +194,8 @@ def check_tool_caps(tools: Any, max_tools: int = MAX_TOOLS, max_bytes: int = MAX
 
 def parse_tools(tools: Any) -> list[Tool]:
     """The function tools of an OpenAI ``tools`` array (``[{"type": "function", "function":
-    {"name", "description"?, "parameters"?}}]``). Raises GrammarRequestError for anything else:
+    {"name", "description"?, "parameters"?, "strict"?}}]``; ``strict: true`` closes the
+    parameters' objects, ``strict_schema``). Raises GrammarRequestError for anything else:
     not a list, a non-function tool, a bad or duplicate name, parameters that are not an object
     schema or too deep (``validate_spec``); they are compiled with the tool grammar."""
     if not isinstance(tools, list) or not tools:
@@ -213,6 +218,11 @@ def parse_tools(tools: Any) -> list[Tool]:
         params = fn.get("parameters", _ANY_OBJECT)
         if not isinstance(params, dict):
             raise GrammarRequestError(f"tools[{i}].function.parameters must be a JSON schema object")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise GrammarRequestError(f"tools[{i}].function.strict must be a boolean")
+        if strict:  # the strict reading, as for response_format
+            params = close_objects(params)
         try:
             _check_depth(params)
         except GrammarRequestError as exc:
