@@ -65,9 +65,9 @@ def test_openai_embeddings_match_llama_cpps_own_loop(daemon, client, tiny_gguf):
     )  # batch rows: ~1e-6 apart
     counts = [
         len(
-            httpx.post(
-                daemon.http_url + "/tokenize", json={"content": t, "model": daemon.llama_model}
-            ).json()["tokens"]
+            httpx.post(daemon.http_url + "/tokenize", json={"prompt": t, "model": daemon.llama_model}).json()[
+                "tokens"
+            ]
         )
         for t in TEXTS
     ]
@@ -79,7 +79,7 @@ def test_openai_embeddings_match_llama_cpps_own_loop(daemon, client, tiny_gguf):
     # alone vs among 4: another batch shape, another matmul order (~1e-4 apart on the tiny model)
     assert np.allclose(floats["data"][0]["embedding"], got[1], atol=1e-3)
     ids = httpx.post(
-        daemon.http_url + "/tokenize", json={"content": TEXTS[1], "model": daemon.llama_model}
+        daemon.http_url + "/tokenize", json={"prompt": TEXTS[1], "model": daemon.llama_model}
     ).json()["tokens"]
     by_ids = client.embeddings.create(model=daemon.llama_model, input=[ids])
     assert np.allclose(by_ids.data[0].embedding, floats["data"][0]["embedding"], atol=1e-6)

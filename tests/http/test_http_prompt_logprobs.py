@@ -51,7 +51,9 @@ def plain(tiny_gguf):
 
 
 def tokens_of(daemon, text: str) -> list[int]:
-    return httpx.post(daemon.http_url + "/tokenize", json={"content": text}).json()["tokens"]
+    return httpx.post(daemon.http_url + "/tokenize", json={"prompt": text}).json()[
+        "tokens"
+    ]  # BOS, as prompts
 
 
 def test_prompt_logprobs_match_a_plain_llama_cpp_loop(daemon, client, plain):

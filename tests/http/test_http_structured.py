@@ -239,6 +239,10 @@ def test_auto_gives_text_or_a_call(daemon, oai, stream):
         daemon.http_url + "/tokenize", json={"content": "[", "add_special": False, "model": "tiny-llama"}
     )
     tid = bracket.json()["tokens"][-1]  # SPM may put a word-start piece first
+    # llama-server's field adds no BOS unless asked; vLLM's (prompt) adds it unless told not to
+    no_bos = httpx.post(daemon.http_url + "/tokenize", json={"content": "[", "model": "tiny-llama"}).json()
+    bos = httpx.post(daemon.http_url + "/tokenize", json={"prompt": "[", "model": "tiny-llama"}).json()
+    assert no_bos["tokens"] == bracket.json()["tokens"] and bos["tokens"][1:] == no_bos["tokens"]
     piece = httpx.post(daemon.http_url + "/detokenize", json={"tokens": [tid], "model": "tiny-llama"})
     assert piece.json()["content"].strip() == "["
     for seed in range(2):

@@ -88,7 +88,11 @@ class OpenAiApi:
             text = req.content if req.content is not None else req.prompt
             if text is None:
                 raise bad_request("give content (or prompt, or messages)", "content")
-            tokens = await self.frontend.tokenize(req.model, text, add_special=True if add is None else add)
+            if (
+                add is None
+            ):  # each server's own default: llama-server's content adds no BOS, vLLM's prompt does
+                add = req.content is None
+            tokens = await self.frontend.tokenize(req.model, text, add_special=add)
         ctx = self.frontend.context_length(self.frontend.route(req.model))
         return body.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": ctx})
 
