@@ -49,10 +49,12 @@ def free_port() -> int:
 
 
 def box_config(port: int, kv_port: int) -> str:
-    """A box: HTTP on ``port``, KV events bound on ``kv_port`` in vLLM 0.28's layout."""
+    """A box: HTTP on ``port``, KV events bound on ``kv_port`` in vLLM 0.28's layout, with the
+    token ids (vllm-router's ``kv_aware`` hashes them; they are off by default)."""
     return ref_toml(lanes=4, context=1024, grant=4, ref=REF, worker='chat_template = "chatml"') + (
         f'[http]\nlisten = ["127.0.0.1:{port}"]\n'
         f'[kv_events]\nendpoint = "tcp://127.0.0.1:{kv_port}"\nbind = "bind"\nlayout = "map"\n'
+        "include_token_ids = true\n"
     )
 
 

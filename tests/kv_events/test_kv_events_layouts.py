@@ -29,7 +29,9 @@ def free_port() -> int:
 @pytest.mark.parametrize("layout", ["array", "map"])
 def test_each_layout_on_a_bound_loopback_address(layout):
     port = free_port()
-    cfg = KvEventsConfig(endpoint=f"tcp://127.0.0.1:{port}", bind="bind", layout=layout)
+    cfg = KvEventsConfig(
+        endpoint=f"tcp://127.0.0.1:{port}", bind="bind", layout=layout, include_token_ids=True
+    )
     hub = start_kv_events(cfg, ["cpu"])
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
