@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from basertd.schema import control
-from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.observe.snapshot import LaneSnapshot, WorkerSnapshot
 from basertd.server.observe.windows import HISTORY_S, RATE_S, WINDOW_S, Quantiles, Windows
 
 
@@ -40,6 +40,22 @@ class Header:
     requests_total: int
     in_flight: int
     problems: list[str]
+
+
+def lane_row(snap: WorkerSnapshot, lane: LaneSnapshot) -> control.LaneRow:
+    """One live lane of ``snap`` as the control API shows it (``basertctl lanes``, ``top``);
+    its age in seconds at the snapshot."""
+    return control.LaneRow(
+        worker_id=snap.worker_id,
+        lane_tag=lane.tag,
+        request_id=lane.request_id,
+        qos=lane.qos,
+        state=lane.phase,
+        prompt_tokens=lane.prompt_tokens,
+        generated_tokens=lane.generated_tokens,
+        cached_tokens=lane.cached_tokens,
+        age_s=max(0.0, snap.taken_at - lane.admitted_at),
+    )
 
 
 def _quantiles(q: Quantiles) -> control.Quantiles:
@@ -110,21 +126,7 @@ def overview(
         in_flight=header.in_flight,
         problems=list(header.problems),
         workers=[_worker(w) for w in workers],
-        lanes=[
-            control.LaneRow(
-                worker_id=s.worker_id,
-                lane_tag=lane.tag,
-                request_id=lane.request_id,
-                qos=lane.qos,
-                state=lane.phase,
-                prompt_tokens=lane.prompt_tokens,
-                generated_tokens=lane.generated_tokens,
-                cached_tokens=lane.cached_tokens,
-                age_s=max(0.0, s.taken_at - lane.admitted_at),
-            )
-            for s in snaps
-            for lane in s.lanes
-        ],
+        lanes=[lane_row(s, lane) for s in snaps for lane in s.lanes],
         queue=[control.QueueRow(qos=q, depth=d, oldest_wait_s=oldest[q]) for q, d in depth.items()],
         rate_window_s=float(RATE_S),
         tokens_in_per_s=windows.rate(windows.tokens_in, now),

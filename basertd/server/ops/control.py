@@ -38,7 +38,7 @@ from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
-from basertd.server.observe.overview import Header, ServedWorker, overview
+from basertd.server.observe.overview import Header, ServedWorker, lane_row, overview
 from basertd.server.observe.windows import HISTORY_S
 from basertd.server.ops import worker_changes
 from basertd.server.ops.control_errors import ControlError
@@ -318,17 +318,7 @@ class ControlService:
     async def _lanes(self, msg: control.Lanes) -> control.LanesResult:
         wanted = set(_worker_ids(self.d.fleet, msg.worker_id))
         rows = [
-            control.LaneRow(
-                worker_id=snap.worker_id,
-                lane_tag=lane.tag,
-                request_id=lane.request_id,
-                qos=lane.qos,
-                state=lane.phase,
-                prompt_tokens=lane.prompt_tokens,
-                generated_tokens=lane.generated_tokens,
-                cached_tokens=lane.cached_tokens,
-                age_s=snap.taken_at - lane.admitted_at,
-            )
+            lane_row(snap, lane)
             for snap in self.d.fleet.snapshots()
             if snap.worker_id in wanted
             for lane in snap.lanes
