@@ -82,6 +82,7 @@ from basertd.server.request.record import GenerationRequest
 from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.sched.loop import Scheduler
 from basertd.server.states import DaemonState, HealthStatus, SlotState
+from basertd.server.tasks import cancel_and_wait
 from basertd.server.transport.http.app import HttpServer
 from basertd.server.transport.native_api import NativeService
 from basertd.server.transport.peercred import OperatorPolicy
@@ -445,10 +446,8 @@ class Daemon:
             self.api.stop_listening()
         if self.http is not None:
             self.http.stop_listening()
-        for task in list(self._reloads):  # a reload mid-way: what it handed over fails with the rest
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # a reload mid-way: what it handed over fails with the rest
+        await cancel_and_wait(list(self._reloads))
         if self.fleet is not None:
             for sched in self.fleet.schedulers:
                 await sched.stop()
@@ -458,11 +457,7 @@ class Daemon:
             await self.durability.close()
         if self.http is not None:
             await self.http.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self.fleet is not None:
             await self.fleet.stop()

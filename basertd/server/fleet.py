@@ -13,7 +13,6 @@ BOS, which models are served, how loaded the workers are, and each worker's engi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from basertd.server.request.record import AdmissionError
 from basertd.server.request.tokenizer import Tokenizer, TokenizerError, make_tokenizer
 from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
+from basertd.server.tasks import cancel_and_wait
 from basertd.server.workers.link_errors import LinkError, LinkTimeout, WorkerError
 from basertd.server.workers.process import WorkerSpec
 from basertd.server.workers.slot import WorkerSlot
@@ -223,11 +223,7 @@ class Fleet:
         raises; idempotent."""
         for m in self.members:
             await m.scheduler.stop()
-        for task in self._tasks.values():
-            task.cancel()
-        for task in self._tasks.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks.values())
         self._tasks.clear()
         await asyncio.gather(*(m.slot.stop() for m in self.members), return_exceptions=True)
         for tok in {id(m.tokenizer): m.tokenizer for m in self.members}.values():
@@ -262,9 +258,7 @@ class Fleet:
         await m.scheduler.stop(f"worker {m.worker_id} was removed by a reload")
         task = self._tasks.pop(m.worker_id, None)
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait([task])
         await m.slot.stop()
         self.members.pop()
         self._bos.pop(m.worker_id, None)

@@ -58,6 +58,7 @@ from basertd.server.durability.wal import Journal, JournalFailed, RequestRecord,
 from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink
 from basertd.server.request.requester import UNBOUND, may_follow
+from basertd.server.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from basertd.server.observe.metrics import Metrics
@@ -290,9 +291,7 @@ class Durability:
         with contextlib.suppress(Exception):
             await self.flush()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
         try:
             self.journal.close()

@@ -39,6 +39,8 @@ from typing import Any
 import msgspec
 import structlog
 
+from basertd.server.tasks import cancel_and_wait
+
 log = structlog.get_logger("basertd.sandbox")
 
 _LEN = struct.Struct("<I")
@@ -284,10 +286,7 @@ class SandboxPool:
     async def close(self) -> None:
         """Kill and reap every child; later ``run`` calls are ``SandboxBusy``."""
         self._closed = True
-        for task in list(self._warming):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(list(self._warming))
         for child in list(self._children):
             await self._drop(child)
         if self._reaping:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import structlog
 
 from basertd.server.states import SlotState
+from basertd.server.tasks import cancel_and_wait
 from basertd.server.workers.link_errors import LinkError
 from basertd.server.workers.process import WorkerProcess, WorkerSpec, WorkerStartError
 
@@ -295,9 +296,7 @@ class WorkerSlot:
         task, self._task = self._task, None
         proc = self.proc
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait([task])
         if proc is not None:
             await proc.close(self.close_grace_s, reason="daemon stopping")
         self._set_state(SlotState.STOPPED)
