@@ -228,3 +228,23 @@ def assert_same_up_to_near_ties(got: list[int], ref: tuple[list[int], list[float
             )
             return
     assert len(got) <= len(tokens)
+
+
+def end_cancelled(stream, it, max_tokens: int) -> None:
+    """Cancel ``stream`` (a sync ``GenerationStream`` being read through ``it``) and read it to its
+    end: it must end CANCELLED, or — when the cancel came after its last token — done on its own
+    (``finish_reason`` eos, or length with all ``max_tokens`` tokens). Anything else fails the
+    test."""
+    from basertd.client import ClientError
+    from basertd.schema.client import ErrorCode
+
+    stream.cancel()
+    try:
+        for _ in it:
+            pass
+    except ClientError as exc:
+        assert exc.code == ErrorCode.CANCELLED, exc
+        return
+    assert stream.done is not None and stream.done.finish_reason in ("length", "eos"), stream.done
+    if stream.done.finish_reason == "length":
+        assert stream.received == max_tokens, (stream.received, max_tokens)

@@ -13,9 +13,9 @@ import sys
 import pytest
 from daemon_harness import Daemon
 from ops_harness import ref_worker
+from serving_harness import end_cancelled
 
 from basertd import ctl
-from basertd.client import ClientError, ErrorCode
 
 CONFIG = ref_worker(lanes=2, delay_us=20000) * 2 + "[scheduler]\ndecode_grant = 1\n"
 
@@ -61,12 +61,7 @@ def test_every_view_prints_a_table_and_json_that_parses(daemon):
             r = d.ctl(*args)
             assert r.returncode == 0 and r.stdout[:1] not in "[{", (args, r.stdout)
             assert marker in r.stdout, (args, r.stdout)
-        stream.cancel()  # cleanup: the stream may end before the cancel lands, or end CANCELLED
-        try:
-            for _ in stream:
-                pass
-        except ClientError as exc:
-            assert exc.code == ErrorCode.CANCELLED
+        end_cancelled(stream, iter(stream), 230)
 
 
 def test_generate_json_prints_one_document_with_the_whole_completion(daemon):

@@ -21,6 +21,7 @@ import pytest
 from daemon_harness import Daemon
 from ops_harness import ref_worker
 from proc_testutil import wait_until
+from serving_harness import end_cancelled
 
 from basertd.client import ClientError, ErrorCode
 from basertd.schema import control
@@ -108,12 +109,7 @@ def test_top_shows_the_lanes_of_a_running_request_and_q_quits(daemon):
             assert termios.tcgetattr(top.slave) == top.mode_before
         finally:
             top.close()
-        stream.cancel()
-        try:
-            for _ in it:
-                pass
-        except ClientError as exc:
-            assert exc.code == ErrorCode.CANCELLED
+        end_cancelled(stream, it, 900)
 
 
 def test_top_once_prints_one_frame_and_json_one_document(daemon):
@@ -144,12 +140,7 @@ def test_top_once_prints_one_frame_and_json_one_document(daemon):
                 with pytest.raises(ClientError) as err:
                     c2.request(control.Overview(history_s=bad))
                 assert err.value.code == ErrorCode.INVALID_REQUEST and "history_s" in err.value.message
-        stream.cancel()
-        try:
-            for _ in it:
-                pass
-        except ClientError as exc:
-            assert exc.code == ErrorCode.CANCELLED
+        end_cancelled(stream, it, 900)
 
 
 def test_top_against_no_daemon_is_one_line_and_exit_3(tmp_path):
