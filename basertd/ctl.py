@@ -302,7 +302,21 @@ def _queue_table(rows: list[dict]) -> None:
 
 def _cache_table(rows: list[dict]) -> None:
     _table(
-        ["worker", "entries", "bytes", "pinned", "hits", "misses", "cached tokens", "evictions"],
+        [
+            "worker",
+            "entries",
+            "bytes",
+            "pinned",
+            "hits",
+            "misses",
+            "cached tokens",
+            "evictions",
+            "host",
+            "host bytes",
+            "restores",
+            "restore s",
+            "refused",
+        ],
         [
             [
                 c["worker_id"],
@@ -313,6 +327,11 @@ def _cache_table(rows: list[dict]) -> None:
                 c["misses"],
                 c["cached_tokens"],
                 c["evictions"],
+                c.get("host_entries", 0),
+                f"{_bytes(c.get('host_bytes', 0))} / {_bytes(c.get('host_capacity_bytes', 0))}",
+                c.get("host_restores", 0),
+                f"{c.get('host_restore_s', 0.0):.3f}",
+                c.get("host_refused", 0),
             ]
             for c in rows
         ],
@@ -428,7 +447,8 @@ def cache() -> None:
 @json_flag
 @click.pass_context
 def cache_stats(ctx: click.Context, as_json: bool) -> None:
-    """Entries, bytes, pins, hits / misses, cached tokens and evictions per worker."""
+    """Entries, bytes, pins, hits / misses, cached tokens and evictions per worker, and the host
+    tier of evicted prefixes: entries, bytes / capacity, restores, restore seconds, refused."""
     (result,) = _call(ctx, control.CacheStats())
     _output(ctx, as_json, _rows(result, "workers"), _cache_table)
 

@@ -242,7 +242,10 @@ class QueueResult(_Msg, tag="queue_result"):
 
 class CacheStatsRow(_Rec):
     """Prefix-cache counters of one worker: entries and bytes (pinned among them), lookups that
-    hit / missed, prompt tokens served from cache, evictions and evicted bytes."""
+    hit / missed, prompt tokens served from cache, evictions and evicted bytes; the host tier of
+    evicted prefixes (llama.cpp workers): entries and bytes held, its capacity, restores into the
+    pool and their total wall time (seconds), snapshots refused at restore (corrupt, another model
+    or layout, another length). Host counters count since the worker incarnation started."""
 
     worker_id: int
     entries: int = 0
@@ -254,6 +257,12 @@ class CacheStatsRow(_Rec):
     cached_tokens: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    host_entries: int = 0
+    host_bytes: int = 0
+    host_capacity_bytes: int = 0
+    host_restores: int = 0
+    host_restore_s: float = 0.0
+    host_refused: int = 0
 
 
 class CacheStatsResult(_Msg, tag="cache_stats_result"):

@@ -130,6 +130,16 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _u32(text: str) -> int:
     try:
         value = int(text, 10)
@@ -196,6 +206,13 @@ def build_parser() -> _Parser:
     p.add_argument("--lanes", type=_positive, default=None, help="concurrent lanes")
     p.add_argument("--context-length", type=_positive, default=None, help="tokens per lane")
     p.add_argument("--threads", type=_positive, default=None, help="engine CPU threads")
+    p.add_argument(
+        "--host-bytes",
+        type=_non_negative,
+        default=None,
+        metavar="BYTES",
+        help="llamacpp: host memory for prefixes evicted from the KV pool (default 0: off)",
+    )
     p.add_argument(
         "--emit-window-ms",
         type=_non_negative_float,
@@ -326,6 +343,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             lanes=args.lanes,
             context_length=args.context_length,
             threads=args.threads,
+            host_bytes=args.host_bytes,
         )
         log.info("engine_loading", engine=args.engine, device=args.device, rings=len(rings))
         try:

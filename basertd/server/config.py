@@ -229,7 +229,15 @@ class CacheConfig(_Section):
     worker holding its longest prefix. ``isolate_by_api_key``: each API key's requests hash their
     pages with a salt of their own (``requester.cache_salt``), so they are seeded only from
     prefixes that key's requests published, never another tenant's, and ``cached_tokens`` tells
-    nothing about other tenants' prompts (README "Tenants and the prefix cache")."""
+    nothing about other tenants' prompts (README "Tenants and the prefix cache").
+
+    ``host_bytes``: bytes of host memory each llama.cpp worker may keep prefixes in once they are
+    evicted from its KV pool, restored instead of prefilled when a prompt needs them again (0:
+    off; read when a worker starts, so a change needs a restart). The default, 1 GiB per worker,
+    holds about 58,000 tokens of the default model's KV (18 KiB a token), three times its pool of
+    8 lanes x 2,048 tokens: what a box serving the default model can spare (llama-server's host
+    prompt cache defaults to 8 GiB for a whole server) and small beside the RAM of any box that
+    serves a model on the CPU; docs/operations.md "Host tier" says how to size it."""
 
     publish_on_retire: bool = True
     evict_in_tick: bool = True
@@ -241,6 +249,7 @@ class CacheConfig(_Section):
     index_entries: _Pos = 1024
     isolate_by_api_key: bool = False
     route_slack: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    host_bytes: _NonNeg = 1 << 30
 
     def __post_init__(self) -> None:
         if self.high_watermark and self.low_watermark > self.high_watermark:

@@ -155,7 +155,11 @@ class Fleet:
         ``TokenizerError`` (a basert bundle whose tokenizer does not load gets an
         ``UnavailableTokenizer``)."""
         spec, tok_key, name = worker_spec(
-            worker_id, wcfg, runtime_dir=self.workers_dir, log_level=self.config.log_level
+            worker_id,
+            wcfg,
+            runtime_dir=self.workers_dir,
+            log_level=self.config.log_level,
+            host_bytes=self.config.cache.host_bytes,
         )
         tok = next((m.tokenizer for m in self.members if m.tok_key == tok_key), None)
         if tok is None:
@@ -396,15 +400,19 @@ class Fleet:
 
     async def worker_stats(self, worker_id: int) -> dict[str, int] | None:
         """The engine's counters of worker ``worker_id`` from a PONG (None when it is not running
-        or does not answer within ``PONG_TIMEOUT_S``)."""
-        proc = self.members[worker_id].slot.proc
+        or does not answer within ``PONG_TIMEOUT_S``); its host-tier counts also refresh the
+        member's cache policy (``WorkerCache.engine_reported``), which the metrics read."""
+        m = self.members[worker_id]
+        proc = m.slot.proc
         if proc is None or not proc.link.alive:
             return None
         try:
             pong = await proc.link.ping(timeout=PONG_TIMEOUT_S)
         except LinkError:
             return None
-        return dict(pong.stats or {})
+        stats = dict(pong.stats or {})
+        m.cache.engine_reported(stats)
+        return stats
 
     async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray:
         """The pooled embeddings of ``inputs`` (token-id lists) from worker ``worker_id`` (Link W

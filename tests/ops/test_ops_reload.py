@@ -83,7 +83,7 @@ def test_config_changes_split_reloadable_and_restart_keys():
             "socket": "/tmp/other.sock",
             "workers": [{"engine": "basert", "lanes": 4}, {"engine": "basert"}],
             "scheduler": {"decode_grant": 2},
-            "cache": {"publish_on_retire": False},
+            "cache": {"publish_on_retire": False, "host_bytes": 0},
             "operators": {"drain_timeout_s": 5, "metrics_listen": "127.0.0.1:9464"},
         }
     )
@@ -96,8 +96,10 @@ def test_config_changes_split_reloadable_and_restart_keys():
         "workers.0",
         "workers.1",
     ]
-    assert report.needs_restart == ["operators.metrics_listen", "socket"]
+    # a worker reads [cache] host_bytes on its command line: a restart applies it
+    assert report.needs_restart == ["cache.host_bytes", "operators.metrics_listen", "socket"]
     running = effective_config(old, new)
+    assert running.cache.host_bytes == old.cache.host_bytes == 1 << 30
     assert running.scheduler.decode_grant == 2 and running.operators.drain_timeout_s == 5
     assert running.socket == "" and running.workers == new.workers and running.operators.metrics_listen == ""
     assert config_changes(running, running) == config_changes(old, old)

@@ -51,6 +51,7 @@ def test_error_line_is_one_bounded_line(tmp_path):
     ("fields", "code", "needle"),
     [
         (dict(extra_args=("--threads", "0")), 2, "argument --threads"),
+        (dict(host_bytes=-1), 2, "argument --host-bytes"),
         (dict(model="/nonexistent/bundle.ref"), 3, "/nonexistent/bundle.ref"),
     ],
 )

@@ -70,7 +70,9 @@ class EngineOptions:
     bundle, or a reference bundle file for the reference engine), or, as before, the library itself
     when it is a shared object and ``lib`` is unset. ``kernel_library``: basert's GPU kernel library
     (None: the library's auto-detection). ``device``: e.g. "cpu", "cuda:0". ``lanes``,
-    ``context_length`` (tokens) and ``threads``: None leaves the engine's default."""
+    ``context_length`` (tokens) and ``threads``: None leaves the engine's default. ``host_bytes``:
+    the llama.cpp engine's host tier of evicted prefixes (bytes; None: off); other engines ignore
+    it."""
 
     lib: str | None = None
     kernel_library: str | None = None
@@ -80,6 +82,7 @@ class EngineOptions:
     lanes: int | None = None
     context_length: int | None = None
     threads: int | None = None
+    host_bytes: int | None = None
 
 
 def engine_factory(name: str) -> Any:

@@ -70,6 +70,7 @@ from basertd.schema.abi import Status
 from basertd.schema.tick import MatchResult, ShedPolicy, TokenRef
 from basertd.server.cache.prefix_index import IndexEntry, IndexObserver, PrefixIndex, page_hashes
 from basertd.server.config import CacheConfig
+from basertd.server.observe.snapshot import HostTierCounts
 from basertd.server.workers.link_errors import WorkerError
 
 log = structlog.get_logger("basertd.cache")
@@ -184,6 +185,8 @@ class WorkerCache:
         self.seeds_acquired = 0
         self.seed_misses = 0
         self.attached = False
+        self.host: HostTierCounts | None = None
+        """The engine's host tier as last reported (``engine_reported``); None without one."""
 
     # --- incarnation ---------------------------------------------------------------------------
 
@@ -195,6 +198,9 @@ class WorkerCache:
         self.bytes_per_token = sum(int(s.bytes_per_token) for s in paged)
         self.block_bytes = self.bytes_per_token * self.page
         self.lease_ticks = int(caps.seed_lease_ticks)
+        extra = getattr(caps, "extra", None) or {}
+        capacity = int(extra.get("host_bytes", "0") or 0)
+        self.host = HostTierCounts(capacity_bytes=capacity) if "host_bytes" in extra else None
         self.index = PrefixIndex(self.page, self.config.index_entries, self.observer)
         if self.observer is not None:
             self.observer.cleared()
@@ -221,6 +227,18 @@ class WorkerCache:
     def enabled(self) -> bool:
         """Seeds, coalescing and pins are on (``[cache] enabled`` and publishing)."""
         return self.config.enabled and self.config.publish_on_retire
+
+    def engine_reported(self, stats: dict[str, int]) -> None:
+        """The engine's ``stats()`` from a PONG: keep its host-tier counts (``HostTierCounts``)."""
+        host = HostTierCounts.of(stats)
+        if host is not None:
+            self.host = host
+
+    @property
+    def host_tier(self) -> bool:
+        """The engine keeps evicted prefixes in a host tier (capacity > 0), where matches still
+        find them: an eviction then leaves the index alone."""
+        return self.host is not None and self.host.capacity_bytes > 0
 
     def on_tick(self, shed_entries: Sequence[Any]) -> None:
         """An accepted tick ran: count it, and the cache evictions it reports (ABI rule 58)."""
@@ -394,12 +412,13 @@ class WorkerCache:
     async def evict(self, proc: WorkerLike, bytes_target: int) -> int:
         """CACHE_EVICT inside the shed envelope (pins protected): up to ``bytes_target`` bytes (0:
         everything unpinned); returns the bytes freed (ABI rule 89). An eviction of everything
-        clears the unpinned index; a partial one leaves the index to be corrected by matches."""
+        clears the unpinned index unless the engine has a host tier (the prefixes went there and
+        matches still find them); a partial one leaves the index to be corrected by matches."""
         target = bytes_target or U64_MAX
         freed = await proc.link.cache_evict(self.shed_policy(target), target)
         if freed:
             self.evicted_bytes += freed
-        if bytes_target == 0:
+        if bytes_target == 0 and not self.host_tier:
             self.index.clear(keep_pinned=True)
         return freed
 

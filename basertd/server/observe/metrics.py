@@ -182,6 +182,7 @@ class _LiveCollector(Collector):
             "Bytes of evictable prefix-cache entries after the last tick.",
             lambda ws: mem(ws, "pool_bytes_evictable"),
         )
+        yield from host_tier_series(gauge, counter)
         yield counter(
             "prefill_tokens", "Prompt tokens prefilled by the engine.", lambda ws: ws.prefill_tokens
         )
@@ -195,6 +196,43 @@ class _LiveCollector(Collector):
         yield counter(
             "worker_respawns", "Worker incarnations started after the first.", lambda ws: ws.respawns
         )
+
+
+def _host(ws: WorkerSnapshot, attr: str) -> float:
+    return getattr(ws.host_tier, attr) if ws.host_tier is not None else 0
+
+
+def host_tier_series(gauge: Callable[..., Metric], counter: Callable[..., Metric]) -> Iterator[Metric]:
+    """The host tier's series per worker (``HostTierCounts``, from the engine's stats read every
+    few seconds by the scheduler loop; 0 for a worker without a tier). Counters restart with a
+    worker incarnation (Prometheus reads that as a counter reset)."""
+    yield gauge("host_tier_entries", "Evicted prefixes kept in host memory.", lambda ws: _host(ws, "entries"))
+    yield gauge("host_tier_bytes", "Bytes of the host tier in use.", lambda ws: _host(ws, "bytes"))
+    yield gauge(
+        "host_tier_capacity_bytes",
+        "Bytes the host tier may use ([cache] host_bytes).",
+        lambda ws: _host(ws, "capacity_bytes"),
+    )
+    yield counter(
+        "host_tier_restores",
+        "Prefixes restored from the host tier into the KV pool instead of prefilled.",
+        lambda ws: _host(ws, "restores"),
+    )
+    yield counter(
+        "host_tier_restore_seconds",
+        "Wall time of the host tier's restores (divide by restores for the mean).",
+        lambda ws: _host(ws, "restore_s"),
+    )
+    yield counter(
+        "host_tier_refused",
+        "Host-tier snapshots refused at restore (corrupt, another model or layout, wrong length).",
+        lambda ws: _host(ws, "refused"),
+    )
+    yield counter(
+        "host_tier_demotions",
+        "Prefixes evicted from the KV pool and kept in the host tier.",
+        lambda ws: _host(ws, "demoted"),
+    )
 
 
 class Metrics:

@@ -12,7 +12,7 @@ it, hand it to another thread or compare two of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from basertd.schema.tick import MemCounters
@@ -50,6 +50,40 @@ class QueueSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class HostTierCounts:
+    """A worker's host tier of evicted prefixes (the llama.cpp engine's ``host_tier``) as its
+    engine last reported it: ``entries`` and ``bytes`` held, ``capacity_bytes``, ``restores``
+    into the pool and their wall time ``restore_s`` (seconds), ``refused`` snapshots, prefixes
+    ``demoted`` into it and ``dropped`` from it. Counts since the worker incarnation started."""
+
+    entries: int = 0
+    bytes: int = 0
+    capacity_bytes: int = 0
+    restores: int = 0
+    restore_s: float = 0.0
+    refused: int = 0
+    demoted: int = 0
+    dropped: int = 0
+
+    @classmethod
+    def of(cls, stats: Mapping[str, int]) -> HostTierCounts | None:
+        """From an engine's ``stats()`` (a PONG's ``host_*`` keys); None for an engine without
+        a host tier."""
+        if "host_capacity_bytes" not in stats:
+            return None
+        return cls(
+            entries=int(stats.get("host_entries", 0)),
+            bytes=int(stats.get("host_bytes", 0)),
+            capacity_bytes=int(stats["host_capacity_bytes"]),
+            restores=int(stats.get("host_restores_total", 0)),
+            restore_s=int(stats.get("host_restore_ns_total", 0)) / 1e9,
+            refused=int(stats.get("host_refused_total", 0)),
+            demoted=int(stats.get("host_demotions_total", 0)),
+            dropped=int(stats.get("host_dropped_total", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     """One worker and its scheduler at ``taken_at`` (monotonic seconds); module docstring.
 
@@ -63,7 +97,8 @@ class WorkerSnapshot:
     only grow, across respawns: ``ticks_run``, ``plans_rejected``, ``requests_done``,
     ``prefill_tokens``, ``decode_tokens`` (engine tokens), ``preemptions``, ``checkpoints``,
     ``crash_resumes`` (lanes requeued), and ``yields_requested`` (yields asked of ticks in
-    flight)."""
+    flight). ``host_tier``: the engine's host tier as last read (``HostTierCounts``; None for an
+    engine without one, or before the worker first reported it)."""
 
     worker_id: int
     taken_at: float
@@ -86,6 +121,7 @@ class WorkerSnapshot:
     checkpoints: int
     crash_resumes: int
     yields_requested: int
+    host_tier: HostTierCounts | None = None
 
     @property
     def ready(self) -> bool:

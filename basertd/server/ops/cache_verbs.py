@@ -96,6 +96,12 @@ class PolicyCacheControl:
                     cached_tokens=self.counter("basertd_cached_tokens_total", i),
                     evictions=int(engine.get("evictions_total", 0)),
                     evicted_bytes=own["evicted_bytes"],
+                    host_entries=int(engine.get("host_entries", 0)),
+                    host_bytes=int(engine.get("host_bytes", 0)),
+                    host_capacity_bytes=int(engine.get("host_capacity_bytes", 0)),
+                    host_restores=int(engine.get("host_restores_total", 0)),
+                    host_restore_s=int(engine.get("host_restore_ns_total", 0)) / 1e9,
+                    host_refused=int(engine.get("host_refused_total", 0)),
                 )
             )
         return rows

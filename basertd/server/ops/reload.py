@@ -24,6 +24,8 @@ from basertd.server.config import Config
 
 RELOADABLE_SECTIONS = ("scheduler", "cache")
 RELOADABLE_KEYS = ("log_level", "operators.operator_group", "operators.drain_timeout_s")
+START_KEYS = ("cache.host_bytes",)
+"""Keys of reloadable sections that a worker reads only when it starts (its command line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,8 @@ def _order(key: str) -> tuple:
 
 
 def _reloadable(key: str) -> bool:
+    if key in START_KEYS:
+        return False
     return key in RELOADABLE_KEYS or key.split(".", 1)[0] in (*RELOADABLE_SECTIONS, "workers")
 
 
@@ -71,8 +75,10 @@ def config_changes(old: Config, new: Config) -> ReloadReport:
 def effective_config(old: Config, new: Config) -> Config:
     """The configuration a reload leaves running: ``new``'s reloadable keys, ``old``'s others."""
     ops = msgspec.structs.replace(new.operators, metrics_listen=old.operators.metrics_listen)
+    cache = msgspec.structs.replace(new.cache, host_bytes=old.cache.host_bytes)
     return msgspec.structs.replace(
         new,
+        cache=cache,
         runtime_dir=old.runtime_dir,
         socket=old.socket,
         socket_mode=old.socket_mode,

@@ -479,7 +479,8 @@ class Scheduler:
 
     async def _read_curve(self, proc: WorkerProcess) -> None:
         """Every ``CURVE_EVERY_S`` seconds, read the engine's measured prefill-rate curve from a
-        PONG (``plan.rate_curve``) into ``rates``; a slow or refused PING is skipped."""
+        PONG (``plan.rate_curve``) into ``rates``, and its host-tier counts into the cache policy
+        (``WorkerCache.engine_reported``, for the metrics); a slow or refused PING is skipped."""
         now = time.monotonic()
         if now - self._curve_at < CURVE_EVERY_S or not self.core.ticks_run:
             return
@@ -490,6 +491,7 @@ class Scheduler:
             log.debug("rate_curve_unread", worker_id=self.worker_id, error=repr(exc))
             return
         self.core.rates.set_curve(rate_curve(pong.stats))
+        self.core.cache_policy.engine_reported(pong.stats)
 
     # --- planning ---------------------------------------------------------------------------------
 

@@ -57,4 +57,5 @@ def worker_snapshot(
         checkpoints=core.checkpoints,
         crash_resumes=core.crash_resumes,
         yields_requested=yields_requested,
+        host_tier=core.cache_policy.host,
     )

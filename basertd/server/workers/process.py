@@ -156,8 +156,9 @@ class WorkerSpec:
 
     ``engine`` "basert" (a tick-ABI library: ``lib``, default the C reference engine, configured
     by ``ref_config``, a dict of ``basertd.native.ref`` config fields) or "llamacpp" (``model`` a
-    GGUF path). ``device``, ``lanes``, ``context_length`` (tokens), ``threads`` go through as is
-    when set. ``extra_args``: more worker flags, verbatim.
+    GGUF path). ``device``, ``lanes``, ``context_length`` (tokens), ``threads`` and ``host_bytes``
+    (the llama.cpp engine's host tier, bytes) go through as is when set. ``extra_args``: more
+    worker flags, verbatim.
 
     Rings: ``prompt_ring`` (tokens of every admitted prompt until its admit is accepted),
     ``emit_ring`` (must hold every emit of one tick: >= lanes slots), ``logits_ring`` (one slot
@@ -181,6 +182,7 @@ class WorkerSpec:
     lanes: int | None = None
     context_length: int | None = None
     threads: int | None = None
+    host_bytes: int | None = None
     extra_args: Sequence[str] = ()
     prompt_ring: RingGeometry = field(default_factory=lambda: RingGeometry.for_elems(4096, 64))
     emit_ring: RingGeometry = field(default_factory=lambda: RingGeometry.for_elems(4096, 16))
@@ -238,6 +240,7 @@ class WorkerSpec:
             ("--lanes", self.lanes),
             ("--context-length", self.context_length),
             ("--threads", self.threads),
+            ("--host-bytes", self.host_bytes),
         ):
             if value is not None:
                 args += [flag, str(value)]

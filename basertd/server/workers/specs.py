@@ -28,12 +28,13 @@ def model_path(worker: WorkerConfig) -> str:
 
 
 def worker_spec(
-    worker_id: int, w: WorkerConfig, *, runtime_dir: str, log_level: str
+    worker_id: int, w: WorkerConfig, *, runtime_dir: str, log_level: str, host_bytes: int | None = None
 ) -> tuple[WorkerSpec, tuple[str, str] | tuple[str, str, int], str]:
     """The worker spec, the tokenizer it implies as ``(kind, path)`` (``("gguf", path)``) or
     ``("bytes", "", vocab_size)`` (the reference engine's ``vocab_size``, 0 when not configured)
-    and the model's served name. Raises ``basertd.models.ModelUnavailable``
-    when the default model cannot be assembled."""
+    and the model's served name. ``host_bytes`` (``[cache] host_bytes``) sizes a llama.cpp
+    worker's host tier (None: the engine's default, off); other engines have none. Raises
+    ``basertd.models.ModelUnavailable`` when the default model cannot be assembled."""
     common = dict(
         worker_id=worker_id,
         device=w.device,
@@ -47,7 +48,8 @@ def worker_spec(
     )
     if w.engine == "llamacpp":
         path = model_path(w)
-        return WorkerSpec(engine="llamacpp", model=path, **common), ("gguf", path), Path(path).stem
+        spec = WorkerSpec(engine="llamacpp", model=path, host_bytes=host_bytes, **common)
+        return spec, ("gguf", path), Path(path).stem
     model = str(Path(w.model).expanduser()) if w.model else ""
     lib = str(Path(w.lib).expanduser()) if w.lib else ""
     if model and (lib or not _is_shared_object(model)):

@@ -82,12 +82,19 @@ class Cells:
             self.ledger.truncate(seq, 0)
         self.version += 1
 
-    def load(self, seq: int, payload: bytes, end: int) -> bool:
+    def load(self, seq: int, payload: bytes | bytearray | memoryview, end: int) -> bool:
         """Load a ``llama_state_seq_get_data`` payload of positions ``[0, end)`` into the empty
-        ``seq``. False (and ``seq`` left empty) when llama.cpp refuses it or it does not hold
-        exactly those positions."""
-        src = (ctypes.c_uint8 * len(payload)).from_buffer_copy(payload)
-        n = int(L.llama_state_seq_set_data(self.ctx, src, len(payload), seq))
+        ``seq`` (read in place when the buffer is writable, else from a copy). False (and ``seq``
+        left empty) when llama.cpp refuses it or it does not hold exactly those positions."""
+        view = memoryview(payload).cast("B")
+        size = len(view)
+        arr = ctypes.c_uint8 * size
+        src = arr.from_buffer_copy(view) if view.readonly else arr.from_buffer(view)
+        try:
+            n = int(L.llama_state_seq_set_data(self.ctx, src, size, seq))
+        finally:
+            del src
+            view.release()
         if n == 0 or self.pos_range(seq)[1] != end - 1:
             L.llama_memory_seq_rm(self.mem, seq, -1, -1)
             return False

@@ -16,9 +16,10 @@ capability is served by one part (``base.ServedBy``: the call goes to the part's
 name): the prefix cache by ``seeds.Seeds`` (matches, leases, publish, evict), state ops by
 ``sequences.Sequences`` (bare sequences, adoption) and ``ops.StateOps`` (exports, snapshots,
 restores), grammars by ``grammar.GrammarSet``, logit biases by ``sampling.LogitBiases``, the
-yield by ``rounds``, embeddings by ``embed.Embedder``, prompt scores by ``score.Scorer``. No
-HOST_TIER (no host tier for llama.cpp KV: demote and promote answer ERR_OP_UNSUPPORTED after the
-checks every op makes).
+yield by ``rounds``, embeddings by ``embed.Embedder``, prompt scores by ``score.Scorer``. Evicted
+prefixes go to the engine's own host tier (``host_tier.HostTier``, ``host_bytes``) and come back
+through ``seed_acquire``; the ABI's HOST_TIER ops on a sequence's ranges (demote, promote) are not
+served and answer ERR_OP_UNSUPPORTED after the checks every op makes.
 
 Where the ABI leaves a choice, this engine's semantics are documented where they are made: lane
 stops, HOST commits and the pending last token in ``tick``; budgets and internal work in
@@ -62,6 +63,7 @@ from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.context import Sizes, open_context
 from basertd.worker.engines.llamacpp.embed import EMBED_INPUTS, Embedder
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
+from basertd.worker.engines.llamacpp.host_tier import HostTier
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.model import LlamaModel
 from basertd.worker.engines.llamacpp.ops import StateOps
@@ -95,6 +97,7 @@ class LlamaCppEngine(Engine):
     ``swa_full`` keeps a full-size sliding-window cache (the C default; see the reference notes).
     ``yield_step_tokens`` rows per llama_decode (the yield granularity; default n_ubatch).
     ``repack`` False loads the weights without llama.cpp's CPU repacking (``LlamaModel``).
+    ``host_bytes`` bounds the host tier of evicted prefixes (``host_tier``; 0: off).
 
     Raises EngineError(ERR_FATAL) when the model or context cannot be created, ValueError for
     sizes llama.cpp cannot serve (more than 256 sequences, an empty pool). A pool smaller than
@@ -119,7 +122,10 @@ class LlamaCppEngine(Engine):
         n_gpu_layers: int = 0,
         yield_step_tokens: int | None = None,
         repack: bool = True,
+        host_bytes: int = 0,
     ) -> None:
+        if host_bytes < 0:
+            raise ValueError(f"host_bytes must be >= 0, got {host_bytes}")
         sizes = Sizes.resolve(
             lanes=lanes,
             context_length=context_length,
@@ -170,7 +176,10 @@ class LlamaCppEngine(Engine):
         self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
         self.rings = EngineRings()
         ident = self.identity
-        self.seeds = seeds = Seeds(cells, self.cache, self.model, seed_lease_ticks, stats, self.rings, ident)
+        self.host = HostTier(host_bytes)
+        self.seeds = seeds = Seeds(
+            cells, self.cache, self.model, seed_lease_ticks, stats, self.rings, ident, self.host
+        )
         self.lanes: dict[int, Lane] = {}
         self.faulted: set[int] = set()
         self.locked: set[int] = set()
@@ -238,6 +247,7 @@ class LlamaCppEngine(Engine):
                 "step_tokens": str(self.step_rows),
                 "prefill_rounds": "spread",
                 "grammar_kinds": ",".join(GRAMMAR_KINDS),
+                "host_bytes": str(self.host.capacity),
                 "description": m.description,
                 **({"yield": "step"} if self.rounds.control is not None else {}),
             },
@@ -276,10 +286,13 @@ class LlamaCppEngine(Engine):
         live_logit_biases, cache_entries, bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
-        by the yield word), and the measured rate curve (``rates.RateCurve.stats``:
+        by the yield word), the host tier's ``host_*`` gauges and counters (``HostTier.stats``:
+        entries, bytes, capacity, demotions, drops, restores, restored tokens, restore ns,
+        refused snapshots), and the measured rate curve (``rates.RateCurve.stats``:
         ``rate_tok_s_b<rows>`` per power-of-two llama_decode size)."""
         out = dict(self._stats)
         out.update(self.rates.stats())
+        out.update(self.host.stats())
         out.update(
             last_plan_seq=self.last_plan_seq or 0,
             bare_sequences=len(self.sequences.bare) + len(self.seeds.adopted),
@@ -343,7 +356,7 @@ class LlamaCppEngine(Engine):
         used = self.ledger.used
         return MemCounters(
             allocated_bytes=used * self.bytes_per_token,
-            host_retained_bytes=held + self.ops.retained_bytes(),
+            host_retained_bytes=held + self.ops.retained_bytes() + self.host.bytes,
             pool_blocks_total=self.n_cells // self.page,
             pool_blocks_used=-(-used // self.page),
             pool_bytes_evictable=self.seeds.evictable_bytes(),
@@ -409,6 +422,7 @@ class LlamaCppEngine(Engine):
             return
         self._closed = True
         self.rings.close()
+        self.host.clear()
         self.embedder.close()
         self.scorer.close()
         if self.ctx:

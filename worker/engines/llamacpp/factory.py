@@ -24,9 +24,10 @@ def _gpu_layers(device: str) -> int:
 def open_engine(options: EngineOptions) -> LlamaCppEngine:
     """Load ``options.model`` (a GGUF path, required: the worker never picks a default model).
     ``lanes`` / ``context_length`` (tokens) default to the engine's (8 / 2048); ``threads`` to every
-    CPU of the machine, for decode and prefill alike. Raises EngineOptionError (exit 2: no model,
-    a device or size llama.cpp cannot use, ``--lib``/``--ref-config`` given) or EngineLoadError
-    (exit 3: the file is missing or llama.cpp cannot load it or create the context)."""
+    CPU of the machine, for decode and prefill alike; ``host_bytes`` to 0 (no host tier). Raises
+    EngineOptionError (exit 2: no model, a device or size llama.cpp cannot use,
+    ``--lib``/``--ref-config`` given) or EngineLoadError (exit 3: the file is missing or llama.cpp
+    cannot load it or create the context)."""
     if options.lib is not None:
         raise EngineOptionError("--lib", "the llamacpp engine loads a GGUF model (--model), not a library")
     if options.ref_config:
@@ -42,6 +43,8 @@ def open_engine(options: EngineOptions) -> LlamaCppEngine:
     if threads < 1:
         raise EngineOptionError("--threads", f"need at least one thread, got {threads}")
     kw["n_threads"] = kw["n_threads_batch"] = threads
+    if options.host_bytes is not None:
+        kw["host_bytes"] = options.host_bytes
     try:
         return LlamaCppEngine(options.model, **kw)
     except ValueError as exc:

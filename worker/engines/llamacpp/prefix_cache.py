@@ -87,7 +87,9 @@ class CacheEntry:
     """One published prefix: ``seq`` (llama.cpp sequence id) holds the KV of ``tokens``.
 
     ``digest`` is ``prefix_digest(tokens)``; ``taint`` the provenance taint bits (sticky);
-    ``pins`` the live leases on it; ``lru`` a counter stamp (higher = more recent)."""
+    ``pins`` the live leases on it; ``lru`` a counter stamp (higher = more recent); ``mark`` a
+    shorter boundary (a page multiple, 0: none) worth a snapshot of its own when the entry is
+    demoted to the host tier on a sliding-window model (``host_tier``)."""
 
     entry_id: int
     seq: int
@@ -97,6 +99,7 @@ class CacheEntry:
     pins: int = 0
     lru: int = 0
     cache_class: int = CACHE_CLASS
+    mark: int = 0
 
     @property
     def length(self) -> int:
@@ -138,9 +141,9 @@ class PrefixCache:
         self._clock += 1
         entry.lru = self._clock
 
-    def add(self, seq: int, tokens: np.ndarray, digest: bytes, taint: int) -> CacheEntry:
+    def add(self, seq: int, tokens: np.ndarray, digest: bytes, taint: int, mark: int = 0) -> CacheEntry:
         """Record a new entry (the caller checked capacity and duplicates)."""
-        e = CacheEntry(self._next_entry, seq, tokens, digest, taint)
+        e = CacheEntry(self._next_entry, seq, tokens, digest, taint, mark=mark)
         self._next_entry += 1
         self.entries[e.entry_id] = e
         self.touch(e)

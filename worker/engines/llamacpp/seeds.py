@@ -10,14 +10,22 @@ admit takes it over or its lease goes, which frees it. Sliding-window rules are
 
 Publishing when ``cache_sequences`` entries exist first evicts the least recently used unpinned
   entry the plan's shed envelope allows; if none, the retire publishes nothing.
+
+With a host tier (``host_tier.HostTier``, capacity > 0) an evicted entry is first captured into it
+(``demote``), matches offer its servable prefixes as ``Tier.HOST`` candidates, and a seed that no
+resident entry serves restores one (``_promote``: room made by evicting, i.e. demoting, least
+recently used unpinned entries), so the lease then pins a resident entry like any other. Dropping
+entries by key (``cache_evict_entries``) forgets them in both tiers.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import structlog
 
 from basertd.schema.abi import ALL_SPACES, DeterminismClass, ShedKind, Status, Tier
 from basertd.schema.tick import (
@@ -32,7 +40,9 @@ from basertd.schema.tick import (
 )
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.cells import Cells
+from basertd.worker.engines.llamacpp.host_tier import HostEntry, HostTier, capture
 from basertd.worker.engines.llamacpp.prefix_cache import (
+    CACHE_CLASS,
     CacheEntry,
     Lease,
     PrefixCache,
@@ -41,7 +51,10 @@ from basertd.worker.engines.llamacpp.prefix_cache import (
     prefix_servable,
     window_intact,
 )
+from basertd.worker.engines.llamacpp.state import open_sealed
 from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL, SHED_REASON_PUBLISH
+
+log = structlog.get_logger("basertd.worker.host_tier")
 
 if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.model import LlamaModel
@@ -57,7 +70,7 @@ class Seeds:
     sliding window and KV bytes per token): ``seed_ttl`` is the lease TTL in ticks, ``stats`` the
     engine's counters (``evictions_total``, ``cached_tokens_total``, ``cold_fallbacks_total`` are
     counted here), ``rings`` where spans are read, ``identity`` the compat identity of the
-    engine's cache keys."""
+    engine's cache keys and of its host-tier snapshots, ``host`` the host tier (None: off)."""
 
     def __init__(
         self,
@@ -68,8 +81,10 @@ class Seeds:
         stats: dict[str, int],
         rings: EngineRings,
         identity: bytes,
+        host: HostTier | None = None,
     ) -> None:
         self.cells = cells
+        self.host = host if host is not None else HostTier(0)
         self.rings = rings
         self.identity = identity
         self.cache = cache
@@ -99,6 +114,15 @@ class Seeds:
             return 0
         pmin, pmax = self.cells.pos_range(entry.seq)
         return q if prefix_servable(pmin, pmax, q, self.n_swa) else 0
+
+    def host_servable_len(self, h: HostEntry, limit: int) -> int:
+        """Longest page multiple <= ``limit`` of the demoted ``h`` that can seed a lane once
+        restored: any without a sliding window, else ``h``'s own length only (a restore keeps the
+        window of its end alone: ``host_tier``)."""
+        q = (min(limit, h.length) // self.page) * self.page
+        if self.n_swa > 0 and q != h.length:
+            return 0
+        return q
 
     def window_ok(self, pos_min: int, share_len: int) -> bool:
         """Whether a sequence holding ``[pos_min, ..]`` can be cut to ``share_len`` tokens and
@@ -131,7 +155,19 @@ class Seeds:
                         resident_tier=Tier.GPU,
                     )
                 )
-        cands.sort(key=lambda c: -c.prefix_len)
+        for h in self.host:
+            q = self.host_servable_len(h, common_prefix(h.tokens, toks))
+            if q and (q, h.taint) not in seen:
+                seen.add((q, h.taint))
+                cands.append(
+                    MatchCandidate(
+                        prefix_len=q,
+                        provenance_digest=prefix_digest(self.model_id, toks[:q]),
+                        taint_bits=h.taint,
+                        resident_tier=Tier.HOST,
+                    )
+                )
+        cands.sort(key=lambda c: (-c.prefix_len, c.resident_tier))
         return MatchResult(spaces=[SpaceMatch(space_id=KV_SPACE_ID, candidates=cands)])
 
     # ------------------------------------------------------------------ leases
@@ -163,6 +199,8 @@ class Seeds:
             if best is None or (e.taint, -e.lru) < (best.taint, -best.lru):
                 best = e
         if best is None:
+            best = self._promote(prefix, determinism_class)
+        if best is None:
             raise EngineError(Status.ERR_SEED_UNSERVABLE, "no cached prefix serves this seed")
         best.pins += 1
         self.cache.touch(best)
@@ -175,6 +213,110 @@ class Seeds:
             taint=best.taint,
         )
         return lease.handle
+
+    # ------------------------------------------------------------------ host tier
+
+    def _promote(self, prefix: np.ndarray, determinism_class: int) -> CacheEntry | None:
+        """Restore the demoted entry that serves ``prefix`` best (untainted first, then most
+        recent) into a resident entry, or None: nothing serves it, no room can be made, or its
+        snapshot is refused (counted, and dropped: never used unverified)."""
+        n = prefix.shape[0]
+        best: HostEntry | None = None
+        for h in self.host:
+            if determinism_class == DeterminismClass.DETERMINISTIC and h.taint:
+                continue
+            if h.length < n or common_prefix(h.tokens, prefix) < n or self.host_servable_len(h, n) != n:
+                continue
+            if best is None or (h.taint, -h.lru) < (best.taint, -best.lru):
+                best = h
+        if best is None:
+            return None
+        self.host.remove(best)  # out of reach of the demotions that make room for it
+        seq = self._room_for(best.length)
+        if seq is None:
+            self.host.put(best)
+            return None
+        t0 = time.perf_counter_ns()
+        why = self._load(best, seq)
+        if why:
+            self.cells.free_seq(seq)
+            self.host.refused(best)
+            log.warning("host_snapshot_refused", tokens=best.length, reason=why)
+            return None
+        self.host.restored(best, time.perf_counter_ns() - t0)
+        entry = self.cache.add(seq, best.tokens, best.digest, best.taint)
+        self._evictable_at = None
+        return entry
+
+    def _room_for(self, n: int) -> int | None:
+        """A free sequence id and ``n`` free cells for a restored entry, evicting (demoting) least
+        recently used unpinned entries as needed; None when that cannot be done."""
+        victims = self.cache.eviction_order(CACHE_CLASS)
+        while victims and (len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n):
+            self.evict(victims.pop(0), None, SHED_REASON_POOL)
+        if len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n:
+            return None
+        try:
+            return self.cells.take_seq()
+        except EngineError:
+            return None
+
+    def _load(self, h: HostEntry, seq: int) -> str:
+        """Load ``h``'s snapshot into the empty ``seq`` after checking it names exactly ``h``'s
+        tokens on this engine; "" when it did, else why not (``seq`` left for the caller to free)."""
+        try:
+            env, payload = open_sealed(h.blob, identity=self.identity)
+        except EngineError as exc:
+            return f"{exc.status.name}: {exc}"
+        with payload:
+            if env.range.end != h.length:
+                return f"the snapshot holds {env.range.end} tokens, the entry {h.length}"
+            if env.provenance_digest != h.digest or env.taint_bits != h.taint:
+                return "the snapshot's provenance is not the entry's"
+            if prefix_digest(self.model_id, h.tokens) != h.digest:
+                return "the entry's tokens do not match its digest"
+            if not self.cells.load(seq, payload, h.length):
+                return "llama.cpp refused the payload"
+        pmin, pmax = self.cells.pos_range(seq)
+        if not window_intact(pmin, pmax, h.length, self.n_swa):
+            return f"restored positions [{pmin}, {pmax}] cannot continue at {h.length}"
+        return ""
+
+    def demote(self, entry: CacheEntry) -> int:
+        """Capture ``entry`` (resident, about to be evicted) into the host tier at its end and, on
+        a sliding-window model, at its ``mark`` too (``host_tier``); returns the snapshots kept (0
+        when the tier is off, no boundary can seed a lane, or nothing fits)."""
+        if not self.host.enabled or self.cells.length(entry.seq) != entry.length:
+            return 0
+        pmin, pmax = self.cells.pos_range(entry.seq)
+        ends = [entry.length]
+        if self.n_swa > 0 and 0 < entry.mark < entry.length:
+            ends.insert(0, entry.mark)
+        kept = 0
+        for end in ends:
+            if not prefix_servable(pmin, pmax, end, self.n_swa):
+                continue
+            toks = entry.tokens[:end]
+            digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
+
+            def grab(s: int, end: int = end, digest: bytes = digest) -> bytearray | None:
+                return capture(
+                    self.cells.ctx,
+                    s,
+                    identity=self.identity,
+                    provenance=digest,
+                    taint=entry.taint,
+                    n_tokens=end,
+                    max_bytes=self.host.capacity,
+                )
+
+            blob = self.cells.with_prefix(entry.seq, end, grab)
+            if blob is None:
+                self.host.dropped_total += 1
+            elif self.host.put(HostEntry(toks, digest, entry.taint, blob)):
+                self.host.demotions_total += 1
+                kept += 1
+        return kept
 
     def adopt(self, bare: BareSeq, span: np.ndarray) -> int:
         """Lease the bare sequence ``bare`` (already checked and taken from the bare set by
@@ -257,11 +399,14 @@ class Seeds:
         taint: int,
         policy: ShedPolicy | None,
         shed: ShedReport | None,
+        prompt_end: int = 0,
     ) -> bool:
         """Hand ``seq`` to the prefix cache under ``tokens[:whole pages of kv_len]``; the sequence
         is consumed either way (kept as the entry, or freed when nothing is published). A full
         cache first evicts what ``policy`` allows (reported in ``shed`` inside a tick). Returns
-        True when an entry now serves those tokens (ABI rules 90, 91)."""
+        True when an entry now serves those tokens (ABI rules 90, 91). ``prompt_end``: where the
+        publishing lane's prompt ended (tokens; 0: unknown): the last page boundary before it is
+        the entry's ``mark``, a second host-tier snapshot on sliding-window models."""
         n = (kv_len // self.page) * self.page
         if n == 0:
             self.cells.free_seq(seq)
@@ -284,7 +429,9 @@ class Seeds:
                 self.cells.free_seq(seq)
                 return False
             self.evict(victim, shed, SHED_REASON_PUBLISH)
-        self.cache.add(seq, toks, digest, taint)
+        mark = ((prompt_end - 1) // self.page) * self.page if prompt_end > 0 else 0
+        self.cache.add(seq, toks, digest, taint, mark=mark if mark < n else 0)
+        self.host.discard(digest, taint)  # one copy of a prefix, in one tier
         self._evictable_at = None
         return True
 
@@ -302,10 +449,13 @@ class Seeds:
                 return e
         return None
 
-    def evict(self, entry: CacheEntry, shed: ShedReport | None, reason: int) -> int:
-        """Drop a cache entry; returns the bytes freed and, inside a tick (``shed``), reports a
+    def evict(self, entry: CacheEntry, shed: ShedReport | None, reason: int, demote: bool = True) -> int:
+        """Drop a cache entry from the pool (captured into the host tier first when ``demote`` and
+        the tier takes it); returns the pool bytes freed and, inside a tick (``shed``), reports a
         CACHE_EVICTION shed entry (ABI rule 58)."""
         freed = self.cells.ledger.exclusive(entry.seq) * self.bytes_per_token
+        if demote:
+            self.demote(entry)
         self.cache.remove(entry)
         self.cells.free_seq(entry.seq)
         self.stats["evictions_total"] += 1
@@ -336,14 +486,15 @@ class Seeds:
 
     def cache_evict_entries(self, keys: Sequence[CacheKey]) -> None:
         """Drop the unpinned entries named by (compat identity, provenance digest of the entry's
-        tokens); keys of another identity, naming nothing, or naming pinned entries, are left
-        alone."""
+        tokens), from the pool and the host tier alike; keys of another identity, naming nothing,
+        or naming pinned entries, are left alone."""
         for k in keys:
             if k.compat_key != self.identity:
                 continue
             for e in list(self.cache.entries.values()):
                 if e.digest == k.provenance_digest and e.pins == 0:
-                    self.evict(e, None, SHED_REASON_POOL)
+                    self.evict(e, None, SHED_REASON_POOL, demote=False)
+            self.host.discard(k.provenance_digest)
 
     def evictable_bytes(self) -> int:
         """Bytes evicting every unpinned entry would free (recomputed only after a change)."""

@@ -43,7 +43,7 @@ def compat_identity(model_id: str, *facts: object) -> bytes:
     return h.digest()
 
 
-def seal(
+def envelope(
     payload: bytes | bytearray | memoryview,
     *,
     identity: bytes,
@@ -51,8 +51,8 @@ def seal(
     taint: int,
     n_tokens: int,
 ) -> bytes:
-    """Envelope + payload for a PAGED_TOKEN_KV export of positions ``[0, n_tokens)``; exactly
-    ``ENVELOPE_BYTES + len(payload)`` bytes (ABI rule 95)."""
+    """The packed ``ENVELOPE_BYTES``-byte envelope of a PAGED_TOKEN_KV export of positions
+    ``[0, n_tokens)`` whose payload is ``payload`` (checksummed here, not copied)."""
     env = StateEnvelope(
         magic=STATE_ENVELOPE_MAGIC,
         envelope_version=ENVELOPE_VERSION,
@@ -67,7 +67,21 @@ def seal(
         payload_len=len(payload),
         content_checksum=xxhash.xxh3_64_intdigest(payload),
     )
-    return env.pack() + bytes(payload)
+    return env.pack()
+
+
+def seal(
+    payload: bytes | bytearray | memoryview,
+    *,
+    identity: bytes,
+    provenance: bytes,
+    taint: int,
+    n_tokens: int,
+) -> bytes:
+    """Envelope + payload for a PAGED_TOKEN_KV export of positions ``[0, n_tokens)``; exactly
+    ``ENVELOPE_BYTES + len(payload)`` bytes (ABI rule 95)."""
+    head = envelope(payload, identity=identity, provenance=provenance, taint=taint, n_tokens=n_tokens)
+    return head + bytes(payload)
 
 
 def open_sealed(data: bytes | memoryview, *, identity: bytes) -> tuple[StateEnvelope, memoryview]:

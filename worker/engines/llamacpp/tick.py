@@ -141,7 +141,13 @@ class Tick:
             lane.held_row = None
             if publish:
                 p.seeds.publish(
-                    lane.seq, lane.tokens, lane.kv_len, lane.taint, work.plan.shed_policy, self.ev.shed
+                    lane.seq,
+                    lane.tokens,
+                    lane.kv_len,
+                    lane.taint,
+                    work.plan.shed_policy,
+                    self.ev.shed,
+                    prompt_end=lane.prefill_end,
                 )
             else:
                 p.cells.free_seq(lane.seq)
