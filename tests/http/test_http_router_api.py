@@ -42,9 +42,9 @@ ROUTER_CHAT = {
 }
 
 
-def config(extra: str = "") -> str:
+def config(extra: str = "", ref: dict | None = None) -> str:
     return (
-        ref_toml(lanes=2, context=512, grant=4, ref=REF, worker='chat_template = "chatml"')
+        ref_toml(lanes=2, context=512, grant=4, ref=ref or REF, worker='chat_template = "chatml"')
         + extra
         + '[http]\nlisten = ["127.0.0.1:0"]\n'
     )
@@ -240,7 +240,8 @@ def test_a_drain_turns_health_503_before_it_refuses_work():
 
 def test_a_stopping_daemon_ends_its_open_streams_with_an_error_event():
     """What a router forwards to the client when the daemon can still say why the stream ends."""
-    d = Daemon(config("[operators]\ndrain_timeout_s = 0.5\n"))
+    # 50 ms ticks of 4 tokens: the 500-token stream outlives the 0.5 s drain several times over
+    d = Daemon(config("[operators]\ndrain_timeout_s = 0.5\n", ref={**REF, "tick_delay_us": 50_000}))
     try:
         url = "http://" + d.http_addresses()[0]
         lines: list[str] = []
