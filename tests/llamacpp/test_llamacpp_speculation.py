@@ -19,7 +19,7 @@ from basertd.schema.abi import AdmitStatus, Exactness, Sampling, Status
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
 from basertd.worker.engines.base import EngineError, PlanRejected
 from basertd.worker.engines.llamacpp.speculation import lookup
-from basertd.worker.engines.llamacpp.strategies import LookupConfig, lookup_registration
+from basertd.worker.engines.lookup import LookupConfig, lookup_registration
 
 MARGIN_TOL = 1e-3
 CERT_UNMATCHED_BITS = int(Status.REJECT_CERT_UNMATCHED) & 0xFFFFFFFF

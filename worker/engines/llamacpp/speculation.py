@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from basertd.worker.engines.llamacpp import sampling
-from basertd.worker.engines.llamacpp.strategies import LookupConfig
+from basertd.worker.engines.lookup import LookupConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable

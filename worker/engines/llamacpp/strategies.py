@@ -10,13 +10,14 @@ slot (1, 2, ...; never reused) and ``reserved_bytes = est_state_bytes`` (rule 11
 
 Certificates (rule 117) are granted only to the one combination this engine has tested:
 ``strategy_id`` "prompt-lookup" with ``impl_hash == LOOKUP_IMPL_HASH`` and ``config_hash`` the
-hash of the ``LookupConfig`` its PROPOSAL_LINEAR capability carries (``lookup_registration``
-builds such a registration). That certificate says what the tests show: GREEDY (and GUMBEL at
-temperature <= 0) lanes, logit bias allowed, no grammar, exactness DISTRIBUTION_EXACT, the class a
-plain lane of this engine has (``work.GRANTED_CLASS``): greedy verification commits the argmax
-chain, equal to a non-speculative run's tokens up to near-ties that batch shape may flip. Any other
-registration is granted a slot with no certificate and no drafter: lanes admitted on it with
-``allow_approximate`` run without speculation (rule 122).
+hash of the ``LookupConfig`` its PROPOSAL_LINEAR capability carries
+(``basertd.worker.engines.lookup.lookup_registration`` builds such a registration). That
+certificate says what the tests show: GREEDY (and GUMBEL at temperature <= 0) lanes, logit bias
+allowed, no grammar, exactness DISTRIBUTION_EXACT, the class a plain lane of this engine has
+(``work.GRANTED_CLASS``): greedy verification commits the argmax chain, equal to a
+non-speculative run's tokens up to near-ties that batch shape may flip. Any other registration is
+granted a slot with no certificate and no drafter: lanes admitted on it with ``allow_approximate``
+run without speculation (rule 122).
 
 Admission (``admit_grant``) picks, as the reference engine does, the best matching certificate of
 the slot (highest exactness, then lowest id); a match needs ``required_cert_id`` 0 or its id, the
@@ -28,88 +29,17 @@ APPROXIMATE with ``allow_approximate`` (and no required id or floor), else REJEC
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import struct
 from dataclasses import dataclass, field
 
-from basertd.native.abi import CapabilityReq, ExactnessCert, StrategyGrant, StrategyRegistration
+from basertd.native.abi import ExactnessCert, StrategyGrant, StrategyRegistration
 from basertd.schema.abi import CertDomain, CertMode, Exactness, Sampling, Status, StrategyCap
 from basertd.schema.tick import LaneAdmit
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.work import GRANTED_CLASS
-
-PROMPT_LOOKUP = "prompt-lookup"
-"""The one strategy this engine drafts for: n-gram lookup over the lane's own tokens."""
-
-LOOKUP_IMPL_VERSION = "1.0.0"
-LOOKUP_IMPL_HASH = hashlib.sha256(b"basertd llamacpp prompt-lookup, linear, greedy verification v1").digest()
-"""The implementation identity certificates are bound to (rule 117): change it with the drafter
-or the verification."""
+from basertd.worker.engines.lookup import LOOKUP_IMPL_HASH, PROMPT_LOOKUP, LookupConfig
 
 _KNOWN_CAPS = frozenset(int(k) for k in StrategyCap if k != StrategyCap.UNSPECIFIED)
-_LOOKUP_PARAMS = struct.Struct("<6I")  # one PROPOSAL_LINEAR record: the LookupConfig fields
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    """Prompt-lookup tuning, in tokens: a round drafts ``draft_min`` .. ``draft_max`` tokens
-    continuing the most recent earlier occurrence of the lane's last ``ngram_max`` .. ``ngram_min``
-    tokens; a round with more than ``max_batch_lanes`` decoding lanes drafts nothing (verification
-    rows then cost more than they save); a lane whose recent acceptance falls below
-    ``min_accept_permille`` / 1000 pauses drafting for a while (``speculation.LaneSpec``).
-    ValueError for bounds out of order or out of 1..64."""
-
-    draft_min: int = 1
-    draft_max: int = 8
-    ngram_min: int = 1
-    ngram_max: int = 3
-    max_batch_lanes: int = 4
-    min_accept_permille: int = 150
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.draft_min <= self.draft_max <= 64:
-            raise ValueError(f"draft length bounds {self.draft_min}..{self.draft_max} not in 1..64")
-        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
-            raise ValueError(f"n-gram bounds {self.ngram_min}..{self.ngram_max} not in 1..16")
-        if self.max_batch_lanes < 1 or not 0 <= self.min_accept_permille <= 1000:
-            raise ValueError("max_batch_lanes must be >= 1 and min_accept_permille in 0..1000")
-
-    def params(self) -> bytes:
-        """The PROPOSAL_LINEAR capability record (six little-endian u32, in field order)."""
-        return _LOOKUP_PARAMS.pack(
-            self.draft_min,
-            self.draft_max,
-            self.ngram_min,
-            self.ngram_max,
-            self.max_batch_lanes,
-            self.min_accept_permille,
-        )
-
-    def config_hash(self) -> bytes:
-        """SHA-256 of ``params()``: the canonical config identity of rule 117."""
-        return hashlib.sha256(self.params()).digest()
-
-    @classmethod
-    def from_params(cls, raw: bytes) -> LookupConfig:
-        """Decode ``params()``; ValueError when it is not one record or out of bounds."""
-        if len(raw) != _LOOKUP_PARAMS.size:
-            raise ValueError(f"prompt-lookup params are {_LOOKUP_PARAMS.size} bytes, got {len(raw)}")
-        return cls(*_LOOKUP_PARAMS.unpack(raw))
-
-
-def lookup_registration(cfg: LookupConfig) -> StrategyRegistration:
-    """The registration of prompt-lookup with ``cfg`` that this engine certifies."""
-    return StrategyRegistration(
-        strategy_id=PROMPT_LOOKUP,
-        impl_version=LOOKUP_IMPL_VERSION,
-        impl_hash=LOOKUP_IMPL_HASH,
-        config_hash=cfg.config_hash(),
-        capabilities=[
-            CapabilityReq(kind_id=StrategyCap.PROPOSAL_LINEAR, params=cfg.params(), param_elem_size=24)
-        ],
-        claimed_exactness=Exactness.DISTRIBUTION_EXACT,
-    )
 
 
 @dataclass
