@@ -155,7 +155,11 @@ class Fleet:
         ``TokenizerError`` (a basert bundle whose tokenizer does not load gets an
         ``UnavailableTokenizer``)."""
         spec, tok_key, name = worker_spec(
-            worker_id, wcfg, runtime_dir=self.workers_dir, log_level=self.config.log_level
+            worker_id,
+            wcfg,
+            runtime_dir=self.workers_dir,
+            log_level=self.config.log_level,
+            speculation=self.config.speculation.worker_args(),
         )
         tok = next((m.tokenizer for m in self.members if m.tok_key == tok_key), None)
         if tok is None:

@@ -57,4 +57,5 @@ def worker_snapshot(
         checkpoints=core.checkpoints,
         crash_resumes=core.crash_resumes,
         yields_requested=yields_requested,
+        speculation=tuple((name, d, a) for name, (d, a) in sorted(core.spec_tokens.items())),
     )
