@@ -262,6 +262,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
         )
         for line in d.get("problems") or ():
             click.echo(f"problem: {line}")
+        for row in d.get("speculation") or ():
+            click.echo(
+                f"speculation {row['strategy']}: drafted {row['drafted_tokens']}  "
+                f"accepted {row['accepted_tokens']}  acceptance {row['acceptance_rate']:.1%}"
+            )
         click.echo("")
         _workers_table(d["workers"])
         click.echo("")

@@ -85,7 +85,13 @@ class Generate(_Msg, tag="generate"):
     {"name", "schema", "strict"}}``), ``grammar`` (a Lark grammar, llguidance's dialect) or
     ``regex``; the output then always matches it and a generation the grammar completes ends with
     finish reason "stop". A spec that does not compile is INVALID_REQUEST with the library's
-    message, before anything is queued."""
+    message, before anything is queued.
+
+    ``speculation``: "auto" (speculative decoding where the worker's strategies are certified for
+    the request and pay), "off", or a strategy name enabled in the ``[speculation]`` config (e.g.
+    "prompt-lookup"; INVALID_REQUEST for one not enabled, or for a request its certificate does
+    not cover: sampled, or with a grammar). Speculation never changes the tokens beyond the
+    near-ties a batch's shape may flip (greedy verification, tick ABI §2)."""
 
     request_id: str
     prompt: str | None = None
@@ -109,6 +115,7 @@ class Generate(_Msg, tag="generate"):
     grammar: str | None = None
     regex: str | None = None
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    speculation: str = "auto"
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -211,11 +218,15 @@ class Tokens(_Msg, tag="tokens"):
 
 class Usage(_Rec):
     """Token counts of one generation: prompt, the prompt tokens served from the prefix cache,
-    and generated (completion) tokens."""
+    and generated (completion) tokens; with speculative decoding, the tokens drafted and the
+    drafts accepted (each accepted draft is a completion token that cost no decode step of its
+    own)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class Timings(_Rec):

@@ -151,10 +151,21 @@ class Overview(_Msg, tag="overview"):
 # --- rows and results -------------------------------------------------------------------------
 
 
+class SpeculationRow(_Rec):
+    """Speculative decoding of one strategy over every worker since start: tokens drafted,
+    drafts accepted, and the acceptance rate (accepted / drafted, 0 with no drafts)."""
+
+    strategy: str
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+
+
 class StatusResult(_Msg, tag="status_result"):
     """``state`` "starting", "ready", "draining" or "stopping"; uptime in seconds; workers
     handshaken / configured; lanes busy / total; queued requests; requests served since start;
-    ``problems``: one line per worker an operator must look at ("worker 0: <why>")."""
+    ``problems``: one line per worker an operator must look at ("worker 0: <why>");
+    ``speculation``: one row per speculation strategy that drafted."""
 
     request_id: str = ""
     version: str = ""
@@ -167,6 +178,7 @@ class StatusResult(_Msg, tag="status_result"):
     queued: int = 0
     requests_total: int = 0
     problems: list[str] = msgspec.field(default_factory=list)
+    speculation: list[SpeculationRow] = msgspec.field(default_factory=list)
 
 
 class WorkerRow(_Rec):

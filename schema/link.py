@@ -282,6 +282,23 @@ class TokenizerDesc(_Msg):
     path: str = ""
 
 
+class StrategyOffer(_Msg):
+    """A speculation strategy the worker registered at load (tick ABI §2): its ``strategy_id``,
+    the ``strategy_slot`` admits name, and its best certificate (``cert_id`` 0: none, so no lane
+    may use it without consenting to approximation): ``exactness`` (an ``Exactness``),
+    ``sampling_modes`` (``CertMode`` bits), ``param_domain`` (a ``CertDomain``), whether grammar
+    and logit-bias lanes are covered."""
+
+    strategy_id: str
+    strategy_slot: int
+    cert_id: int = 0
+    exactness: int = 0
+    sampling_modes: int = 0
+    param_domain: int = 0
+    grammar_allowed: bool = False
+    logit_bias_allowed: bool = False
+
+
 class RingSpec(_Msg):
     """One BRTRING1 ring (DESIGN.md "Rings"): ``ring_id`` (1 prompt, 2 emit, 3 logits), ``kind``
     a ``RingKind``, ``role`` a ``RingRole`` from the engine's side, ``slots`` count,
@@ -310,7 +327,8 @@ class Capabilities(_Msg):
     Mirrors ``EngineInfo`` of ``basertd.worker.engines.base`` plus the state spaces and the rings
     the worker wants. Sizes are tokens unless named ``_bytes``; ``model_id`` is a hex digest of the
     weights; ``bos_token_id`` is -1 when none; ``seed_lease_ticks`` is the TTL of ABI rule 84;
-    ``max_batch_size`` bounds ``max_decode_lanes`` (ABI rule 31)."""
+    ``max_batch_size`` bounds ``max_decode_lanes`` (ABI rule 31); ``strategies`` the speculation
+    strategies registered at load (``StrategyOffer``)."""
 
     engine: str
     engine_version: str
@@ -330,6 +348,7 @@ class Capabilities(_Msg):
     state_spaces: list[StateSpaceDesc] = msgspec.field(default_factory=list)
     rings: list[RingSpec] = msgspec.field(default_factory=list)
     extra: dict[str, str] = msgspec.field(default_factory=dict)
+    strategies: list[StrategyOffer] = msgspec.field(default_factory=list)
 
 
 class RingsAttach(_Msg):

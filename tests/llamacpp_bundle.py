@@ -51,7 +51,6 @@ _REF_DEFAULTS = {
 NOT_APPLICABLE = {
     "test_c_arrays.py": "RULES.md section C is the C binding's decoding of raw struct/array memory; the "
     "llama.cpp engine is Python and receives decoded schema records",
-    "test_rule_037_": "no speculation strategies are registered on the llama.cpp engine",
     "test_rule_064_no_partial_emits_from_a_legacy_plan": "drives the 152-byte C plan through cffi",
     "test_rule_070_": "reads engine-owned C event memory through cffi; Python events are objects",
     "test_rule_125_": "hand-corrupts C ring descriptors through cffi",

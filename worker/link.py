@@ -160,9 +160,11 @@ class LinkServer:
         log: Any,
         context: zmq.Context | None = None,
         emit_window_s: float = EMIT_WINDOW_S,
+        strategies: Sequence[link.StrategyOffer] = (),
     ) -> None:
         self.engine = engine
         self.emit_window_s = emit_window_s
+        self.strategies = list(strategies)  # registered at load (``basertd.worker.strategies``)
         self._emit_buf: dict[int, list[np.ndarray]] = {}
         self._last_flush = 0.0
         self.endpoint = endpoint
@@ -368,6 +370,7 @@ class LinkServer:
             state_spaces=self.engine.state_spaces(),
             rings=[r.spec() for r in self.rings],
             extra=dict(info.extra),
+            strategies=self.strategies,
         )
 
     def _serve(self, env: link.Envelope, body: Any) -> None:

@@ -56,8 +56,11 @@ from basertd.worker.engines import (
     UnknownEngine,
     open_engine,
 )
+from basertd.worker.engines.lookup import LookupConfig
 from basertd.worker.lifecycle import ExitCode, LifecycleError, StopSignals, die_with_parent
 from basertd.worker.link import EMIT_WINDOW_S, InheritedRing, LinkServer
+from basertd.worker.strategies import SpeculationArgError, parse_speculation
+from basertd.worker.strategies import register as register_strategies
 
 RING_KINDS: dict[str, tuple[RingKind, RingRole]] = {
     "prompt": (RingKind.TOKENS, RingRole.ENGINE_READS),
@@ -219,6 +222,14 @@ def build_parser() -> _Parser:
         default=EMIT_WINDOW_S * 1000,
         help="coalesce partial emits over this many ms (0: one TICK_EMIT per engine callback)",
     )
+    p.add_argument(
+        "--speculation",
+        action="append",
+        default=[],
+        type=_speculation,
+        metavar="STRATEGY[:KEY=N,...]",
+        help="register a speculation strategy at load, e.g. prompt-lookup:draft_max=8 (repeatable)",
+    )
     p.add_argument("--log-level", default="info", choices=wlog.level_names())
     p.add_argument(
         "--error-file",
@@ -227,6 +238,13 @@ def build_parser() -> _Parser:
         help="on exit 2 (usage) or 3 (load failure) write the one-line reason here as well",
     )
     return p
+
+
+def _speculation(value: str) -> LookupConfig:
+    try:
+        return parse_speculation(value)
+    except SpeculationArgError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_ref_config(text: str | None) -> dict[str, Any]:
@@ -363,6 +381,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         yields = bool(
             control is not None and engine.supports(Capability.TICK_YIELD) and engine.attach_control(control)
         )
+        strategies = register_strategies(engine, args.speculation, log)
         info = engine.info()
         log.info(
             "engine_loaded",
@@ -382,6 +401,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             stop=stop,
             log=log,
             emit_window_s=args.emit_window_ms / 1000,
+            strategies=strategies,
         )
         rings = []  # the server owns and closes them now
         return server.run()

@@ -527,6 +527,40 @@ def _default_workers() -> list[WorkerConfig]:
     return [WorkerConfig()]
 
 
+class SpeculationConfig(_Section):
+    """Speculative decoding (tick ABI §2; ``basertd.worker.strategies``). ``strategies``: the
+    strategies every worker registers at load ([] = none: every request decodes plainly);
+    "prompt-lookup" drafts from n-gram matches in the request's own prompt and output. Its
+    tuning, in tokens: ``draft_min`` .. ``draft_max`` drafts per round, matches of ``ngram_min`` ..
+    ``ngram_max`` tokens; ``max_batch_lanes``: a round with more decoding lanes drafts nothing
+    (verification rows cost more than they save in a large batch); ``min_acceptance``: a lane whose
+    recent share of accepted drafts falls below it pauses drafting for a while (0..1). A request's
+    ``speculation`` field ("auto", "off", a strategy name) chooses per request."""
+
+    strategies: list[Literal["prompt-lookup"]] = msgspec.field(default_factory=list)
+    draft_min: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    draft_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
+    ngram_max: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    max_batch_lanes: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    min_acceptance: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.15
+
+    def __post_init__(self) -> None:
+        if self.draft_min > self.draft_max or self.ngram_min > self.ngram_max:
+            raise ValueError("speculation: draft_min <= draft_max and ngram_min <= ngram_max")
+
+    def worker_args(self) -> tuple[str, ...]:
+        """The ``basertd-worker`` flags registering these strategies (``--speculation``)."""
+        knobs = (
+            f"draft_min={self.draft_min},draft_max={self.draft_max},ngram_min={self.ngram_min},"
+            f"ngram_max={self.ngram_max},max_batch_lanes={self.max_batch_lanes},"
+            f"min_accept_permille={round(self.min_acceptance * 1000)}"
+        )
+        return tuple(
+            a for name in dict.fromkeys(self.strategies) for a in ("--speculation", f"{name}:{knobs}")
+        )
+
+
 class Config(_Section):
     """The whole configuration. ``runtime_dir`` "" means the rule of ``resolve_runtime_dir``;
     ``state_dir`` "" the rule of ``resolve_state_dir``;
@@ -551,6 +585,7 @@ class Config(_Section):
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     compile: CompileConfig = msgspec.field(default_factory=CompileConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
         mode = self.socket_mode

@@ -160,6 +160,7 @@ class Fleet:
             runtime_dir=self.workers_dir,
             log_level=self.config.log_level,
             host_bytes=self.config.cache.host_bytes,
+            speculation=self.config.speculation.worker_args(),
         )
         tok = next((m.tokenizer for m in self.members if m.tok_key == tok_key), None)
         if tok is None:

@@ -81,6 +81,7 @@ OPTIONAL_CALLS = {
     "attach_control": (object(),),
     "embed": ([],),
     "score": (np.zeros(2, np.uint32), 0),
+    "strategy_register": (object(),),
 }
 
 

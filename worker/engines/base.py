@@ -125,6 +125,7 @@ class Capability(enum.Enum):
     TICK_YIELD = "tick_yield"  # ending a tick early at a step boundary (DESIGN.md "Front ends ... yield")
     EMBEDDINGS = "embeddings"  # pooled embeddings of inputs, between ticks (Link W EMBED)
     SCORING = "scoring"  # prompt log-probabilities, between ticks (Link W SCORE)
+    SPECULATION = "speculation"  # speculation-strategy registration (tick ABI §2, rules 114-122)
 
 
 CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
@@ -158,6 +159,7 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.TICK_YIELD: ("attach_control",),
     Capability.EMBEDDINGS: ("embed",),
     Capability.SCORING: ("score",),
+    Capability.SPECULATION: ("strategy_register",),
 }
 """The methods of each capability: an engine defines all of them or none."""
 
@@ -413,3 +415,12 @@ class Engine(abc.ABC):
         ``top_logprobs`` (n-1, top_k)); called between ticks. EngineError(REJECT_BOUNDS) for
         fewer than 2 or over context-length tokens, an id outside the vocabulary, a bad top_k."""
         raise unsupported(self, Capability.SCORING, "score")
+
+    # -- Capability.SPECULATION --------------------------------------------------------------------
+
+    def strategy_register(self, reg: Any) -> Any:
+        """Register a speculation strategy at load, before admission (a
+        ``basertd.native.abi.StrategyRegistration``); returns its ``StrategyGrant`` (slot,
+        certificates, reserved bytes) or raises EngineError(ERR_REGISTRATION_REFUSED) with nothing
+        registered (ABI rules 114-118)."""
+        raise unsupported(self, Capability.SPECULATION, "strategy_register")

@@ -324,6 +324,12 @@ class BasertEngine(Engine):
         """Free a logit-bias table (rule 113)."""
         self._call(self.bundle.logit_bias_free, handle)
 
+    def strategy_register(self, reg: Any) -> Any:
+        """``baseRT_strategy_register`` (tick ABI §2): the library's grant, or
+        EngineError(ERR_REGISTRATION_REFUSED) (rules 114-118). The reference engine grants slots
+        and certificates but never drafts."""
+        return self._call(self.bundle.strategy_register, reg)
+
     def tokenize(self, text: bytes, add_special: bool) -> list[int]:
         """With a tokenizer handle: ``baseRT_encode`` (BOS first when ``add_special`` and the
         library did not add it, dropped when not). Else the "bytes" vocabulary: ``[BOS]`` when

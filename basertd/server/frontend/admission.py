@@ -59,6 +59,7 @@ from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, spe
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.request.requester import UNBOUND, cache_salt
 from basertd.server.request.tokenizer import TokenizerError
+from basertd.server.sched.speculation import explicit_refusal
 from basertd.server.states import DaemonState, HealthStatus
 
 log = structlog.get_logger("basertd.frontend")
@@ -354,6 +355,11 @@ class Frontend:
             spec = spec_from_request(gen.response_format, gen.grammar, gen.regex)
         except GrammarRequestError as exc:
             raise AdmissionError(exc.code, str(exc)) from None
+        why = explicit_refusal(
+            gen.speculation, self.fleet.config.speculation.strategies, sampler_for(gen), spec is not None
+        )
+        if why is not None:
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, why)
         wid = self.fleet.route(gen.model)
         m = self.fleet[wid]
         check_logit_bias(gen, m.tokenizer.vocab_size)
@@ -406,6 +412,7 @@ class Frontend:
             stream=gen.stream,
             grammar=spec,
             cache_salt=salt,
+            speculation=gen.speculation,
         )
         if self.durability is not None:
             accepted = self.durability.wrap(gen, prompt, req, observed, requester=requester, context=context)

@@ -188,6 +188,22 @@ class _LiveCollector(Collector):
         )
         yield counter("decode_tokens", "Tokens decoded by the engine.", lambda ws: ws.decode_tokens)
         yield counter("ticks", "Ticks run.", lambda ws: ws.ticks_run)
+        drafted = CounterMetricFamily(
+            f"{NAMESPACE}_spec_draft_tokens",
+            "Tokens drafted by speculative decoding, per strategy.",
+            labels=["worker", "strategy"],
+        )
+        accepted = CounterMetricFamily(
+            f"{NAMESPACE}_spec_accepted_tokens",
+            "Drafted tokens the target model accepted, per strategy.",
+            labels=["worker", "strategy"],
+        )
+        for label, ws in rows:
+            for name, d, a in ws.speculation:
+                drafted.add_metric([label, name], float(d))
+                accepted.add_metric([label, name], float(a))
+        yield drafted
+        yield accepted
         yield counter(
             "plans_rejected",
             "Tick plans the engine rejected (nothing changed).",

@@ -79,6 +79,16 @@ class VllmCollector(_LiveCollector):
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
         lora.add_metric(["0", "", ""], time.time())
+        drafts = CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens",
+            "Draft tokens proposed by speculative decoding.",
+            labels=labels,
+        )
+        accepted = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the target model's verification.",
+            labels=labels,
+        )
         counts = self.metrics.cache_counters
         for model in dict.fromkeys(model_of[w.worker_id] for w in workers):
             mine = [w for w in workers if model_of[w.worker_id] == model]
@@ -95,6 +105,8 @@ class VllmCollector(_LiveCollector):
                 info.add_metric([model, str(block), str(pages), caching], 1.0)
             queries.add_metric([model], float(sum(counts.of(w.worker_id).query_tokens for w in mine)))
             hits.add_metric([model], float(sum(counts.of(w.worker_id).cached_tokens for w in mine)))
+            drafts.add_metric([model], float(sum(d for w in mine for _, d, _ in w.speculation)))
+            accepted.add_metric([model], float(sum(a for w in mine for _, _, a in w.speculation)))
         yield waiting
         yield running
         yield usage
@@ -102,6 +114,8 @@ class VllmCollector(_LiveCollector):
         yield queries
         yield hits
         yield lora
+        yield drafts
+        yield accepted
 
 
 def bind_vllm(metrics: Metrics, source: Callable[[], LiveState]) -> VllmCollector:

@@ -13,7 +13,7 @@ it, hand it to another thread or compare two of them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from basertd.schema.tick import MemCounters
 from basertd.server.request.record import QOS_CLASSES
@@ -96,9 +96,10 @@ class WorkerSnapshot:
     watchdog's, None while it progresses), ``prefix_caching`` (``[cache] enabled``). Counters
     only grow, across respawns: ``ticks_run``, ``plans_rejected``, ``requests_done``,
     ``prefill_tokens``, ``decode_tokens`` (engine tokens), ``preemptions``, ``checkpoints``,
-    ``crash_resumes`` (lanes requeued), and ``yields_requested`` (yields asked of ticks in
-    flight). ``host_tier``: the engine's host tier as last read (``HostTierCounts``; None for an
-    engine without one, or before the worker first reported it)."""
+    ``crash_resumes`` (lanes requeued), ``yields_requested`` (yields asked of ticks in
+    flight), and ``speculation``: per strategy, (strategy id, tokens drafted, drafts accepted).
+    ``host_tier``: the engine's host tier as last read (``HostTierCounts``; None for an engine
+    without one, or before the worker first reported it)."""
 
     worker_id: int
     taken_at: float
@@ -122,6 +123,7 @@ class WorkerSnapshot:
     crash_resumes: int
     yields_requested: int
     host_tier: HostTierCounts | None = None
+    speculation: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -152,17 +154,25 @@ class WorkerSnapshot:
 class FleetTotals:
     """Sums over the snapshots of every worker (``basertctl status``, the systemd status line):
     workers ``ready`` of ``total``, ``lanes_busy`` of ``lanes_max``, and requests queued per QoS
-    class (``queued_by_class``: every class, highest first)."""
+    class (``queued_by_class``: every class, highest first), and per speculation strategy the
+    tokens drafted and drafts accepted (``speculation``: strategy -> (drafted, accepted))."""
 
     ready: int
     total: int
     lanes_busy: int
     lanes_max: int
     queued_by_class: dict[str, int]
+    speculation: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, snapshots: Sequence[WorkerSnapshot]) -> FleetTotals:
+        spec: dict[str, tuple[int, int]] = {}
+        for s in snapshots:
+            for name, drafted, accepted in s.speculation:
+                d, a = spec.get(name, (0, 0))
+                spec[name] = (d + drafted, a + accepted)
         return cls(
+            speculation=spec,
             ready=sum(1 for s in snapshots if s.ready),
             total=len(snapshots),
             lanes_busy=sum(s.lanes_busy for s in snapshots),

@@ -281,6 +281,15 @@ class ControlService:
             queued=t.queued,
             requests_total=d.requests_total,
             problems=d.fleet.problems(),
+            speculation=[
+                control.SpeculationRow(
+                    strategy=name,
+                    drafted_tokens=dr,
+                    accepted_tokens=ac,
+                    acceptance_rate=ac / dr if dr else 0.0,
+                )
+                for name, (dr, ac) in sorted(t.speculation.items())
+            ],
         )
 
     async def _workers(self, msg: control.Workers) -> control.WorkersResult:

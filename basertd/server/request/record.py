@@ -173,6 +173,11 @@ class GenerationRequest:
     of a partial emit whose tick then died prove nothing, as a poison request may emit before it
     kills its worker.
 
+    Speculative decoding: ``speculation`` (the client's "auto", "off" or a strategy name,
+    ``basertd.server.sched.speculation``), ``draft_tokens`` and ``accepted_draft_tokens`` (the
+    engine's SpecStats over every lane the request ran in, up to its end: a tick that ends it
+    through a partial emit reports its drafts after the Done).
+
     Structured output: ``grammar`` (the validated spec, ``basertd.server.request.grammar.GrammarSpec``, or
     None; its handle on the worker is booked by the scheduler, ``basertd.server.sched.grammar_handles``)."""
 
@@ -192,6 +197,9 @@ class GenerationRequest:
     lane_tag: int | None = None
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    speculation: str = "auto"
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     cancelled: bool = False
     finish_reason: str | None = None
     t_admitted: float | None = None
@@ -362,11 +370,14 @@ class GenerationRequest:
         send(api.Error(code=code, request_id=self.request_id, message=message))
 
     def usage(self) -> api.Usage:
-        """Token counts: prompt, cached (prefix cache), completion (delivered)."""
+        """Token counts: prompt, cached (prefix cache), completion (delivered), drafted and
+        accepted drafts (speculative decoding, every admission of the request)."""
         return api.Usage(
             prompt_tokens=len(self.prompt),
             cached_tokens=self.cached_tokens,
             completion_tokens=len(self.generated),
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens,
         )
 
     def timings(self) -> api.Timings:

@@ -227,6 +227,17 @@ def apply_accepted(st: SchedulerState, plan: Plan, tick: Accepted, now: float, o
         del st.t_token[tag]
 
 
+def _count_spec(st: SchedulerState, lane: Lane, drafted: int, accepted: int) -> None:
+    """An emit's SpecStats (tick ABI §2): into the request's usage and the worker's counters of
+    the lane's strategy."""
+    req = lane.request
+    req.draft_tokens += drafted
+    req.accepted_draft_tokens += accepted
+    row = st.spec_tokens.setdefault(lane.strategy or "unknown", [0, 0])
+    row[0] += drafted
+    row[1] += accepted
+
+
 def _apply_emits(
     st: SchedulerState, events: TickEvents, read: dict[int, list[int] | None], now: float, out: Outbox
 ) -> None:
@@ -248,6 +259,8 @@ def _apply_emits(
             tokens = list(got)
         lane.emitted.extend(tokens)
         st.decode_tokens_total += len(tokens)
+        if emit.spec.proposed:
+            _count_spec(st, lane, emit.spec.proposed, emit.spec.accepted)
         if tokens[: len(partial)] != partial:
             log.error("partial_emits_disagree", worker_id=st.worker_id, lane_tag=lane.tag)
         req = lane.request

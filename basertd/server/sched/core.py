@@ -44,6 +44,7 @@ from basertd.server.sched.lanes import Lane, reservation
 from basertd.server.sched.outcome import Accepted, Applied, Delivery, Lost, Outbox, Outcome, Rejected
 from basertd.server.sched.qos import INTERACTIVE, effective_rank, qos_rank
 from basertd.server.sched.rejects import CLIENT_FIELD, Action, suspect_field, triage
+from basertd.server.sched.speculation import strategy_for
 from basertd.server.sched.state import SchedulerState
 from basertd.shm import YieldReason
 
@@ -260,11 +261,14 @@ class SchedulerCore(SchedulerState):
         the plan is the tick in flight until ``landed``. Returns the ``TickPlan`` to submit."""
         draft, requests = plan.draft, plan.requests
         admits: list[LaneAdmit] = []
+        strategies: dict[int, str] = {}
         for tag, cand in draft.admitted:
             req = requests[cand.key]
             sampler = req.sampler
             seed = plan.seeds.get(cand.key)
             grammar = self.grammars.get(req)
+            offer = strategy_for(req.speculation, sampler, req.grammar is not None, self.limits.strategies)
+            strategies[tag] = offer.strategy_id if offer is not None else ""
             admits.append(
                 LaneAdmit(
                     lane_tag=tag,
@@ -278,6 +282,7 @@ class SchedulerCore(SchedulerState):
                     grammar_replay=len(req.generated) if grammar else 0,
                     logit_bias_handle=biases.get(cand.key, 0),
                     want_logprobs=sampler.want_logprobs,
+                    strategy_slot=offer.strategy_slot if offer is not None else 0,
                 )
             )
         self.plan_seq += 1
@@ -318,6 +323,7 @@ class SchedulerCore(SchedulerState):
                 checkpoint=cand.checkpoint if cand.checkpoint > cand.prefilled else 0,
                 preemptible=rank > INTERACTIVE,
                 aged=effective_rank(rank, now - req.t_received, self.config.aging_s) < rank,
+                strategy=strategies[tag],
             )
             if lane.checkpoint:
                 req.checkpointed = True

@@ -60,6 +60,7 @@ class Lane:
     emitted: list[int] = field(default_factory=list)
     checkpoint: int = 0
     preemptible: bool = False
+    strategy: str = ""  # the speculation strategy its admit named ("" none; ``sched.speculation``)
     aged: bool = False
     requeue: bool = False
 

@@ -34,7 +34,8 @@ class SchedulerState:
     a lane that ends, the loop creates them and sends the frees), and the
     counters ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens_total``,
     ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``, ``handovers``
-    (lanes handed over by a planned replacement, not charged as crashes).
+    (lanes handed over by a planned replacement, not charged as crashes), ``spec_tokens``
+    (per speculation strategy, tokens drafted and accepted).
     ``last_mem``: the engine's memory counters of the last accepted tick of this incarnation
     (None before its first; the snapshot's ``mem`` and the ``engine_pool_*`` gauges). ``to_release``: seed
     lease handles the loop releases between ticks (ABI rule 81). ``can_yield`` / ``step_tokens``:
@@ -69,6 +70,7 @@ class SchedulerState:
         self.checkpoints = 0
         self.crash_resumes = 0
         self.handovers = 0  # lanes moved off a live worker that a reload or an operator replaced
+        self.spec_tokens: dict[str, list[int]] = {}  # strategy -> [drafted, accepted] tokens
         self.last_mem: link.MemCounters | None = None
         self.to_release: list[int] = []
         self.can_yield = False

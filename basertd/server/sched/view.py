@@ -58,4 +58,5 @@ def worker_snapshot(
         crash_resumes=core.crash_resumes,
         yields_requested=yields_requested,
         host_tier=core.cache_policy.host,
+        speculation=tuple((name, d, a) for name, (d, a) in sorted(core.spec_tokens.items())),
     )

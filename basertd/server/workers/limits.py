@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from basertd.schema import link
 from basertd.schema.abi import SpaceKind
 
 ALL_GRAMMAR_KINDS = ("json_schema", "lark", "regex")
@@ -26,7 +27,8 @@ class WorkerLimits:
     """The numbers admission and planning need from a worker's capability record (or, before
     the first handshake, from its config): context length, lanes and max batch size, page size
     (tokens), KV capacity (tokens), the prompt tokens one plan may write into the prompt ring and
-    the grammar kinds it compiles (``grammar_kinds_of``; every kind until the first handshake)."""
+    the grammar kinds it compiles (``grammar_kinds_of``; every kind until the first handshake) and
+    the speculation strategies it registered (``link.StrategyOffer``; none until then)."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class WorkerLimits:
         kv_tokens: int,
         max_admit_tokens: int,
         grammar_kinds: tuple[str, ...] = ALL_GRAMMAR_KINDS,
+        strategies: tuple[link.StrategyOffer, ...] = (),
     ) -> None:
         self.context_length = context_length
         self.max_lanes = max_lanes
@@ -45,6 +48,7 @@ class WorkerLimits:
         self.kv_tokens = kv_tokens
         self.max_admit_tokens = max_admit_tokens
         self.grammar_kinds = grammar_kinds
+        self.strategies = strategies
 
     @classmethod
     def from_worker(cls, proc: Any) -> WorkerLimits:
@@ -68,4 +72,5 @@ class WorkerLimits:
             kv_tokens=kv,
             max_admit_tokens=proc.prompt_ring.max_span_elems // 2,
             grammar_kinds=grammar_kinds_of(caps.extra),
+            strategies=tuple(getattr(caps, "strategies", ())),
         )

@@ -7,6 +7,7 @@ tokenizer) and the model name clients address it by.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from basertd.server.config import WorkerConfig
@@ -28,20 +29,27 @@ def model_path(worker: WorkerConfig) -> str:
 
 
 def worker_spec(
-    worker_id: int, w: WorkerConfig, *, runtime_dir: str, log_level: str, host_bytes: int | None = None
+    worker_id: int,
+    w: WorkerConfig,
+    *,
+    runtime_dir: str,
+    log_level: str,
+    host_bytes: int | None = None,
+    speculation: Sequence[str] = (),
 ) -> tuple[WorkerSpec, tuple[str, str] | tuple[str, str, int], str]:
     """The worker spec, the tokenizer it implies as ``(kind, path)`` (``("gguf", path)``) or
     ``("bytes", "", vocab_size)`` (the reference engine's ``vocab_size``, 0 when not configured)
     and the model's served name. ``host_bytes`` (``[cache] host_bytes``) sizes a llama.cpp
-    worker's host tier (None: the engine's default, off); other engines have none. Raises
-    ``basertd.models.ModelUnavailable`` when the default model cannot be assembled."""
+    worker's host tier (None: the engine's default, off); other engines have none.
+    ``speculation``: the worker's ``--speculation`` flags (``SpeculationConfig.worker_args``).
+    Raises ``basertd.models.ModelUnavailable`` when the default model cannot be assembled."""
     common = dict(
         worker_id=worker_id,
         device=w.device,
         lanes=w.lanes,
         context_length=w.context_length,
         threads=w.threads,
-        extra_args=tuple(w.engine_args),
+        extra_args=(*speculation, *w.engine_args),
         runtime_dir=runtime_dir,
         start_timeout=WORKER_START_TIMEOUT_S,
         log_level=log_level,

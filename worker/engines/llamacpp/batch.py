@@ -62,10 +62,11 @@ class TokenBatch:
         """Empty the batch."""
         self.n = 0
 
-    def add(self, tokens: np.ndarray, pos0: int, seq: int, want_last: bool) -> int:
+    def add(self, tokens: np.ndarray, pos0: int, seq: int, want_last: bool, every: bool = False) -> int:
         """Append ``tokens`` at positions ``pos0 ..`` of sequence ``seq``; when ``want_last`` the
-        last one produces a logits row. Returns the row index of the last token. The caller keeps
-        ``n`` within ``capacity`` (ValueError otherwise)."""
+        last one produces a logits row, when ``every`` each one does (a speculative run). Returns
+        the row index of the last token. The caller keeps ``n`` within ``capacity`` (ValueError
+        otherwise)."""
         k = tokens.shape[0]
         i = self.n
         if k == 0 or i + k > self.capacity:
@@ -73,7 +74,7 @@ class TokenBatch:
         self.token[i : i + k] = tokens
         self.pos[i : i + k] = np.arange(pos0, pos0 + k, dtype=np.int32)
         self.seq[i : i + k] = seq
-        self.logits[i : i + k] = 0
+        self.logits[i : i + k] = 1 if every else 0
         if want_last:
             self.logits[i + k - 1] = 1
         self.n = i + k

@@ -16,10 +16,12 @@ capability is served by one part (``base.ServedBy``: the call goes to the part's
 name): the prefix cache by ``seeds.Seeds`` (matches, leases, publish, evict), state ops by
 ``sequences.Sequences`` (bare sequences, adoption) and ``ops.StateOps`` (exports, snapshots,
 restores), grammars by ``grammar.GrammarSet``, logit biases by ``sampling.LogitBiases``, the
-yield by ``rounds``, embeddings by ``embed.Embedder``, prompt scores by ``score.Scorer``. Evicted
-prefixes go to the engine's own host tier (``host_tier.HostTier``, ``host_bytes``) and come back
-through ``seed_acquire``; the ABI's HOST_TIER ops on a sequence's ranges (demote, promote) are not
-served and answer ERR_OP_UNSUPPORTED after the checks every op makes.
+yield by ``rounds``, embeddings by ``embed.Embedder``, prompt scores by ``score.Scorer``,
+speculation-strategy registration by ``strategies.Strategies`` (the prompt-lookup drafts and their
+verification inside the rounds: ``speculation``). Evicted prefixes go to the engine's own host tier
+(``host_tier.HostTier``, ``host_bytes``) and come back through ``seed_acquire``; the ABI's
+HOST_TIER ops on a sequence's ranges (demote, promote) are not served and answer
+ERR_OP_UNSUPPORTED after the checks every op makes.
 
 Where the ABI leaves a choice, this engine's semantics are documented where they are made: lane
 stops, HOST commits and the pending last token in ``tick``; budgets and internal work in
@@ -75,7 +77,9 @@ from basertd.worker.engines.llamacpp.sampling import LogitBiases
 from basertd.worker.engines.llamacpp.score import Scorer
 from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID, Seeds
 from basertd.worker.engines.llamacpp.sequences import Sequences
+from basertd.worker.engines.llamacpp.speculation import Speculator
 from basertd.worker.engines.llamacpp.state import compat_identity
+from basertd.worker.engines.llamacpp.strategies import Strategies
 from basertd.worker.engines.llamacpp.tick import Tick, TickParts, new_stats
 from basertd.worker.engines.llamacpp.validate import validate_plan
 from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL
@@ -194,8 +198,13 @@ class LlamaCppEngine(Engine):
         self.ops = StateOps(self.sequences, self.identity)
         self.rates = RateCurve()
         batch_rows = sizes.n_batch + lanes
+        self.strategies = Strategies(self.model.arch, self.model.n_layer)
+        # Drafts write KV past the lane's end and are removed again: not on a window cache that
+        # prunes (``speculation``).
+        self.speculates = swa_full or not self.n_swa
+        speculator = Speculator(cells, context_length)
         self.rounds = Rounds(
-            cells, live, grammars, self.rates, stats, self.n_vocab, self.step_rows, batch_rows
+            cells, live, grammars, self.rates, stats, self.n_vocab, self.step_rows, batch_rows, speculator
         )
         self._parts = TickParts(
             live,
@@ -286,10 +295,11 @@ class LlamaCppEngine(Engine):
         live_logit_biases, cache_entries, bare_sequences,
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
-        by the yield word), the host tier's ``host_*`` gauges and counters (``HostTier.stats``:
-        entries, bytes, capacity, demotions, drops, restores, restored tokens, restore ns,
-        refused snapshots), and the measured rate curve (``rates.RateCurve.stats``:
-        ``rate_tok_s_b<rows>`` per power-of-two llama_decode size)."""
+        by the yield word), spec_rounds_total / spec_drafted_total / spec_accepted_total
+        (speculative rounds verified, tokens drafted and accepted), the host tier's ``host_*``
+        gauges and counters (``HostTier.stats``: entries, bytes, capacity, demotions, drops,
+        restores, restored tokens, restore ns, refused snapshots), and the measured rate curve
+        (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two llama_decode size)."""
         out = dict(self._stats)
         out.update(self.rates.stats())
         out.update(self.host.stats())
@@ -403,6 +413,10 @@ class LlamaCppEngine(Engine):
     # made on first use (``embed.Embedder``, ``score.Scorer``).
     embed = ServedBy("embedder")
     score = ServedBy("scorer")
+
+    # Capability.SPECULATION: registration and certificates in ``strategies``; drafting and
+    # verification in ``speculation`` (prompt-lookup only).
+    strategy_register = ServedBy("strategies")
 
     # ------------------------------------------------------------------ vocabulary
 

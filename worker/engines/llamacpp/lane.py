@@ -32,6 +32,7 @@ import numpy as np
 from basertd.schema.abi import Finish, Sampling
 from basertd.worker.engines.llamacpp.grammar import LaneGrammar
 from basertd.worker.engines.llamacpp.sampling import SamplerConfig
+from basertd.worker.engines.llamacpp.speculation import LaneSpec
 
 
 @dataclass(eq=False)
@@ -62,6 +63,7 @@ class Lane:
     content_gen: int = 0
     seeded_tokens: int = 0
     grammar: LaneGrammar | None = None  # the lane's matcher when admitted with a grammar handle
+    spec: LaneSpec | None = None  # prompt-lookup state when admitted on a certified slot (``speculation``)
 
     @property
     def is_host(self) -> bool:

@@ -1,8 +1,9 @@
 """``Rounds``: a tick's decode rounds over llama.cpp: batch assembly, ``llama_decode``, the yield
 inside a tick and abort arming.
 
-A grant of k tokens runs k rounds. Each round puts a token for every decoding lane that needs a
-forward first, then the tick's prefill (rows a yield may not cut first: KV the coordinator already
+A grant of k tokens runs at most k rounds. Each round puts a token for every decoding lane that
+needs a forward first (with its prompt-lookup drafts, ``speculation``: a speculative round may
+commit several tokens), then the tick's prefill (rows a yield may not cut first: KV the coordinator already
 counts as prefilled), in one ``TokenBatch`` that ``decode`` splits into steps of at most
 ``yield_step_tokens`` rows. A long prefill is spread evenly over the rounds the grants leave
 (``_feed_room``), so a lane decoding beside it gets a token every round.
@@ -32,6 +33,7 @@ from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.rates import RateCurve
+from basertd.worker.engines.llamacpp.speculation import Speculator
 from basertd.worker.engines.llamacpp.tick import Tick
 from basertd.worker.engines.llamacpp.work import SHED_REASON_BUDGET, TickWork
 
@@ -60,6 +62,7 @@ class Rounds:
         n_vocab: int,
         step_rows: int,
         batch_rows: int,
+        speculator: Speculator,
     ) -> None:
         self.ctx = cells.ctx
         self.cells = cells
@@ -70,6 +73,7 @@ class Rounds:
         self.n_vocab = n_vocab
         self.n_ubatch = int(L.llama_n_ubatch(self.ctx))
         self.step_rows = step_rows
+        self.speculator = speculator
         self.batch = TokenBatch(batch_rows, step_rows)
         self.control = None
         self.abort: AbortWatch | None = None
@@ -104,6 +108,7 @@ class Rounds:
             if lane is not None:
                 tick.floor.setdefault(tag, lane.prefilled)
                 lane.prefilled += eff
+        tick.overshoot.update(work.overshoot)
         for tag, max_new in work.decodes:
             if tag in lanes:
                 tick.grant[tag] = max_new
@@ -235,16 +240,28 @@ class Rounds:
         while feed and len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed) > self.cells.free:
             tick.fault(feed.pop(), FaultCode.OOM_TENTATIVE, 0)
         need_rows = len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed)
+        rows_free = min(self.step_rows - len(forward), self.cells.free - need_rows)
+        drafts = self.speculator.plan(forward, len(active), tick, rows_free) if forward else {}
+        need_rows += sum(int(d.shape[0]) for d in drafts.values())
         room = self._feed_room(forward, ready, feed, tick)
         b = self.batch
         if need_rows > b.capacity:
             self.batch = b = TokenBatch(need_rows, self.step_rows)
         b.clear()
         runs: list[tuple[Lane, int, int, bool]] = []  # lane, first row, rows, wants logits
+        spec: list[tuple[Lane, int, np.ndarray]] = []  # lane, first row, drafts (``speculation``)
         for lane in forward:
             k = lane.kv_len
-            row = b.add(lane.tokens[k : k + 1], k, lane.seq, True)
-            runs.append((lane, row, 1, True))
+            d = drafts.get(lane.tag)
+            if d is None:
+                row = b.add(lane.tokens[k : k + 1], k, lane.seq, True)
+                runs.append((lane, row, 1, True))
+            else:  # the pending token and its drafts, a logits row each, all in the first step
+                n = 1 + int(d.shape[0])
+                toks = np.concatenate((lane.tokens[k : k + 1], d))
+                first = b.add(toks, k, lane.seq, True, every=True) - n + 1
+                runs.append((lane, first, n, False))
+                spec.append((lane, first, d))
         n_decode_rows = b.n
         # Rows a yield may not cut come first: KV the coordinator already counts as prefilled (a
         # cold fallback, a cached prompt's last token); then this tick's planned chunks.
@@ -264,7 +281,7 @@ class Rounds:
             if mandatory:
                 tick.min_rows = b.n
         if b.n:
-            self._decode_batch(runs, n_decode_rows, tick)
+            self._decode_batch(runs, spec, n_decode_rows, tick)
         ready = [ln for ln in ready if ln.tag in lanes and tick.grant.get(ln.tag, 0) > 0]
         for lane in [ln for ln in ready if ln.held_row is None]:
             tick.units([lane], None)  # a replayed token: no logits
@@ -289,7 +306,13 @@ class Rounds:
             return left
         return -(-left // rounds)
 
-    def _decode_batch(self, runs: list[tuple[Lane, int, int, bool]], n_decode_rows: int, tick: Tick) -> None:
+    def _decode_batch(
+        self,
+        runs: list[tuple[Lane, int, int, bool]],
+        spec: list[tuple[Lane, int, np.ndarray]],
+        n_decode_rows: int,
+        tick: Tick,
+    ) -> None:
         n_vocab = self.n_vocab
         ctx = self.ctx
         lanes = self.lanes
@@ -313,7 +336,12 @@ class Rounds:
                     if out_of_row is None:  # llama_get_logits keeps the batch's output order
                         out_of_row = np.cumsum(self.batch.logits[start:end], dtype=np.int64) - 1
                     units.append((lane, int(out_of_row[first + n - 1 - start])))
-            if not units:
+            verify = [
+                (ln, f, d) for ln, f, d in spec if start <= f and f + d.shape[0] < end and ln.tag in lanes
+            ]
+            if verify and out_of_row is None:
+                out_of_row = np.cumsum(self.batch.logits[start:end], dtype=np.int64) - 1
+            if not units and not verify:
                 return
             n_out = int(out_of_row[-1]) + 1
             logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), (n_out, n_vocab))
@@ -326,6 +354,9 @@ class Rounds:
                 contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
                 rows = logits[idx[0] : idx[0] + len(idx)] if contiguous else logits[idx]
                 tick.units([ln for ln, _ in go], rows)
+            for lane, first, d in verify:
+                o = int(out_of_row[first - start])
+                self.speculator.verify(tick, lane, logits[o : o + d.shape[0] + 1], d)
 
         def stop(rows_done: int) -> bool:
             if rows_done < tick.min_rows or not self.yield_requested():

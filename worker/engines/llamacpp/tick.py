@@ -26,7 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from basertd.schema.abi import AdmitStatus, FaultCode, Finish, Sampling, Status, TickStatus
-from basertd.schema.tick import AdmitResult, LaneEmit, LaneFault, LaneLogprob, RingRef, TickEvents, TokenRef
+from basertd.schema.tick import (
+    AdmitResult,
+    LaneEmit,
+    LaneFault,
+    LaneLogprob,
+    RingRef,
+    SpecStats,
+    TickEvents,
+    TokenRef,
+)
 from basertd.shm import RingError
 from basertd.worker.engines.base import PartialEmit
 from basertd.worker.engines.llamacpp import sampling
@@ -35,6 +44,7 @@ from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.seeds import Seeds
+from basertd.worker.engines.llamacpp.speculation import LaneSpec
 from basertd.worker.engines.llamacpp.work import AdmitWork, TickWork
 
 _U32 = (1 << 32) - 1
@@ -50,7 +60,8 @@ def new_stats() -> dict[str, int]:
     names = (
         "ticks prefill_tokens_total cached_tokens_total decode_tokens_total replay_tokens_total"
         " evictions_total faults_total rejected_plans cold_fallbacks_total yields_total"
-        " yield_aborts_total yield_abort_rows_total"
+        " yield_aborts_total yield_abort_rows_total spec_rounds_total spec_drafted_total"
+        " spec_accepted_total"
     )
     return dict.fromkeys(names.split(), 0)
 
@@ -103,6 +114,8 @@ class Tick:
         self.yielded = False
         self.replaying = False  # a decoding lane of the round in flight is in its replay tail
         self.clear_at_start = True  # the yield word was clear when the tick began
+        self.overshoot: dict[int, int] = {}  # lane tag -> tokens a round may still commit past its grant
+        self.spec: dict[int, tuple[int, int]] = {}  # lane tag -> (drafted, accepted) this tick
         self._noted: set[int] = set()
 
     def note(self, tag: int) -> None:
@@ -110,6 +123,14 @@ class Tick:
         if tag not in self._noted:
             self._noted.add(tag)
             self.emit_order.append(tag)
+
+    def note_spec(self, tag: int, drafted: int, accepted: int) -> None:
+        """Count one verified speculative round of ``tag`` in its emit's SpecStats."""
+        d, a = self.spec.get(tag, (0, 0))
+        self.spec[tag] = (d + drafted, a + accepted)
+        self.stats["spec_rounds_total"] += 1
+        self.stats["spec_drafted_total"] += drafted
+        self.stats["spec_accepted_total"] += accepted
 
     def fault(self, lane: Lane, code: int, detail: int) -> None:
         """Stop one lane with a typed fault, its KV released; the tick goes on (ABI rules 60-62)."""
@@ -190,7 +211,9 @@ class Tick:
                 continue
             self.lanes[tag] = self._make_lane(w)
             self.ev.admit_results.append(
-                AdmitResult(lane_tag=tag, status=AdmitStatus.ADMITTED, granted_class=w.granted)
+                AdmitResult(
+                    lane_tag=tag, status=AdmitStatus.ADMITTED, cert_id=w.cert_id, granted_class=w.granted
+                )
             )
 
     def _make_lane(self, w: AdmitWork) -> Lane:
@@ -226,6 +249,7 @@ class Tick:
             taint=taint,
             seeded_tokens=0 if cold else w.share_len,
             grammar=self.grammars.lane_grammar(a.grammar_handle, w.prompt[n - a.grammar_replay :]),
+            spec=None if w.lookup is None else LaneSpec(w.lookup, w.cert_id),
         )
 
     # ------------------------------------------------------------------ decode units
@@ -238,7 +262,7 @@ class Tick:
         heads: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # lane index -> (its row, masked row)
         for i, lane in enumerate(lanes):
             own = None if rows is None else rows[i]
-            head = self._unit_head(lane, own)
+            head = self.unit_head(lane, own)
             if head is not None:
                 pend.append(i)
                 heads[i] = (own, head)
@@ -263,9 +287,9 @@ class Tick:
         us = [sampling.draw(ln.rng_base + ln.generated) if ln.cfg.sampled else 0.0 for ln in samplers]
         toks = sampling.select_batch(mat, cfgs, us)
         for j, i in enumerate(pend):
-            self._unit_tail(lanes[i], mat[j], int(toks[j]))
+            self.unit_tail(lanes[i], mat[j], int(toks[j]))
 
-    def _unit_head(self, lane: Lane, row: np.ndarray | None) -> np.ndarray | None:
+    def unit_head(self, lane: Lane, row: np.ndarray | None) -> np.ndarray | None:
         """The part of a decode unit before sampling: a replayed token, a full context, the
         lane's grammar mask, or a HOST lane's row to the logits ring. Returns the row the lane
         samples its token from (masked by its grammar), or None when it samples nothing."""
@@ -297,7 +321,7 @@ class Tick:
             return None
         return row
 
-    def _unit_tail(self, lane: Lane, r: np.ndarray, tok: int) -> None:
+    def unit_tail(self, lane: Lane, r: np.ndarray, tok: int) -> None:
         """The part of a decode unit after sampling ``tok`` from the adjusted row ``r``: logprobs,
         commit, partial-emit bookkeeping, finish."""
         tag = lane.tag
@@ -341,6 +365,12 @@ class Tick:
 
     # ------------------------------------------------------------------ after the rounds
 
+    def _spec_stats(self, tag: int, lane: Lane | None) -> SpecStats:
+        """The emit's SpecStats: tokens drafted and accepted this tick, the lane's certificate."""
+        drafted, accepted = self.spec.get(tag, (0, 0))
+        cert = lane.spec.cert_id if lane is not None and lane.spec is not None else 0
+        return SpecStats(proposed=drafted, accepted=accepted, cert_id_in_effect=cert)
+
     def finish_events(self, work: TickWork) -> None:
         """One emit per noted lane (its new tokens in the emit ring, its logits row), the plan's
         shed entries first among the shed report's, and the tick status."""
@@ -368,6 +398,7 @@ class Tick:
                     n_tokens=n,
                     finish=self.finish.get(tag, Finish.NONE),
                     logits_row=self.rows.get(tag, RingRef()),
+                    spec=self._spec_stats(tag, lane),
                 )
             )
         ev.shed.prefill_chunks_dropped += work.chunks_dropped

@@ -14,14 +14,14 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
 4. DRAIN with admits, a tag in admits and retires/commits, or in retires and commits/prefills/
    decodes: ILLEGAL_COMBINATION [28, 29, 33].
 5. Retires: unknown tag UNKNOWN_LANE [38, 61]; a sequence with an op in flight TRANSFER_LOCKED [49].
-6. Admits: a live (or faulted, not yet retired) tag, sampling > 2, a strategy slot, an unknown
-   grammar handle, grammar_replay without a grammar or above the prompt length, an unknown
-   logit-bias handle: ILLEGAL_COMBINATION [34, 36, 74]; HOST
-   without a logits ring HOST_RULES; a stale prompt ref BAD_REF_GENERATION [35]; an empty prompt,
-   a token outside the vocabulary, a prompt longer than the lane context, decode_replay >=
-   prompt length, want_logprobs > 1 + 20: BOUNDS [71]; an expired, unknown or doubly used seed, or
-   one whose determinism class or prefix does not match: STALE_SEED [80-83]; more lanes than
-   max_lanes: BUDGET.
+6. Admits: a live (or faulted, not yet retired) tag, sampling > 2, an unregistered strategy
+   slot, an unknown grammar handle, grammar_replay without a grammar or above the prompt length,
+   an unknown logit-bias handle: ILLEGAL_COMBINATION [34, 36, 74]; HOST without a logits ring, or
+   on a strategy without HOST_COMPATIBLE, HOST_RULES [37]; a stale prompt ref BAD_REF_GENERATION
+   [35]; an empty prompt, a token outside the vocabulary, a prompt longer than the lane context,
+   decode_replay >= prompt length, want_logprobs > 1 + 20: BOUNDS [71]; an expired, unknown or
+   doubly used seed, or one whose determinism class or prefix does not match: STALE_SEED [80-83];
+   more lanes than max_lanes: BUDGET.
 7. Commits: unknown UNKNOWN_LANE; not HOST or finished ILLEGAL_COMBINATION [39, 42]; no row
    pending HOST_RULES [40]; wrong nonce STALE_NONCE [41]; token outside the vocabulary BOUNDS [42];
    locked TRANSFER_LOCKED.
@@ -30,14 +30,15 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
    with a shed entry per shortened chunk [56, 57].
 9. Decodes: unknown UNKNOWN_LANE [38, 61]; locked; finished, a grant of 0 tokens, or prefill not
    complete after this tick's (truncated) prefills ILLEGAL_COMBINATION [47, 48]; HOST with
-   max_new_tokens != 1, or with a row pending and no commit HOST_RULES [43, 44]; grants that could
-   emit more slots than the emit ring has BOUNDS.
+   max_new_tokens != 1, or with a row pending and no commit HOST_RULES [43, 44]; grants (plus a
+   speculating lane's overshoot) that could emit more slots than the emit ring has BOUNDS.
 10. KV: the cells the tick may need against free cells plus what its retires free, then cache
    entries the shed envelope lets it evict (LRU); if that is not enough NEEDS_REPLAN [50-52]
    (``feasibility.check_kv``).
 
-Admits that no certificate serves (a required_cert_id, or minimum_exactness above what this engine
-grants) are not a plan rejection: they are REJECTED with REJECT_CERT_UNMATCHED in admit_results
+Admits that no certificate serves (on a strategy slot: ``strategies.Strategies.admit_grant``;
+without one: a required_cert_id, or minimum_exactness above what this engine grants) are not a
+plan rejection: they are REJECTED with REJECT_CERT_UNMATCHED in admit_results
 unless allow_approximate (ABI rules 14, 119, 122); records naming such a lane are then ignored.
 
 Semantics this engine fixes where the ABI leaves a choice:
@@ -66,6 +67,7 @@ from basertd.worker.engines.llamacpp.pool import CellLedger
 from basertd.worker.engines.llamacpp.prefix_cache import PrefixCache, common_prefix
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.seeds import Seeds
+from basertd.worker.engines.llamacpp.strategies import Strategies
 from basertd.worker.engines.llamacpp.work import GRANTED_CLASS, SHED_REASON_BUDGET, AdmitWork, TickWork
 
 MAX_LOGPROBS_BYTE = 21  # 1 + MAX_TOP_LOGPROBS
@@ -89,6 +91,8 @@ class EngineState(Protocol):
     cache: PrefixCache
     ledger: CellLedger
     seeds: Seeds  # a lease's source sequence and its sliding window (``source``, ``window_ok``)
+    strategies: Strategies  # registered speculation slots and their certificates
+    speculates: bool  # whether lanes may draft at all (``speculation``: not on a pruned window cache)
 
 
 def _reject(status: Status, msg: str) -> PlanRejected:
@@ -232,11 +236,13 @@ def validate_plan(st: EngineState, plan: TickPlan) -> TickWork:
             end, finished, host = w.prefill_end, False, w.rec.sampling == Sampling.HOST
             after = cursor.get(tag, w.prefilled)
             pending = False
+            speculating = w.lookup is not None
         else:
             lane = live(tag)
             end, finished, host = lane.prefill_end, lane.finished, lane.is_host
             after = cursor.get(tag, lane.prefilled)
             pending = lane.pending_nonce != 0
+            speculating = lane.spec is not None
         if finished:
             raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"decode on finished lane {tag}")
         if d.max_new_tokens == 0:
@@ -248,12 +254,14 @@ def validate_plan(st: EngineState, plan: TickPlan) -> TickWork:
         if host and pending and tag not in commit_set:
             raise _reject(Status.REJECT_HOST_RULES, f"HOST lane {tag}: decode with a row pending")
         work.decodes.append((tag, d.max_new_tokens))
+        if speculating and d.overshoot:
+            work.overshoot[tag] = d.overshoot
     if work.decodes:
         emits = st.rings.emits
         if emits is None:
             raise _reject(Status.REJECT_BOUNDS, "decodes but no emit ring attached")
         cap = emits.capacity_elems
-        slots = sum(-(-n // cap) for _, n in work.decodes)
+        slots = sum(-(-(n + work.overshoot.get(t, 0)) // cap) for t, n in work.decodes)
         if slots > emits.slots:
             raise _reject(
                 Status.REJECT_BOUNDS, f"decodes could emit {slots} slots, the emit ring has {emits.slots}"
@@ -269,8 +277,15 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag} is already live")
     if a.sampling > Sampling.HOST:
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: sampling {a.sampling}")
-    if a.strategy_slot != 0:
-        raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: no strategy is registered")
+    if not st.strategies.known(a.strategy_slot):
+        raise _reject(
+            Status.REJECT_ILLEGAL_COMBINATION,
+            f"lane {tag}: strategy slot {a.strategy_slot} is not registered",
+        )
+    if a.sampling == Sampling.HOST and not st.strategies.host_compatible(a.strategy_slot):
+        raise _reject(
+            Status.REJECT_HOST_RULES, f"lane {tag}: HOST lane on a strategy without HOST_COMPATIBLE"
+        )
     if a.grammar_handle != 0 and not st.grammars.known(a.grammar_handle):
         raise _reject(Status.REJECT_ILLEGAL_COMBINATION, f"lane {tag}: no such grammar")
     if a.grammar_replay != 0 and a.grammar_handle == 0:
@@ -332,7 +347,14 @@ def _validate_admit(st: EngineState, a: LaneAdmit, used_leases: set[int]) -> Adm
             w.cold_fallback = True
             w.prefilled = min(p, n_p)
             w.produced = n_p
-    if a.required_cert_id != 0 or a.minimum_exactness > GRANTED_CLASS:
+    if a.strategy_slot:
+        grant = st.strategies.admit_grant(a)
+        if grant is None:
+            w.cert_reject = True
+        else:
+            w.granted, w.cert_id = grant.granted, grant.cert_id
+            w.lookup = grant.lookup if st.speculates else None
+    elif a.required_cert_id != 0 or a.minimum_exactness > GRANTED_CLASS:
         if a.allow_approximate:
             w.granted = Exactness.APPROXIMATE
         else:

@@ -5,12 +5,16 @@ reasons this engine reports (ShedEntry.reason, ABI rules 56-58)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from basertd.schema.abi import Exactness
 from basertd.schema.tick import LaneAdmit, ShedEntry, TickPlan
 from basertd.worker.engines.llamacpp.prefix_cache import CacheEntry, Lease
+
+if TYPE_CHECKING:
+    from basertd.worker.engines.llamacpp.strategies import LookupConfig
 
 GRANTED_CLASS = Exactness.DISTRIBUTION_EXACT
 """What a plain lane of this engine is: it samples the model's distribution, but batch composition
@@ -43,6 +47,8 @@ class AdmitWork:
     cold_fallback: bool = False
     cert_reject: bool = False
     granted: int = GRANTED_CLASS
+    cert_id: int = 0
+    lookup: LookupConfig | None = None  # set when the lane speculates (``strategies.AdmitGrant``)
 
 
 @dataclass
@@ -55,6 +61,9 @@ class TickWork:
     admits: list[AdmitWork] = field(default_factory=list)
     prefills: list[tuple[int, int]] = field(default_factory=list)  # (tag, effective count)
     decodes: list[tuple[int, int]] = field(default_factory=list)  # (tag, max_new_tokens)
+    overshoot: dict[int, int] = field(
+        default_factory=dict
+    )  # tag -> LaneDecode.overshoot of speculating lanes
     evict: list[CacheEntry] = field(default_factory=list)
     shed: list[ShedEntry] = field(default_factory=list)
     chunks_dropped: int = 0

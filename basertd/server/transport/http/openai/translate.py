@@ -6,8 +6,9 @@ their no-op values only (``extensions``); ``echo`` on completions is ``openai/ec
 ``logprobs`` (completions: 0..20 alternatives; chat: ``logprobs`` true with ``top_logprobs``
 0..20) and ``logit_bias`` (token-id strings to a bias in [-100, 100], at most 300) map to the
 ``Generate`` fields of the same names.
-Extensions: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and ``qos`` (also the
-header ``X-Basertd-QoS``).
+Extensions: ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``speculation``
+(``Generate.speculation``: "auto", "off" or a strategy name; drafts accepted and rejected come back
+in ``usage.completion_tokens_details``) and ``qos`` (also the header ``X-Basertd-QoS``).
 
 Structured outputs (``basertd.server.request.grammar``): ``response_format`` ``{"type": "json_object"}``
 or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``, and the extensions
@@ -169,6 +170,7 @@ def generate_of(
         stop=stops_of(req.stop),
         qos=qos,  # type: ignore[arg-type]
         ignore_eos=bool(req.ignore_eos),
+        speculation=req.speculation or "auto",
         stream=stream,
         model=req.model,
         logprobs=logprobs_of(req),
@@ -219,4 +221,6 @@ def usage(dones: list[api.Done], n: int) -> dict[str, Any]:
     prompt = sum(d.usage.prompt_tokens for d in dones[::n])
     cached = sum(d.usage.cached_tokens for d in dones[::n])
     completion = sum(d.usage.completion_tokens for d in dones)
-    return usage_of(prompt, cached, completion)
+    drafted = sum(d.usage.draft_tokens for d in dones)
+    accepted = sum(d.usage.accepted_draft_tokens for d in dones)
+    return usage_of(prompt, cached, completion, drafted, accepted)

@@ -54,6 +54,7 @@ class Common(Extensions, kw_only=True, forbid_unknown_fields=True):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    speculation: str | None = None
     qos: str | None = None
     response_format: Any = None
     grammar: str | None = None
@@ -131,13 +132,24 @@ def finish_reason(done: api.Done) -> str:
     return "length" if done.finish_reason == "length" else "stop"
 
 
-def usage_of(prompt: int, cached: int, completion: int) -> dict[str, Any]:
-    return {
+def usage_of(
+    prompt: int, cached: int, completion: int, drafted: int = 0, accepted: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object. With speculative decoding (``drafted`` > 0), drafts accepted and
+    rejected go in ``completion_tokens_details`` under the names OpenAI uses for predicted
+    outputs (``accepted_prediction_tokens``, ``rejected_prediction_tokens``)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if drafted:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return out
 
 
 def _completion_token(piece: bytes) -> str:

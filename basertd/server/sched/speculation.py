@@ -1,0 +1,74 @@
+"""Which speculation strategy a lane runs (tick ABI §2 ``LaneAdmit.strategy_slot``), decided by
+the coordinator at each admission from the request's ``speculation`` field and what the worker
+registered (``WorkerLimits.strategies``, one ``link.StrategyOffer`` each). Pure functions.
+
+A lane gets a strategy's slot only when that strategy's certificate covers it, so the engine never
+refuses the admit (REJECT_CERT_UNMATCHED) and the granted exactness is the certificate's, never
+APPROXIMATE: its sampling mode (greedy lanes are GREEDY; sampled lanes GUMBEL) and parameter domain
+(GREEDY_ONLY: temperature 0; PENALTY_FREE: no penalties; ANY), a grammar only when the certificate
+allows grammars, a logit bias only when it allows biases. "auto" takes the first covering strategy
+the worker offers; a strategy name takes that one when it covers the lane; "off" none. What "auto"
+does after that is the engine's, with the coordinator's ``[speculation]`` knobs (registered at
+load): no drafts in rounds of more than ``max_batch_lanes`` decoding lanes, a lane whose acceptance
+does not pay pauses its drafts (``basertd.worker.engines.llamacpp.speculation``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from basertd.schema import link
+from basertd.schema.abi import CertDomain, CertMode, Sampling
+from basertd.server.request.record import Sampler
+
+AUTO = "auto"
+OFF = "off"
+
+
+def covers(offer: link.StrategyOffer, sampler: Sampler, grammar: bool) -> bool:
+    """``offer``'s certificate covers a lane sampled by ``sampler`` (with a grammar when
+    ``grammar``); False without a certificate."""
+    if not offer.cert_id:
+        return False
+    p = sampler.params
+    greedy = sampler.mode == Sampling.GPU_GREEDY or p.temperature <= 0.0
+    mode = CertMode.GREEDY if sampler.mode == Sampling.GPU_GREEDY else CertMode.GUMBEL
+    if not offer.sampling_modes & mode:
+        return False
+    penalty_free = p.freq_penalty == 0.0 and p.presence_penalty == 0.0 and p.repeat_penalty in (0.0, 1.0)
+    domain = {CertDomain.GREEDY_ONLY: greedy, CertDomain.PENALTY_FREE: penalty_free, CertDomain.ANY: True}
+    if not domain.get(offer.param_domain, False):
+        return False
+    if grammar and not offer.grammar_allowed:
+        return False
+    return not (sampler.logit_bias and not offer.logit_bias_allowed)
+
+
+def strategy_for(
+    mode: str, sampler: Sampler, grammar: bool, offers: Sequence[link.StrategyOffer]
+) -> link.StrategyOffer | None:
+    """The strategy a lane of a request with ``speculation`` = ``mode`` runs (module docstring),
+    or None (``strategy_slot`` 0)."""
+    if mode == OFF:
+        return None
+    for offer in offers:
+        if (mode == AUTO or offer.strategy_id == mode) and covers(offer, sampler, grammar):
+            return offer
+    return None
+
+
+def explicit_refusal(mode: str, enabled: Sequence[str], sampler: Sampler, grammar: bool) -> str | None:
+    """Why a request's ``speculation`` value cannot be honoured, or None: an unknown value or a
+    strategy the ``[speculation]`` config does not enable; a named strategy for a sampled request
+    (its certificate covers greedy lanes only) or one with a grammar. "auto" and "off" always
+    pass (auto simply decodes plainly where nothing covers the lane)."""
+    if mode in (AUTO, OFF):
+        return None
+    if mode not in enabled:
+        names = ", ".join([AUTO, OFF, *enabled])
+        return f"speculation must be one of {names}, got {mode!r}"
+    if sampler.mode != Sampling.GPU_GREEDY:
+        return f"speculation {mode!r} verifies greedy decoding only: use temperature 0, or auto / off"
+    if grammar:
+        return f"speculation {mode!r} does not run with structured output: use auto or off"
+    return None

@@ -1,0 +1,340 @@
+"""Prompt-lookup speculation on the llama.cpp engine (``speculation``, ``strategies``; tick ABI §2,
+rules 36, 37, 114-122, ``LaneDecode.overshoot``, ``SpecStats``).
+
+Greedy verification must commit exactly the tokens a non-speculative greedy run commits, up to
+near-ties the batch shape may flip (the margin rule of test_llamacpp_exact). The tiny random model
+rarely repeats itself, so most tests draft with an oracle (``Speculator.override``): the
+reference continuation, whole or with its last draft token wrong, so every round accepts some
+drafts and rejects others; the KV ledger must then hold exactly the committed tokens' cells.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from lc_harness import BareLlama, admit, first_divergence, generate, ignore_eos, make_prompt
+
+from basertd.native.abi import StrategyRegistration
+from basertd.schema.abi import AdmitStatus, Exactness, Sampling, Status
+from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
+from basertd.worker.engines.base import EngineError, PlanRejected
+from basertd.worker.engines.llamacpp.speculation import lookup
+from basertd.worker.engines.lookup import LookupConfig, lookup_registration
+
+MARGIN_TOL = 1e-3
+CERT_UNMATCHED_BITS = int(Status.REJECT_CERT_UNMATCHED) & 0xFFFFFFFF
+
+
+@pytest.fixture
+def bare(lc):
+    eng, _ = lc
+    b = BareLlama(eng.model.path, eng.context_params())
+    yield b
+    b.close()
+
+
+def references(bare: BareLlama, prompts: dict[int, list[int]], n_new: int) -> dict[int, tuple[list, list]]:
+    """Solo greedy tokens and top-2 margins of each prompt (the uninterrupted reference)."""
+    import llama_cpp as L
+
+    out = {}
+    for tag, p in prompts.items():
+        toks, margins = bare.greedy([p], n_new)
+        out[tag] = (toks[0], margins[0])
+        L.llama_memory_clear(L.llama_get_memory(bare.ctx), True)
+    return out
+
+
+def register(eng, **cfg) -> int:
+    grant = eng.strategy_register(lookup_registration(LookupConfig(**cfg)))
+    assert len(grant.certificates) == 1
+    return grant.strategy_slot
+
+
+def oracle(eng, refs: dict[int, list[int]], prompt_len: dict[int, int], wrong_last: set[int] = frozenset()):
+    """Draft the reference continuation; for lanes in ``wrong_last`` the last draft is wrong."""
+
+    def drafts(lane, k):
+        g = lane.n_tokens - prompt_len[lane.tag]
+        d = np.array(refs[lane.tag][g : g + k], np.int32)
+        if lane.tag in wrong_last and d.size >= 2:
+            d[-1] = (d[-1] + 1) % eng.n_vocab
+        return d
+
+    eng.rounds.speculator.override = drafts
+
+
+def check_ledger(eng) -> None:
+    """Every live lane holds the KV of its committed tokens but the last, in llama.cpp and the
+    ledger alike: rejected drafts left no cell behind."""
+    for lane in eng.lanes.values():
+        if lane.finished:
+            continue
+        assert lane.kv_len == lane.produced - 1 == lane.n_tokens - 1
+        assert eng.ledger.length(lane.seq) == lane.kv_len
+        assert eng.cells.pos_range(lane.seq) == (0, lane.kv_len - 1)
+
+
+def run(coord, prompts, n_new, *, per_tick, admit_kw, eng=None, overshoot=0):
+    """Like lc_harness.generate, checking the ledger after every tick and collecting SpecStats;
+    returns (tokens per lane, (drafted, accepted) per lane, tokens per emit)."""
+    out = {t: [] for t in prompts}
+    stats = {t: [0, 0] for t in prompts}
+    per_emit = []
+    admits = [admit(t, coord.prompt(p), **admit_kw.get(t, {})) for t, p in prompts.items()]
+    prefills = [LanePrefill(lane_tag=t, token_offset=0, token_count=len(p)) for t, p in prompts.items()]
+    live = set(prompts)
+    first = True
+    while live:
+        decodes = [
+            LaneDecode(
+                lane_tag=t,
+                max_new_tokens=min(per_tick, n_new - len(out[t])),
+                overshoot=min(overshoot, max(0, n_new - len(out[t]) - per_tick)),
+            )
+            for t in sorted(live)
+        ]
+        ev = coord.tick(admits=admits if first else [], prefills=prefills if first else [], decodes=decodes)
+        first = False
+        for e in ev.emits:
+            got = coord.read(e.token_ref) if e.n_tokens else []
+            out[e.lane_tag] += got
+            per_emit.append((e.lane_tag, len(got), e.spec))
+            stats[e.lane_tag][0] += e.spec.proposed
+            stats[e.lane_tag][1] += e.spec.accepted
+            if e.finish or len(out[e.lane_tag]) >= n_new:
+                live.discard(e.lane_tag)
+        if eng is not None:
+            check_ledger(eng)
+    coord.tick(retires=[LaneRetire(lane_tag=t) for t in prompts])
+    return out, stats, per_emit
+
+
+# --------------------------------------------------------------------------- the drafter
+
+
+def test_lookup_takes_the_most_recent_longest_match():
+    t = np.array([1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3], np.int32)
+    # suffix (2, 3): most recent earlier occurrence starts at 5 -> continuation 5, 6, 7, 2
+    assert lookup(t, len(t), 4, 1, 3).tolist() == [5, 6, 7, 2]
+    # a 3-gram (7, 2, 3) occurs nowhere earlier; with ngram_min 3 there is no draft
+    assert lookup(t, len(t), 4, 3, 3).tolist() == []
+    # the continuation stops at the lane's end
+    assert lookup(t, len(t), 40, 1, 2).tolist() == [5, 6, 7, 2, 3]
+    assert lookup(np.array([5, 6, 5], np.int32), 3, 2, 1, 3).tolist() == [6, 5]
+    assert lookup(t, 1, 4, 1, 3).tolist() == [] and lookup(t, len(t), 0, 1, 3).tolist() == []
+
+
+def test_lookup_config_round_trips_and_checks_bounds():
+    cfg = LookupConfig(draft_min=2, draft_max=5, ngram_min=2, ngram_max=4, max_batch_lanes=3)
+    assert LookupConfig.from_params(cfg.params()) == cfg
+    assert cfg.config_hash() != LookupConfig().config_hash()
+    for bad in (
+        dict(draft_min=0),
+        dict(draft_min=9, draft_max=8),
+        dict(ngram_max=17),
+        dict(max_batch_lanes=0),
+    ):
+        with pytest.raises(ValueError):
+            LookupConfig(**bad)
+
+
+# --------------------------------------------------------------------------- greedy exactness
+
+
+@pytest.mark.parametrize("per_tick", [1, 8])
+def test_greedy_speculation_commits_the_reference_tokens(lc, bare, per_tick):
+    """Four lanes batched, drafts right or with their last token wrong: every lane's tokens are the
+    solo reference's up to a near-tie, drafts are accepted and rejected, the ledger stays exact."""
+    eng, coord = lc
+    slot = register(eng, max_batch_lanes=8)
+    prompts = {t: make_prompt(70 + t, 5 + 3 * t) for t in range(1, 5)}
+    refs = references(bare, prompts, 40)
+    oracle(
+        eng, {t: r[0] for t, r in refs.items()}, {t: len(p) for t, p in prompts.items()}, wrong_last={2, 4}
+    )
+    kw = {t: dict(params=ignore_eos(), strategy_slot=slot) for t in prompts}
+    got, stats, per_emit = run(coord, prompts, 40, per_tick=per_tick, admit_kw=kw, eng=eng)
+    for t in prompts:
+        assert len(got[t]) == 40
+        first_divergence(got[t], *refs[t], MARGIN_TOL)
+    if per_tick > 1:  # a grant of one token leaves no room to draft
+        assert all(d > 0 and 0 < a <= d for d, a in stats.values())
+        assert stats[1][1] > stats[2][1]  # the lane whose last draft is always wrong accepts less
+        # a round commits at most the grant without overshoot
+        assert all(n <= per_tick for _, n, _ in per_emit)
+    else:
+        assert all(d == 0 for d, _ in stats.values())
+    assert {s.cert_id_in_effect for _, _, s in per_emit} == {1}
+    s = eng.stats()
+    assert s["spec_accepted_total"] == sum(a for _, a in stats.values())
+    assert s["spec_drafted_total"] == sum(d for d, _ in stats.values())
+
+
+def test_overshoot_lets_a_round_commit_past_the_grant(lc, bare):
+    """With overshoot, a round that starts inside the grant may commit drafts past it; the total
+    stays exact and no emit exceeds grant + overshoot."""
+    eng, coord = lc
+    slot = register(eng)
+    prompts = {1: make_prompt(91, 11)}
+    refs = references(bare, prompts, 48)
+    oracle(eng, {1: refs[1][0]}, {1: 11})
+    kw = {1: dict(params=ignore_eos(), strategy_slot=slot)}
+    got, _, per_emit = run(coord, prompts, 48, per_tick=4, admit_kw=kw, eng=eng, overshoot=8)
+    first_divergence(got[1], *refs[1], MARGIN_TOL)
+    assert len(got[1]) == 48
+    assert all(n <= 12 for _, n, _ in per_emit)
+    assert any(n > 4 for _, n, _ in per_emit)
+
+
+def test_wrong_drafts_cost_nothing_but_rows(lc, bare):
+    """Drafts that are always wrong: no draft accepted, one token per round, tokens exact, no cell
+    leaked (the ledger check after every tick)."""
+    eng, coord = lc
+    slot = register(eng, min_accept_permille=0)
+    prompts = {1: make_prompt(5, 9), 2: make_prompt(6, 14)}
+    refs = references(bare, prompts, 24)
+    eng.rounds.speculator.override = lambda lane, k: (
+        (np.array(refs[lane.tag][0][lane.n_tokens - len(prompts[lane.tag]) :][:k], np.int32) + 1)
+        % eng.n_vocab
+    )
+    kw = {t: dict(params=ignore_eos(), strategy_slot=slot) for t in prompts}
+    got, stats, _ = run(coord, prompts, 24, per_tick=6, admit_kw=kw, eng=eng)
+    for t in prompts:
+        first_divergence(got[t], *refs[t], MARGIN_TOL)
+        assert stats[t][0] > 0 and stats[t][1] == 0
+
+
+def test_acceptance_that_does_not_pay_pauses_the_lane(lc):
+    """A lane whose drafts are always rejected stops drafting for a while (``LaneSpec.note``)."""
+    eng, coord = lc
+    slot = register(eng, min_accept_permille=500)
+    eng.rounds.speculator.override = lambda lane, k: np.full(k, 7, np.int32)
+    prompts = {1: make_prompt(8, 10)}
+    _, stats, _ = run(
+        coord, prompts, 64, per_tick=16, admit_kw={1: dict(params=ignore_eos(), strategy_slot=slot)}
+    )
+    rounds = eng.stats()["spec_rounds_total"]
+    assert 0 < rounds < 63 - 32  # paused for PAUSE_ROUNDS after the first few failed rounds
+    assert stats[1][1] <= 2
+
+
+def test_penalties_logprobs_and_bias_stay_exact(lc):
+    """A temperature-0 GUMBEL lane with repetition and frequency penalties, logprobs and a logit
+    bias: the speculative run (drafts from the plain run) commits the plain run's tokens and
+    logprobs up to near-ties."""
+    eng, coord = lc
+    slot = register(eng)
+    bias = eng.logit_bias_create([17, 40], [2.5, -1.0])
+    params = SamplingParams(temperature=0.0, repeat_penalty=1.3, freq_penalty=0.4, flags=ignore_eos().flags)
+    base = dict(sampling=Sampling.GPU_GUMBEL, params=params, logit_bias_handle=bias, want_logprobs=3)
+    prompts = {1: make_prompt(12, 13)}
+    plain = generate(coord, prompts, 32, per_tick=8, admit_kw={1: base})
+    eng.rounds.speculator.override = lambda lane, k: np.array(plain[1][lane.n_tokens - 13 :][:k], np.int32)
+    got, stats, _ = run(coord, {2: prompts[1]}, 32, per_tick=8, admit_kw={2: {**base, "strategy_slot": slot}})
+    assert got[2] == plain[1]  # same engine, same grants: the plain run's rounds as reference
+    assert stats[2][1] > 0
+
+
+def test_a_resumed_speculative_lane_continues_exactly(lc, bare):
+    """Preemption: 20 tokens, retire, re-admit prompt + those tokens with decode_replay = 20 on
+    the slot: the continuation is the uninterrupted reference's (replay units never draft)."""
+    eng, coord = lc
+    slot = register(eng)
+    p = make_prompt(33, 12)
+    refs = references(bare, {1: p}, 40)
+    ref = refs[1][0]
+    oracle(eng, {1: ref, 2: ref}, {1: 12, 2: 12})
+    kw = dict(params=ignore_eos(), strategy_slot=slot)
+    first, _, _ = run(coord, {1: p}, 20, per_tick=8, admit_kw={1: kw}, eng=eng)
+    first_divergence(first[1], *refs[1], MARGIN_TOL)
+    ev = coord.tick(
+        admits=[admit(2, coord.prompt(p + first[1]), decode_replay=20, **kw)],
+        prefills=[LanePrefill(lane_tag=2, token_offset=0, token_count=12)],
+        decodes=[LaneDecode(lane_tag=2, max_new_tokens=20)],
+    )
+    assert coord.emitted(ev, 2) == [] and ev.emits[0].spec.proposed == 0  # the replay tail: ABI rule 72
+    rest, drafted, accepted = [], 0, 0
+    while len(rest) < 20:
+        ev = coord.tick(decodes=[LaneDecode(lane_tag=2, max_new_tokens=min(8, 20 - len(rest)))])
+        rest += coord.emitted(ev, 2)
+        drafted += ev.emits[0].spec.proposed
+        accepted += ev.emits[0].spec.accepted
+        check_ledger(eng)
+    first_divergence(first[1] + rest, *refs[1], MARGIN_TOL)
+    assert len(rest) == 20 and accepted > 0
+
+
+# --------------------------------------------------------------------------- registration, admission
+
+
+def test_certificates_only_for_the_tested_combination(lc):
+    eng, _ = lc
+    assert eng.strategy_register(StrategyRegistration("prompt-lookup")).certificates == []  # no impl hash
+    reg = lookup_registration(LookupConfig())
+    other = StrategyRegistration(
+        "prompt-lookup",
+        impl_version=reg.impl_version,
+        impl_hash=reg.impl_hash,
+        config_hash=LookupConfig(draft_max=4).config_hash(),  # not the config it carries
+        capabilities=reg.capabilities,
+    )
+    assert eng.strategy_register(other).certificates == []
+    g1, g2 = eng.strategy_register(reg), eng.strategy_register(reg)
+    assert g1.strategy_slot != g2.strategy_slot and g1.certificates[0].cert_id != g2.certificates[0].cert_id
+    with pytest.raises(EngineError) as info:
+        eng.strategy_register(
+            StrategyRegistration("prompt-lookup", capabilities=[reg.capabilities[0].__class__(1, b"x", 1)])
+        )
+    assert info.value.status == Status.ERR_REGISTRATION_REFUSED
+
+
+def test_admission_grants_greedy_lanes_only(lc):
+    """Greedy and temperature-0 lanes get the certificate; a sampled or grammar lane is REJECTED
+    (CERT_UNMATCHED) unless it allows approximation, and then decodes without drafting; a HOST
+    lane on a strategy without HOST_COMPATIBLE is HOST_RULES; an unregistered slot is refused."""
+    eng, coord = lc
+    slot = register(eng)
+    eng.rounds.speculator.override = lambda lane, k: np.full(k, 3, np.int32)
+    p = coord.prompt(make_prompt(2, 8))
+    sampled = SamplingParams(temperature=0.8, flags=ignore_eos().flags)
+    grammar = eng.grammar_create('{"type": "object"}')
+    admits = [
+        admit(1, p, strategy_slot=slot, params=ignore_eos()),
+        admit(2, p, strategy_slot=slot, sampling=Sampling.GPU_GUMBEL, params=SamplingParams(temperature=0.0)),
+        admit(3, p, strategy_slot=slot, sampling=Sampling.GPU_GUMBEL, params=sampled),
+        admit(4, p, strategy_slot=slot, sampling=Sampling.GPU_GUMBEL, params=sampled, allow_approximate=1),
+        admit(5, p, strategy_slot=slot, grammar_handle=grammar),
+        admit(6, p, strategy_slot=slot, minimum_exactness=Exactness.SEED_PATH_INVARIANT),
+    ]
+    ev = coord.tick(admits=admits)
+    res = {r.lane_tag: r for r in ev.admit_results}
+    for tag in (1, 2):
+        assert (res[tag].status, res[tag].cert_id, res[tag].granted_class) == (
+            AdmitStatus.ADMITTED,
+            1,
+            Exactness.DISTRIBUTION_EXACT,
+        )
+    for tag in (3, 5, 6):
+        assert (res[tag].status, res[tag].reject_code) == (AdmitStatus.REJECTED, CERT_UNMATCHED_BITS)
+    assert (res[4].status, res[4].cert_id, res[4].granted_class) == (
+        AdmitStatus.ADMITTED,
+        0,
+        Exactness.APPROXIMATE,
+    )
+    ev = coord.tick(
+        prefills=[LanePrefill(lane_tag=4, token_offset=0, token_count=8)],
+        decodes=[LaneDecode(lane_tag=4, max_new_tokens=6)],
+    )
+    (e,) = ev.emits
+    assert e.n_tokens == 6 and e.spec.proposed == 0 and e.spec.cert_id_in_effect == 0
+    for bad, status in (
+        (admit(7, p, strategy_slot=slot + 5), Status.REJECT_ILLEGAL_COMBINATION),
+        (
+            admit(8, p, strategy_slot=slot, sampling=Sampling.HOST, allow_approximate=1),
+            Status.REJECT_HOST_RULES,
+        ),
+    ):
+        with pytest.raises(PlanRejected) as info:
+            coord.tick(admits=[bad])
+        assert info.value.status == status

@@ -1,0 +1,81 @@
+"""Speculative decoding end to end (``[speculation]``, ``Generate.speculation``,
+``basertd.server.sched.speculation``): a daemon whose llama.cpp worker registers prompt-lookup at
+load; greedy requests with speculation on and off give the plain reference's tokens (up to the
+near-ties a batch's shape may flip), usage counts the drafts, ``basertctl status`` and the metrics
+show them, and a value the daemon cannot honour is INVALID_REQUEST before anything is queued."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from daemon_harness import Daemon
+from serving_harness import assert_same_up_to_near_ties, bare_reference, tiny_toml
+
+from basertd.client import ClientError
+from basertd.schema.client import ErrorCode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llamacpp"))
+from lc_harness import make_prompt
+
+N = 48
+SPEC = '[speculation]\nstrategies = ["prompt-lookup"]\nngram_min = 1\nmin_acceptance = 0.0\n'
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_gguf):
+    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=8) + SPEC) as d:
+        yield d
+
+
+def test_greedy_tokens_are_the_reference_with_speculation_on_and_off(daemon, tiny_gguf):
+    """A copy-heavy prompt (a block repeated three times): auto drafts and counts its drafts in
+    usage, off drafts nothing, both give the plain reference's tokens."""
+    prompts = [make_prompt(200 + i, 24)[:1] + make_prompt(200 + i, 24)[1:] * 3 for i in range(2)]
+    refs = bare_reference(tiny_gguf, prompts, N)
+    drafted = accepted = 0
+    with daemon.client() as c:
+        for i, p in enumerate(prompts):
+            greedy = dict(prompt_tokens=p, max_tokens=N, temperature=0.0, ignore_eos=True)
+            on = c.generate(**greedy)
+            off = c.generate(**greedy, speculation="off")
+            named = c.generate(**greedy, speculation="prompt-lookup")
+            for got in (on, off, named):
+                assert len(got.ids) == N
+                assert_same_up_to_near_ties(got.ids, refs[i], f"prompt {i}")
+            assert on.usage.draft_tokens > 0 and named.usage.draft_tokens > 0
+            assert 0 <= on.usage.accepted_draft_tokens <= on.usage.draft_tokens
+            assert off.usage.draft_tokens == off.usage.accepted_draft_tokens == 0
+            drafted += on.usage.draft_tokens + named.usage.draft_tokens
+            accepted += on.usage.accepted_draft_tokens + named.usage.accepted_draft_tokens
+    # The worker counts every draft; a request's usage misses those of the tick that ended it
+    # through a partial emit (that tick's SpecStats land after its Done).
+    (row,) = daemon.status().speculation
+    assert row.strategy == "prompt-lookup"
+    assert row.drafted_tokens >= drafted and row.accepted_tokens >= accepted
+    assert row.acceptance_rate == pytest.approx(row.accepted_tokens / row.drafted_tokens)
+    shown = daemon.ctl("status")
+    assert shown.returncode == 0
+    line = f"speculation prompt-lookup: drafted {row.drafted_tokens}  accepted {row.accepted_tokens}"
+    assert line in shown.stdout
+    metrics = daemon.ctl("metrics").stdout
+    ours = f'basertd_spec_draft_tokens_total{{strategy="prompt-lookup",worker="0"}} {row.drafted_tokens}.0'
+    model = Path(tiny_gguf).stem
+    vllm = f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}} {row.accepted_tokens}.0'
+    assert ours in metrics and vllm in metrics
+
+
+def test_a_sampled_request_decodes_plainly_and_a_bad_value_is_refused(daemon):
+    p = make_prompt(300, 20) * 2
+    with daemon.client() as c:
+        sampled = c.generate(prompt_tokens=p, max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
+        again = c.generate(
+            prompt_tokens=p, max_tokens=16, temperature=0.8, seed=7, ignore_eos=True, speculation="off"
+        )
+        assert sampled.ids == again.ids and sampled.usage.draft_tokens == 0
+        for value, kw in (("draft-model", {}), ("bogus", {}), ("prompt-lookup", {"temperature": 0.8})):
+            with pytest.raises(ClientError) as info:
+                c.generate(prompt_tokens=p, max_tokens=4, speculation=value, **{"temperature": 0.0, **kw})
+            assert info.value.code == ErrorCode.INVALID_REQUEST
+            assert "speculation" in str(info.value)

@@ -1,0 +1,198 @@
+"""Prompt-lookup speculation on the llama.cpp engine: drafts, their place in a round, greedy
+verification (tick ABI §2; ``LaneDecode.overshoot``; ``SpecStats`` in a lane's emit).
+
+A lane admitted on a certified prompt-lookup slot (``strategies``) carries a ``LaneSpec``. In a
+round where it forwards its pending token at position ``k``, ``Speculator.plan`` may give it ``m``
+draft tokens: the continuation of the most recent earlier occurrence of its last n-gram in its own
+tokens (prompt and output, ``lookup``). The round's batch then holds ``k+1`` positions for that
+sequence, ``tokens[k], d_1 .. d_m`` at ``k .. k+m``, each with logits (``rounds``). ``verify``
+takes the rows in order: row ``i`` gives the token ``t_i`` exactly as a plain decode unit would
+(logit bias and penalties over the history including ``t_0 .. t_{i-1}``, argmax), commits it, and
+goes on only while ``t_i == d_{i+1}``; so a round commits the accepted drafts plus one bonus token,
+the argmax chain a non-speculative greedy run takes (up to near-ties that the batch shape may flip,
+the margin rule of the engine's tests). The KV of rejected drafts is removed at once
+(``Cells.truncate``: ``llama_memory_seq_rm`` and the ledger together), leaving the lane's usual
+shape: KV of every committed token but the last.
+
+Bounds on ``m`` per round: the lane's adaptive draft length (``LaneSpec``); the grant left minus
+one plus the decode's unused ``overshoot`` (ABI: tokens a round may commit past max_new_tokens; a
+round that would pass the grant only drafts into cells nobody else was promised this tick); the
+lane's context; and the batch: every decode row of a round sits in the round's first
+``llama_decode`` part, so a yield or abort takes a speculative run whole or not at all. A round
+with more than ``max_batch_lanes`` decoding lanes drafts nothing.
+
+Speculation is off (the lane decodes plainly) on lanes the certificate does not cover or this
+engine does not verify: HOST lanes, sampled lanes (temperature > 0), grammar lanes, lanes in their
+replay tail (ABI rule 72: replay units keep their one-token shape), and on a sliding-window model
+whose window cache is pruned (``swa_full`` False: a draft written past the window could prune keys
+the next position needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from basertd.worker.engines.llamacpp import sampling
+from basertd.worker.engines.lookup import LookupConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from basertd.worker.engines.llamacpp.cells import Cells
+    from basertd.worker.engines.llamacpp.lane import Lane
+    from basertd.worker.engines.llamacpp.tick import Tick
+
+_EMPTY = np.zeros(0, np.int32)
+_DECAY = 0.8  # weight of the acceptance window's past per drafting round
+_WINDOW_MIN = 8.0  # drafted tokens in the window before a pause is considered
+PAUSE_ROUNDS = 32
+"""Rounds a lane drafts nothing after its acceptance fell below ``min_accept_permille``."""
+
+
+def lookup(tokens: np.ndarray, n: int, k: int, ngram_min: int, ngram_max: int) -> np.ndarray:
+    """Up to ``k`` tokens (int32) that followed the most recent earlier occurrence of the longest
+    suffix of ``tokens[:n]`` of ``ngram_max`` .. ``ngram_min`` tokens; empty when none occurs.
+    The continuation is taken from ``tokens[:n]`` only (it may run up to position ``n - 1``)."""
+    if k <= 0 or n < 2:
+        return _EMPTY
+    hist = tokens[:n]
+    for g in range(min(ngram_max, n - 1), ngram_min - 1, -1):
+        key = hist[n - g :]
+        cand = np.flatnonzero(hist[: n - g] == key[0])  # starts i with i + g <= n - 1
+        for j in range(1, g):
+            if not cand.size:
+                break
+            cand = cand[hist[cand + j] == key[j]]
+        if cand.size:
+            start = int(cand[-1]) + g
+            return hist[start : min(n, start + k)].astype(np.int32)
+    return _EMPTY
+
+
+@dataclass(eq=False)
+class LaneSpec:
+    """One lane's speculation state: its config and certificate, the draft length ``k`` it asks
+    for now (``draft_min`` .. ``draft_max``), a pause (rounds left without drafting) and a decaying
+    window of drafted / accepted tokens; ``proposed`` / ``accepted`` count the lane's whole life."""
+
+    cfg: LookupConfig
+    cert_id: int
+    k: int = 0
+    pause: int = 0
+    win_drafted: float = 0.0
+    win_accepted: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.k:
+            self.k = self.cfg.draft_max
+
+    def note(self, drafted: int, accepted: int) -> None:
+        """After a verified round: adapt ``k`` (full acceptance doubles it, else it becomes the
+        accepted run plus one) and pause the lane when its recent acceptance does not pay."""
+        c = self.cfg
+        self.proposed += drafted
+        self.accepted += accepted
+        self.k = min(c.draft_max, 2 * self.k) if accepted == drafted else max(c.draft_min, accepted + 1)
+        self.win_drafted = self.win_drafted * _DECAY + drafted
+        self.win_accepted = self.win_accepted * _DECAY + accepted
+        if (
+            self.win_drafted >= _WINDOW_MIN
+            and self.win_accepted * 1000 < c.min_accept_permille * self.win_drafted
+        ):
+            self.pause = PAUSE_ROUNDS
+            self.k = c.draft_min
+            self.win_drafted = self.win_accepted = 0.0
+
+
+class Speculator:
+    """Draft planning and verification for one engine (module docstring). ``override``, None in
+    production, lets a test supply the drafts: ``override(lane, k) -> int32 array``."""
+
+    def __init__(self, cells: Cells, context_length: int) -> None:
+        self.cells = cells
+        self.context_length = context_length
+        self.override: Callable[[Lane, int], np.ndarray] | None = None
+
+    def plan(self, forward: list[Lane], n_active: int, tick: Tick, rows_free: int) -> dict[int, np.ndarray]:
+        """Drafts for this round's forwarding lanes, by tag (lanes absent draft nothing);
+        ``n_active`` decoding lanes in the round, ``rows_free`` decode rows the round's first
+        ``llama_decode`` part has left."""
+        out: dict[int, np.ndarray] = {}
+        slack: int | None = None
+        for lane in forward:
+            s = lane.spec
+            if s is None or n_active > s.cfg.max_batch_lanes or rows_free <= 0:
+                continue
+            if lane.produced != lane.n_tokens or lane.grammar is not None or lane.cfg.sampled:
+                continue
+            if s.pause:
+                s.pause -= 1
+                continue
+            grant = tick.grant.get(lane.tag, 0)
+            over = tick.overshoot.get(lane.tag, 0)
+            if over and slack is None:
+                slack = self._slack(tick)
+            extra = min(over, slack or 0)
+            m = min(s.k, grant - 1 + extra, self.context_length - lane.n_tokens - 1, rows_free)
+            if m <= 0:
+                continue
+            d = self.override(lane, m) if self.override is not None else None
+            if d is None:
+                c = s.cfg
+                d = lookup(lane.tokens, lane.n_tokens, m, c.ngram_min, c.ngram_max)
+            d = np.asarray(d, np.int32)[:m]
+            if not d.size:
+                continue
+            out[lane.tag] = d
+            rows_free -= int(d.size)
+            if d.size > grant - 1 and slack is not None:
+                slack -= int(d.size) - (grant - 1)
+        return out
+
+    def _slack(self, tick: Tick) -> int:
+        """KV cells no lane was promised this tick: free cells minus every lane's pending tokens,
+        the grants left and the prefill still to run (what overshoot drafts may use)."""
+        promised = sum(ln.pending_tokens for ln in tick.lanes.values())
+        promised += sum(max(0, g) for g in tick.grant.values())
+        promised += sum(max(0, ln.prefilled - ln.kv_len) for ln in tick.lanes.values())
+        return max(0, self.cells.free - promised)
+
+    def verify(self, tick: Tick, lane: Lane, rows: np.ndarray, drafts: np.ndarray) -> None:
+        """Commit the argmax chain of ``rows`` (float32, (m + 1, vocab): the logits at positions
+        ``k .. k + m``) against ``drafts`` (m tokens), then drop the KV past the last committed
+        token's predecessor and count the round in the lane's emit (module docstring). Each token
+        goes through the tick's ordinary decode unit (logprobs, EOS, LENGTH, partial emits)."""
+        k0 = lane.kv_len - rows.shape[0]  # the position of tokens[k0], the pending token
+        tag = lane.tag
+        committed = accepted = 0
+        for i in range(rows.shape[0]):
+            if tag not in tick.lanes or lane.finished:
+                break
+            head = tick.unit_head(lane, rows[i])
+            if head is None:
+                break
+            r = sampling.adjusted_row(head, lane.cfg, lane.tokens[: lane.n_tokens], lane.prefill_end)
+            tok = sampling.select(r, lane.cfg, 0.0)
+            tick.unit_tail(lane, r, tok)
+            committed += 1
+            if i == drafts.shape[0] or tok != int(drafts[i]):
+                break
+            accepted += 1
+        over = -tick.grant.get(tag, 0)
+        if over > 0:  # tokens past max_new_tokens come out of the decode's overshoot
+            tick.grant[tag] = 0
+            tick.overshoot[tag] = max(0, tick.overshoot.get(tag, 0) - over)
+        if tag in tick.lanes:
+            keep = k0 + committed
+            if lane.kv_len > keep:
+                self.cells.truncate(lane.seq, keep)
+                lane.kv_len = keep
+        drafted = int(drafts.shape[0])
+        if lane.spec is not None:
+            lane.spec.note(drafted, accepted)
+        tick.note_spec(tag, drafted, accepted)

@@ -1,0 +1,88 @@
+"""Speculation strategies a worker registers at load, before admission (tick ABI §2): the
+``--speculation`` flag's value, the registrations it makes and the ``StrategyOffer`` records the
+capability record carries to the coordinator.
+
+``--speculation prompt-lookup:draft_min=1,draft_max=8,ngram_min=2,ngram_max=4,max_batch_lanes=4,``
+``min_accept_permille=150`` (every key optional; the ``LookupConfig`` defaults fill the rest). A
+registration the engine refuses, or an engine without the SPECULATION capability, leaves the worker
+serving without that strategy (logged): speculation is an optimisation, never a reason not to
+start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from basertd.schema import link
+from basertd.worker.engines.base import Capability, Engine, EngineError
+from basertd.worker.engines.lookup import PROMPT_LOOKUP, LookupConfig, lookup_registration
+
+STRATEGY_IDS = (PROMPT_LOOKUP,)
+"""The strategies ``--speculation`` accepts."""
+
+
+class SpeculationArgError(ValueError):
+    """A ``--speculation`` value that does not parse (the message names the part)."""
+
+
+def parse_speculation(value: str) -> LookupConfig:
+    """``"prompt-lookup[:key=int,...]"`` -> its ``LookupConfig``. Raises SpeculationArgError for
+    another strategy, an unknown key, a non-integer or an out-of-bounds value."""
+    name, _, rest = value.partition(":")
+    if name not in STRATEGY_IDS:
+        raise SpeculationArgError(f"unknown strategy {name!r} (known: {', '.join(STRATEGY_IDS)})")
+    fields: dict[str, int] = {}
+    for part in filter(None, rest.split(",")):
+        key, eq, num = part.partition("=")
+        if not eq or key not in LookupConfig.__dataclass_fields__:
+            raise SpeculationArgError(f"{name}: unknown setting {part!r}")
+        try:
+            fields[key] = int(num)
+        except ValueError:
+            raise SpeculationArgError(f"{name}: {key} must be an integer, got {num!r}") from None
+    try:
+        return LookupConfig(**fields)
+    except ValueError as exc:
+        raise SpeculationArgError(f"{name}: {exc}") from None
+
+
+def speculation_arg(cfg: LookupConfig) -> str:
+    """The ``--speculation`` value of ``cfg`` (``parse_speculation``'s inverse)."""
+    keys = LookupConfig.__dataclass_fields__
+    return f"{PROMPT_LOOKUP}:" + ",".join(f"{k}={getattr(cfg, k)}" for k in keys)
+
+
+def register(engine: Engine, configs: Sequence[LookupConfig], log: Any) -> list[link.StrategyOffer]:
+    """Register each config on ``engine``; returns what the capability record offers (one
+    ``StrategyOffer`` per granted strategy, with its best certificate)."""
+    if not configs:
+        return []
+    if not engine.supports(Capability.SPECULATION):
+        log.warning("speculation_unsupported", strategies=len(configs))
+        return []
+    offers = []
+    for cfg in configs:
+        try:
+            grant = engine.strategy_register(lookup_registration(cfg))
+        except EngineError as exc:
+            log.warning("strategy_refused", strategy=PROMPT_LOOKUP, status=exc.status.name, reason=str(exc))
+            continue
+        best = max(grant.certificates, key=lambda c: c.exactness, default=None)
+        offer = link.StrategyOffer(strategy_id=PROMPT_LOOKUP, strategy_slot=grant.strategy_slot)
+        if best is not None:
+            offer = link.StrategyOffer(
+                strategy_id=PROMPT_LOOKUP,
+                strategy_slot=grant.strategy_slot,
+                cert_id=best.cert_id,
+                exactness=int(best.exactness),
+                sampling_modes=int(best.sampling_modes),
+                param_domain=int(best.param_domain),
+                grammar_allowed=bool(best.grammar_allowed),
+                logit_bias_allowed=bool(best.logit_bias_allowed),
+            )
+        log.info(
+            "strategy_registered", strategy=PROMPT_LOOKUP, slot=grant.strategy_slot, cert_id=offer.cert_id
+        )
+        offers.append(offer)
+    return offers
