@@ -113,34 +113,18 @@ class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     name (``[kv_events] layout = "map"``); the fields are those of the array-like events."""
 
 
-class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
-    """``BlockStored`` as a map."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
+def _map_twin(cls: type[KVCacheEvent]) -> type[MapKVCacheEvent]:
+    """``cls`` as a map-layout event: the same fields, types and defaults, tagged with its name."""
+    fields = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default) for f in msgspec.structs.fields(cls)
+    ]
+    return msgspec.defstruct(
+        f"Map{cls.__name__}", fields, bases=(MapKVCacheEvent,), tag=cls.__name__, module=__name__
+    )
 
 
-class MapBlockRemoved(MapKVCacheEvent, tag="BlockRemoved"):
-    """``BlockRemoved`` as a map."""
-
-    block_hashes: list[int]
-    medium: str | None
-
-
-class MapAllBlocksCleared(MapKVCacheEvent, tag="AllBlocksCleared"):
-    """``AllBlocksCleared`` as a map."""
-
-
-_AS_MAP: dict[type, type] = {
-    BlockStored: MapBlockStored,
-    BlockRemoved: MapBlockRemoved,
-    AllBlocksCleared: MapAllBlocksCleared,
+_AS_MAP: dict[type, type[MapKVCacheEvent]] = {
+    cls: _map_twin(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)
 }
 
 
