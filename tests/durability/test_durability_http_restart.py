@@ -19,6 +19,7 @@ import pytest
 from daemon_harness import Daemon
 from proc_testutil import pid_alive
 from serving_harness import ref_toml
+from sse_testutil import sse_fields
 
 MAX_TOKENS = 60
 CHAT = {
@@ -28,15 +29,6 @@ CHAT = {
     "stream": True,
 }
 URL = "http://basertd/v1/chat/completions"
-
-
-def events(text: str) -> list[dict[str, str]]:
-    out = []
-    for block in text.split("\n\n"):
-        fields = dict(ln.split(": ", 1) for ln in block.split("\n") if ": " in ln and not ln.startswith(":"))
-        if fields:
-            out.append(fields)
-    return out
 
 
 def text_of(evs: list[dict[str, str]]) -> str:
@@ -97,7 +89,7 @@ def test_last_event_id_resumes_an_http_stream_after_a_restart(how):
                     buf += chunk
                     while "\n\n" in buf:
                         block, buf = buf.split("\n\n", 1)
-                        head += [e for e in events(block + "\n\n") if "error" not in e.get("data", "")]
+                        head += [e for e in sse_fields(block + "\n\n") if "error" not in e.get("data", "")]
                     if len(head) >= 4 and d.proc.poll() is None:
                         stop(d, how)  # the stream is live: 3 tokens of 60 delivered
             except httpx.HTTPError:
@@ -109,11 +101,11 @@ def test_last_event_id_resumes_an_http_stream_after_a_restart(how):
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as c:
             rest = c.post(URL, json=CHAT, headers={"Last-Event-ID": last}, timeout=60)
             assert rest.status_code == 200, rest.text
-            tail = events(rest.text)
+            tail = sse_fields(rest.text)
             assert tail[-1]["data"] == "[DONE]"
             assert [e["id"] for e in tail if "id" in e][-1] == f"{key}:{MAX_TOKENS}"
             assert json.loads(tail[0]["data"])["id"] == json.loads(head[0]["data"])["id"]  # same response
-            whole = events(c.post(URL, json={**CHAT, "stream": True}, timeout=60).text)
+            whole = sse_fields(c.post(URL, json={**CHAT, "stream": True}, timeout=60).text)
         assert text_of(head) + text_of(tail) == text_of(whole)
         access = [e for e in d.log_events() if e.get("event") == "access"]
         assert sorted(e["completion_tokens"] for e in access) == [MAX_TOKENS, MAX_TOKENS]  # not re-run

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from daemon_harness import Daemon
 from serving_harness import ref_toml
+from sse_testutil import read_events, sse_fields
 
 KEY = "sk-ant-test-0123"
 GRACE_S = 1.0
@@ -198,27 +199,10 @@ def test_disconnect_frees_the_lane_after_the_grace(daemon):
     assert access and access[-1].get("completion_tokens", 0) < 400
 
 
-def sse_blocks(text: str) -> list[dict[str, str]]:
-    out = []
-    for block in text.split("\n\n"):
-        fields = dict(ln.split(": ", 1) for ln in block.split("\n") if ": " in ln and not ln.startswith(":"))
-        if fields:
-            out.append(fields)
-    return out
-
-
 def read_then_drop(url: str, body: dict, n_events: int) -> tuple[list[dict[str, str]], str]:
     """Read ``n_events`` events of a stream, then drop the connection: (events, last id)."""
-    got: list[dict[str, str]] = []
     with httpx.stream("POST", url, json=body, headers={"x-api-key": KEY}, timeout=30) as r:
-        buf = ""
-        for chunk in r.iter_text():
-            buf += chunk
-            while "\n\n" in buf:
-                block, buf = buf.split("\n\n", 1)
-                got += sse_blocks(block + "\n\n")
-            if len(got) >= n_events:
-                break
+        got = read_events(r, n_events)
     return got, next(e["id"] for e in reversed(got) if "id" in e)
 
 
@@ -228,7 +212,7 @@ def test_last_event_id_resumes_without_rerunning(daemon, path):
     body: dict = {"model": "", "max_tokens": 40, "temperature": 0, "stream": True}
     body |= {"prompt": "resume me"} if path == "/v1/completions" else {"messages": msgs}
     url = daemon.http_url + path
-    whole = sse_blocks(httpx.post(url, json=body, headers={"x-api-key": KEY}, timeout=30).text)
+    whole = sse_fields(httpx.post(url, json=body, headers={"x-api-key": KEY}, timeout=30).text)
 
     def text_of(events: list[dict[str, str]]) -> str:
         out = []
@@ -250,7 +234,7 @@ def test_last_event_id_resumes_without_rerunning(daemon, path):
     time.sleep(0.1)
     rest = httpx.post(url, json=body, headers={"x-api-key": KEY, "Last-Event-ID": last_id}, timeout=30)
     assert rest.status_code == 200, rest.text
-    tail = sse_blocks(rest.text)
+    tail = sse_fields(rest.text)
     assert text_of(head) + text_of(tail) == text_of(whole)
     assert [e for e in tail if "id" in e][-1]["id"].endswith(":40")
     access = [e for e in daemon.log_events()[before:] if e.get("event") == "access"]

@@ -21,6 +21,7 @@ import pytest
 from daemon_harness import Daemon
 from ops_harness import run_as
 from serving_harness import ref_toml
+from sse_testutil import read_events, sse_fields
 
 from basertd.client import Client, ClientError, ErrorCode
 
@@ -71,29 +72,12 @@ def daemon():
         shutil.rmtree(base, ignore_errors=True)
 
 
-def sse_events(text: str) -> list[dict[str, str]]:
-    out = []
-    for block in text.split("\n\n"):
-        fields = dict(ln.split(": ", 1) for ln in block.split("\n") if ": " in ln and not ln.startswith(":"))
-        if fields:
-            out.append(fields)
-    return out
-
-
 def read_some(client: httpx.Client, url: str, body: dict, headers: dict, n: int) -> tuple[str, str]:
     """Start a stream, read ``n`` events, drop it: (resume key header, last event id)."""
-    got: list[dict[str, str]] = []
     with client.stream("POST", url, json=body, headers=headers, timeout=30) as r:
         assert r.status_code == 200, r.read()
         key = r.headers["X-Basertd-Resume-Key"]
-        buf = ""
-        for chunk in r.iter_text():
-            buf += chunk
-            while "\n\n" in buf:
-                block, buf = buf.split("\n\n", 1)
-                got += sse_events(block + "\n\n")
-            if len(got) >= n:
-                break
+        got = read_events(r, n)
     return key, next(e["id"] for e in reversed(got) if "id" in e)
 
 
@@ -139,7 +123,7 @@ def test_http_resume_needs_the_same_api_key_or_peer_uid_and_no_key_is_logged(dae
             url, json=body, headers={"Authorization": f"Bearer {KEY_A}", "Last-Event-ID": last}, timeout=60
         )
         assert same.status_code == 200, same.text
-        ids = [e["id"] for e in sse_events(same.text) if "id" in e]
+        ids = [e["id"] for e in sse_fields(same.text) if "id" in e]
         assert ids[-1] == f"{key}:400"
 
     # a Unix HTTP listener binds the stream to the peer's uid
