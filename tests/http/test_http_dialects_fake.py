@@ -706,6 +706,15 @@ def test_models_tokenize_detokenize_health_and_metrics():
         assert await r.json() == {"content": "hé", "prompt": "hé"}
         r = await client.post("/tokenize", json={})
         assert r.status == 400 and (await r.json())["error"]["param"] == "content"
+        r = await client.get("/tokenizer_info")  # vLLM's, read by lm-eval's remote tokenizer
+        info = await r.json()
+        assert info["bos_token"] is None and info["eos_token"] is None and info["pad_token"] is None
+        assert "im_start" in info["chat_template"] and info["model_max_length"] == CONTEXT
+        fake.inputs = Inputs(bos_token="<s>", eos_token="</s>")
+        info = await (await client.get("/tokenizer_info", params={"model": MODEL})).json()
+        assert (info["bos_token"], info["eos_token"]) == ("<s>", "</s>")
+        r = await client.get("/tokenizer_info", params={"model": "other"})
+        assert r.status == 404, await r.text()
         r = await client.get("/health")
         assert r.status == 200 and await r.json() == {"status": "ok", "reason": "", "workers_ready": 1}
         r = await client.get("/metrics")

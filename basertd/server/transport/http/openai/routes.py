@@ -52,6 +52,7 @@ class OpenAiApi:
             web.get("/v1/models/{id:.+}", self.model),
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
+            web.get("/tokenizer_info", self.tokenizer_info),
         ]
 
     # --- models and tokenizer --------------------------------------------------------------------
@@ -117,6 +118,29 @@ class OpenAiApi:
             raise bad_request(str(exc), "messages", code="chat_template") from None
         add = template.needs_bos(text) if add_special is None else add_special
         return await self.frontend.tokenize(req.model, text, add_special=add)
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /tokenizer_info`` (what lm-eval's ``tokenizer_backend=remote`` reads before
+        it tokenizes through ``/tokenize``): the model's (``?model=``, default the first) BOS,
+        EOS and pad texts (null when the vocabulary has none), its chat template's source (null
+        without one), ``model_max_length`` (tokens per lane) and ``tokenizer_class``."""
+        model = served_model(self.frontend, request.query.get("model", ""))
+        wid = self.frontend.route(model)
+        inputs = self.frontend.template_inputs(wid)
+        try:
+            template: str | None = self.templates.for_model(model)[1].source
+        except ChatTemplateError:
+            template = None
+        return body.json_response(
+            {
+                "tokenizer_class": "llama.cpp",
+                "bos_token": inputs.bos_token or None,
+                "eos_token": inputs.eos_token or None,
+                "pad_token": None,
+                "chat_template": template,
+                "model_max_length": self.frontend.context_length(wid),
+            }
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = body.decode(await body.read(request), wire.DetokenizeBody)
