@@ -42,6 +42,9 @@ from basertd.server.workers.specs import prefix_cache_usable, worker_spec
 
 log = structlog.get_logger("basertd.fleet")
 
+# a scheduler loop ends at once when cancelled (nothing it runs on the way out awaits)
+SCHEDULER_RECANCEL_S = 0.5
+
 WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
@@ -228,7 +231,7 @@ class Fleet:
         raises; idempotent."""
         for m in self.members:
             await m.scheduler.stop()
-        await cancel_and_wait(self._tasks.values())
+        await cancel_and_wait(self._tasks.values(), recancel_s=SCHEDULER_RECANCEL_S)
         self._tasks.clear()
         await asyncio.gather(*(m.slot.stop() for m in self.members), return_exceptions=True)
         for tok in {id(m.tokenizer): m.tokenizer for m in self.members}.values():
@@ -263,7 +266,7 @@ class Fleet:
         await m.scheduler.stop(f"worker {m.worker_id} was removed by a reload")
         task = self._tasks.pop(m.worker_id, None)
         if task is not None:
-            await cancel_and_wait([task])
+            await cancel_and_wait([task], recancel_s=SCHEDULER_RECANCEL_S)
         await m.slot.stop()
         self.members.pop()
         self._bos.pop(m.worker_id, None)

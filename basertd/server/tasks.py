@@ -15,19 +15,20 @@ import structlog
 
 log = structlog.get_logger("basertd.tasks")
 
-RECANCEL_S = 0.5  # how long one cancellation is given before the next
+RECANCEL_S = 5.0  # how long one cancellation is given before the next (a cleanup may await)
 
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Future]) -> None:
+async def cancel_and_wait(tasks: Iterable[asyncio.Future], recancel_s: float = RECANCEL_S) -> None:
     """Cancel every task of ``tasks`` and return once all have ended, cancelling again every
-    ``RECANCEL_S`` seconds those still running. What they raise or return is dropped. If the
-    caller is cancelled meanwhile, the tasks have still all been cancelled once."""
+    ``recancel_s`` seconds those still running. Give ``recancel_s`` more than the longest cleanup
+    the tasks run when cancelled (a new cancellation interrupts it). What they raise or return is
+    dropped. If the caller is cancelled meanwhile, the tasks have still all been cancelled once."""
     tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
     while pending:
         for task in pending:
             task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+        _, pending = await asyncio.wait(pending, timeout=recancel_s)
         for task in pending:
             log.warning("task_cancelled_again", task=task.get_name())
     for task in tasks:

@@ -32,7 +32,7 @@ def test_a_task_that_swallows_a_cancellation_is_cancelled_again_until_it_ends():
         failing = asyncio.create_task(_fails())
         plain = asyncio.create_task(asyncio.sleep(3600))
         await asyncio.sleep(0.01)
-        await asyncio.wait_for(cancel_and_wait([stubborn, failing, plain]), 10)
+        await asyncio.wait_for(cancel_and_wait([stubborn, failing, plain], recancel_s=0.2), 10)
         assert stubborn.cancelled() and plain.cancelled()
         assert isinstance(failing.exception(), ValueError)
         return ended

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import structlog
 
 from basertd.server.states import SlotState
-from basertd.server.tasks import cancel_and_wait
+from basertd.server.tasks import RECANCEL_S, cancel_and_wait
 from basertd.server.workers.link_errors import LinkError
 from basertd.server.workers.process import WorkerProcess, WorkerSpec, WorkerStartError
 
@@ -295,8 +295,8 @@ class WorkerSlot:
         self._stopping = True
         task, self._task = self._task, None
         proc = self.proc
-        if task is not None:
-            await cancel_and_wait([task])
+        if task is not None:  # cancelled, it closes the worker itself (up to the grace period)
+            await cancel_and_wait([task], recancel_s=self.close_grace_s + RECANCEL_S)
         if proc is not None:
             await proc.close(self.close_grace_s, reason="daemon stopping")
         self._set_state(SlotState.STOPPED)
