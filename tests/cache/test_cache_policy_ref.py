@@ -99,6 +99,21 @@ def test_the_next_turn_sent_the_moment_a_request_ends_is_seeded_from_it(daemon, 
     wait_leases(daemon, 0)
 
 
+def test_a_request_that_ends_in_the_tick_that_admits_it_reports_its_cached_tokens(daemon):
+    # grant 4, max_tokens 2 and mid-tick emits: the Done goes out before that tick's events apply
+    prompt = SHARED + "A short question asked twice."
+    with daemon.client() as c:
+        c.generate(prompt, request_id="short-1", max_tokens=2, temperature=0.0)
+        daemon.wait_idle()
+        again = c.generate(prompt, request_id="short-2", max_tokens=2, temperature=0.0)
+        pages = len(c.tokenize(prompt)) // PAGE * PAGE
+    assert pages >= 4 * PAGE
+    assert again.usage.cached_tokens >= pages - PAGE, again.usage
+    assert access_lines(daemon)["short-2"]["cached_tokens"] == again.usage.cached_tokens
+    daemon.wait_idle()
+    wait_leases(daemon, 0)
+
+
 def test_the_cache_never_changes_an_output(daemon):
     prompts = [SHARED + f"Variant {i % 3}. Item {i}." for i in range(10)] + [
         f"unrelated {i}" for i in range(3)

@@ -45,6 +45,9 @@ def deliver(
     first = req.t_first_token is None
     if tokens:
         st.t_token[lane.tag] = now
+        if req.admissions == 0:  # tokens of its first admission before the tick's apply (a partial
+            # emit): the admit took, and the Done these tokens may bring reports the cached tokens
+            req.cached_tokens = min(lane.seeded_tokens, len(req.prompt))
     reason = req.deliver(tokens, now, logprobs, out)
     if first and req.t_first_token is not None:
         in_flight = 1 if req.tick_in_flight_at_arrival else 0
