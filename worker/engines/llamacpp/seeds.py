@@ -12,20 +12,19 @@ Publishing when ``cache_sequences`` entries exist first evicts the least recentl
   entry the plan's shed envelope allows; if none, the retire publishes nothing.
 
 With a host tier (``host_tier.HostTier``, capacity > 0) an evicted entry is first captured into it
-(``demote``), matches offer its servable prefixes as ``Tier.HOST`` candidates, and a seed that no
-resident entry serves restores one (``_promote``: room made by evicting, i.e. demoting, least
-recently used unpinned entries), so the lease then pins a resident entry like any other. Dropping
+(``tiering.Tiering.demote``), matches offer its servable prefixes as ``Tier.HOST`` candidates, and
+a seed that no resident entry serves restores one (``Tiering.promote``: room made by evicting, i.e.
+demoting, least recently used unpinned entries), so the lease then pins a resident entry like any
+other. Dropping
 entries by key (``cache_evict_entries``) forgets them in both tiers.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import structlog
 
 from basertd.schema.abi import ALL_SPACES, DeterminismClass, ShedKind, Status, Tier
 from basertd.schema.tick import (
@@ -40,9 +39,8 @@ from basertd.schema.tick import (
 )
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.cells import Cells
-from basertd.worker.engines.llamacpp.host_tier import HostEntry, HostTier, capture
+from basertd.worker.engines.llamacpp.host_tier import HostTier
 from basertd.worker.engines.llamacpp.prefix_cache import (
-    CACHE_CLASS,
     CacheEntry,
     Lease,
     PrefixCache,
@@ -51,10 +49,8 @@ from basertd.worker.engines.llamacpp.prefix_cache import (
     prefix_servable,
     window_intact,
 )
-from basertd.worker.engines.llamacpp.state import open_sealed
+from basertd.worker.engines.llamacpp.tiering import Tiering
 from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL, SHED_REASON_PUBLISH
-
-log = structlog.get_logger("basertd.worker.host_tier")
 
 if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.model import LlamaModel
@@ -98,6 +94,9 @@ class Seeds:
         self.adopted: dict[int, BareSeq] = {}  # bare handle -> adopted sequence awaiting its admit
         self._evictable = 0
         self._evictable_at: int | None = None  # cells.version it was computed at (None: pins moved)
+        self.tiering = Tiering(
+            cells, cache, self.host, model, identity, lambda e: self.evict(e, None, SHED_REASON_POOL)
+        )
 
     # ------------------------------------------------------------------ matches
 
@@ -114,15 +113,6 @@ class Seeds:
             return 0
         pmin, pmax = self.cells.pos_range(entry.seq)
         return q if prefix_servable(pmin, pmax, q, self.n_swa) else 0
-
-    def host_servable_len(self, h: HostEntry, limit: int) -> int:
-        """Longest page multiple <= ``limit`` of the demoted ``h`` that can seed a lane once
-        restored: any without a sliding window, else ``h``'s own length only (a restore keeps the
-        window of its end alone: ``host_tier``)."""
-        q = (min(limit, h.length) // self.page) * self.page
-        if self.n_swa > 0 and q != h.length:
-            return 0
-        return q
 
     def window_ok(self, pos_min: int, share_len: int) -> bool:
         """Whether a sequence holding ``[pos_min, ..]`` can be cut to ``share_len`` tokens and
@@ -156,7 +146,7 @@ class Seeds:
                     )
                 )
         for h in self.host:
-            q = self.host_servable_len(h, common_prefix(h.tokens, toks))
+            q = self.tiering.servable_len(h, common_prefix(h.tokens, toks))
             if q and (q, h.taint) not in seen:
                 seen.add((q, h.taint))
                 cands.append(
@@ -199,7 +189,9 @@ class Seeds:
             if best is None or (e.taint, -e.lru) < (best.taint, -best.lru):
                 best = e
         if best is None:
-            best = self._promote(prefix, determinism_class)
+            best = self.tiering.promote(prefix, determinism_class)
+            if best is not None:
+                self._evictable_at = None
         if best is None:
             raise EngineError(Status.ERR_SEED_UNSERVABLE, "no cached prefix serves this seed")
         best.pins += 1
@@ -213,110 +205,6 @@ class Seeds:
             taint=best.taint,
         )
         return lease.handle
-
-    # ------------------------------------------------------------------ host tier
-
-    def _promote(self, prefix: np.ndarray, determinism_class: int) -> CacheEntry | None:
-        """Restore the demoted entry that serves ``prefix`` best (untainted first, then most
-        recent) into a resident entry, or None: nothing serves it, no room can be made, or its
-        snapshot is refused (counted, and dropped: never used unverified)."""
-        n = prefix.shape[0]
-        best: HostEntry | None = None
-        for h in self.host:
-            if determinism_class == DeterminismClass.DETERMINISTIC and h.taint:
-                continue
-            if h.length < n or common_prefix(h.tokens, prefix) < n or self.host_servable_len(h, n) != n:
-                continue
-            if best is None or (h.taint, -h.lru) < (best.taint, -best.lru):
-                best = h
-        if best is None:
-            return None
-        self.host.remove(best)  # out of reach of the demotions that make room for it
-        seq = self._room_for(best.length)
-        if seq is None:
-            self.host.put(best)
-            return None
-        t0 = time.perf_counter_ns()
-        why = self._load(best, seq)
-        if why:
-            self.cells.free_seq(seq)
-            self.host.refused(best)
-            log.warning("host_snapshot_refused", tokens=best.length, reason=why)
-            return None
-        self.host.restored(best, time.perf_counter_ns() - t0)
-        entry = self.cache.add(seq, best.tokens, best.digest, best.taint)
-        self._evictable_at = None
-        return entry
-
-    def _room_for(self, n: int) -> int | None:
-        """A free sequence id and ``n`` free cells for a restored entry, evicting (demoting) least
-        recently used unpinned entries as needed; None when that cannot be done."""
-        victims = self.cache.eviction_order(CACHE_CLASS)
-        while victims and (len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n):
-            self.evict(victims.pop(0), None, SHED_REASON_POOL)
-        if len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n:
-            return None
-        try:
-            return self.cells.take_seq()
-        except EngineError:
-            return None
-
-    def _load(self, h: HostEntry, seq: int) -> str:
-        """Load ``h``'s snapshot into the empty ``seq`` after checking it names exactly ``h``'s
-        tokens on this engine; "" when it did, else why not (``seq`` left for the caller to free)."""
-        try:
-            env, payload = open_sealed(h.blob, identity=self.identity)
-        except EngineError as exc:
-            return f"{exc.status.name}: {exc}"
-        with payload:
-            if env.range.end != h.length:
-                return f"the snapshot holds {env.range.end} tokens, the entry {h.length}"
-            if env.provenance_digest != h.digest or env.taint_bits != h.taint:
-                return "the snapshot's provenance is not the entry's"
-            if prefix_digest(self.model_id, h.tokens) != h.digest:
-                return "the entry's tokens do not match its digest"
-            if not self.cells.load(seq, payload, h.length):
-                return "llama.cpp refused the payload"
-        pmin, pmax = self.cells.pos_range(seq)
-        if not window_intact(pmin, pmax, h.length, self.n_swa):
-            return f"restored positions [{pmin}, {pmax}] cannot continue at {h.length}"
-        return ""
-
-    def demote(self, entry: CacheEntry) -> int:
-        """Capture ``entry`` (resident, about to be evicted) into the host tier at its end and, on
-        a sliding-window model, at its ``mark`` too (``host_tier``); returns the snapshots kept (0
-        when the tier is off, no boundary can seed a lane, or nothing fits)."""
-        if not self.host.enabled or self.cells.length(entry.seq) != entry.length:
-            return 0
-        pmin, pmax = self.cells.pos_range(entry.seq)
-        ends = [entry.length]
-        if self.n_swa > 0 and 0 < entry.mark < entry.length:
-            ends.insert(0, entry.mark)
-        kept = 0
-        for end in ends:
-            if not prefix_servable(pmin, pmax, end, self.n_swa):
-                continue
-            toks = entry.tokens[:end]
-            digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
-
-            def grab(s: int, end: int = end, digest: bytes = digest) -> bytearray | None:
-                return capture(
-                    self.cells.ctx,
-                    s,
-                    identity=self.identity,
-                    provenance=digest,
-                    taint=entry.taint,
-                    n_tokens=end,
-                    max_bytes=self.host.capacity,
-                )
-
-            blob = self.cells.with_prefix(entry.seq, end, grab)
-            if blob is None:
-                self.host.dropped_total += 1
-            elif self.host.put(HostEntry(toks, digest, entry.taint, blob)):
-                self.host.demotions_total += 1
-                kept += 1
-        return kept
 
     def adopt(self, bare: BareSeq, span: np.ndarray) -> int:
         """Lease the bare sequence ``bare`` (already checked and taken from the bare set by
@@ -455,7 +343,7 @@ class Seeds:
         CACHE_EVICTION shed entry (ABI rule 58)."""
         freed = self.cells.ledger.exclusive(entry.seq) * self.bytes_per_token
         if demote:
-            self.demote(entry)
+            self.tiering.demote(entry)
         self.cache.remove(entry)
         self.cells.free_seq(entry.seq)
         self.stats["evictions_total"] += 1

@@ -1,0 +1,172 @@
+"""``Tiering``: the moves of the llama.cpp engine's prefixes between its KV pool and its host tier
+(``host_tier.HostTier``), for ``seeds.Seeds``: ``demote`` captures an entry about to be evicted
+(at its end and, on a sliding-window model, at its prompt's last page ``mark``), ``promote``
+restores the demoted entry that serves a seed into a resident one (room made by evicting, i.e.
+demoting, least recently used unpinned entries) after checking its snapshot (envelope, length,
+provenance, llama.cpp's load, the restored window); a refused snapshot is dropped and counted.
+
+A restore keeps only the window of its end on a sliding-window model, so there a demoted entry
+serves exactly its own length (``servable_len``); without a window any page multiple up to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+
+from basertd.schema.abi import DeterminismClass
+from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.llamacpp.cells import Cells
+from basertd.worker.engines.llamacpp.host_tier import HostEntry, HostTier, capture
+from basertd.worker.engines.llamacpp.prefix_cache import (
+    CACHE_CLASS,
+    CacheEntry,
+    PrefixCache,
+    common_prefix,
+    prefix_digest,
+    prefix_servable,
+    window_intact,
+)
+from basertd.worker.engines.llamacpp.state import open_sealed
+
+if TYPE_CHECKING:
+    from basertd.worker.engines.llamacpp.model import LlamaModel
+
+log = structlog.get_logger("basertd.worker.host_tier")
+
+
+class Tiering:
+    """Moves between ``cache`` (resident entries over ``cells``) and ``host`` for ``model`` (its id,
+    sliding window); ``identity`` seals and checks the snapshots; ``evict(entry)`` evicts a
+    resident entry (demoting it) to make room for a restore."""
+
+    def __init__(
+        self,
+        cells: Cells,
+        cache: PrefixCache,
+        host: HostTier,
+        model: LlamaModel,
+        identity: bytes,
+        evict: Callable[[CacheEntry], object],
+    ) -> None:
+        self.cells = cells
+        self.cache = cache
+        self.host = host
+        self.identity = identity
+        self.page = cache.page
+        self.model_id = model.model_id
+        self.n_swa = model.n_swa
+        self._evict = evict
+
+    def servable_len(self, h: HostEntry, limit: int) -> int:
+        """Longest page multiple <= ``limit`` of the demoted ``h`` that can seed a lane once
+        restored: any without a sliding window, else ``h``'s own length only (a restore keeps the
+        window of its end alone: ``host_tier``)."""
+        q = (min(limit, h.length) // self.page) * self.page
+        if self.n_swa > 0 and q != h.length:
+            return 0
+        return q
+
+    def promote(self, prefix: np.ndarray, determinism_class: int) -> CacheEntry | None:
+        """Restore the demoted entry that serves ``prefix`` best (untainted first, then most
+        recent) into a resident entry, or None: nothing serves it, no room can be made, or its
+        snapshot is refused (counted, and dropped: never used unverified)."""
+        n = prefix.shape[0]
+        best: HostEntry | None = None
+        for h in self.host:
+            if determinism_class == DeterminismClass.DETERMINISTIC and h.taint:
+                continue
+            if h.length < n or common_prefix(h.tokens, prefix) < n or self.servable_len(h, n) != n:
+                continue
+            if best is None or (h.taint, -h.lru) < (best.taint, -best.lru):
+                best = h
+        if best is None:
+            return None
+        self.host.remove(best)  # out of reach of the demotions that make room for it
+        seq = self._room_for(best.length)
+        if seq is None:
+            self.host.put(best)
+            return None
+        t0 = time.perf_counter_ns()
+        why = self._load(best, seq)
+        if why:
+            self.cells.free_seq(seq)
+            self.host.refused(best)
+            log.warning("host_snapshot_refused", tokens=best.length, reason=why)
+            return None
+        self.host.restored(best, time.perf_counter_ns() - t0)
+        return self.cache.add(seq, best.tokens, best.digest, best.taint)
+
+    def _room_for(self, n: int) -> int | None:
+        """A free sequence id and ``n`` free cells for a restored entry, evicting (demoting) least
+        recently used unpinned entries as needed; None when that cannot be done."""
+        victims = self.cache.eviction_order(CACHE_CLASS)
+        while victims and (len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n):
+            self._evict(victims.pop(0))
+        if len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n:
+            return None
+        try:
+            return self.cells.take_seq()
+        except EngineError:
+            return None
+
+    def _load(self, h: HostEntry, seq: int) -> str:
+        """Load ``h``'s snapshot into the empty ``seq`` after checking it names exactly ``h``'s
+        tokens on this engine; "" when it did, else why not (``seq`` left for the caller to free)."""
+        try:
+            env, payload = open_sealed(h.blob, identity=self.identity)
+        except EngineError as exc:
+            return f"{exc.status.name}: {exc}"
+        with payload:
+            if env.range.end != h.length:
+                return f"the snapshot holds {env.range.end} tokens, the entry {h.length}"
+            if env.provenance_digest != h.digest or env.taint_bits != h.taint:
+                return "the snapshot's provenance is not the entry's"
+            if prefix_digest(self.model_id, h.tokens) != h.digest:
+                return "the entry's tokens do not match its digest"
+            if not self.cells.load(seq, payload, h.length):
+                return "llama.cpp refused the payload"
+        pmin, pmax = self.cells.pos_range(seq)
+        if not window_intact(pmin, pmax, h.length, self.n_swa):
+            return f"restored positions [{pmin}, {pmax}] cannot continue at {h.length}"
+        return ""
+
+    def demote(self, entry: CacheEntry) -> int:
+        """Capture ``entry`` (resident, about to be evicted) into the host tier at its end and, on
+        a sliding-window model, at its ``mark`` too (``host_tier``); returns the snapshots kept (0
+        when the tier is off, no boundary can seed a lane, or nothing fits)."""
+        if not self.host.enabled or self.cells.length(entry.seq) != entry.length:
+            return 0
+        pmin, pmax = self.cells.pos_range(entry.seq)
+        ends = [entry.length]
+        if self.n_swa > 0 and 0 < entry.mark < entry.length:
+            ends.insert(0, entry.mark)
+        kept = 0
+        for end in ends:
+            if not prefix_servable(pmin, pmax, end, self.n_swa):
+                continue
+            toks = entry.tokens[:end]
+            digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
+
+            def grab(s: int, end: int = end, digest: bytes = digest) -> bytearray | None:
+                return capture(
+                    self.cells.ctx,
+                    s,
+                    identity=self.identity,
+                    provenance=digest,
+                    taint=entry.taint,
+                    n_tokens=end,
+                    max_bytes=self.host.capacity,
+                )
+
+            blob = self.cells.with_prefix(entry.seq, end, grab)
+            if blob is None:
+                self.host.dropped_total += 1
+            elif self.host.put(HostEntry(toks, digest, entry.taint, blob)):
+                self.host.demotions_total += 1
+                kept += 1
+        return kept
