@@ -67,3 +67,23 @@ def test_capabilities_describe_engine_model_and_rings(make_spec):
     other = make_spec(ref_config={"vocab_size": 300, "eos_period": 7})
     with SyncWorker(other) as w:
         assert w.capabilities.model_id != first_id
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [kv.decode().partition("=") for kv in f.read().split(b"\0") if kv]
+    return {k: v for k, _, v in items}
+
+
+def test_worker_openmp_threads_wait_passively_unless_told(make_spec, monkeypatch):
+    # compute_env: the worker's OpenMP team sleeps between steps instead of spinning on the
+    # cores the link thread and the coordinator need; an operator's policy passes through.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
+        assert _environ(w.proc.pid)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
+        assert _environ(w.proc.pid)["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    with SyncWorker(make_spec(lanes=1, context_length=64, env={"OMP_WAIT_POLICY": "ACTIVE"})) as w:
+        assert _environ(w.proc.pid)["OMP_WAIT_POLICY"] == "ACTIVE"  # the spec's own env wins

@@ -165,13 +165,14 @@ class WorkerSpec:
     per pending HOST row; a slot must hold vocab_size f32 for HOST lanes to work).
 
     ``runtime_dir``: parent of the private per-worker directory (None: ``$XDG_RUNTIME_DIR`` or the
-    temp dir). ``stderr``: where the worker's JSON log lines go (None inherits ours; a file
-    object or fd). ``start_timeout``: seconds for spawn + model load + handshake. ``env``: extra
-    environment variables. ``command``: the program and leading arguments that run the worker
-    (default ``[sys.executable, "-m", "basertd.worker.main"]``; e.g. behind ``taskset``); the
-    worker flags are appended. ``emit_window_ms``: coalescing window of partial emits (None: the
-    worker's default, 2 ms; 0: every engine callback is sent at once; see ``basertd.worker.link``:
-    a lane's TICK_EMITs of one tick concatenate to a prefix of that tick's tokens for it)."""
+    temp dir). ``stderr``: where the worker's JSON log lines go (None inherits ours; a file object
+    or fd). ``start_timeout``: seconds for spawn + model load + handshake. ``env``: extra
+    environment variables (they win over ``compute_env`` and ``device_env``). ``command``: the
+    program and leading arguments that run the worker (default ``[sys.executable, "-m",
+    "basertd.worker.main"]``; e.g. behind ``taskset``); the worker flags are appended.
+    ``emit_window_ms``: coalescing window of partial emits (None: the worker's default, 2 ms; 0:
+    every engine callback is sent at once; see ``basertd.worker.link``: a lane's TICK_EMITs of one
+    tick concatenate to a prefix of that tick's tokens for it)."""
 
     worker_id: int = 0
     engine: str = "basert"
@@ -247,6 +248,26 @@ class WorkerSpec:
         if self.emit_window_ms is not None:
             args += ["--emit-window-ms", repr(float(self.emit_window_ms))]
         return args + [str(a) for a in self.extra_args]
+
+
+OPENMP_WAIT_POLICY = "PASSIVE"
+"""``OMP_WAIT_POLICY`` of every worker whose coordinator's environment names none (``compute_env``)."""
+
+
+def compute_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a worker's compute threads: ``OMP_WAIT_POLICY=PASSIVE`` unless ``environ``
+    (default the coordinator's own) already names a policy, which then passes through unchanged.
+
+    llama.cpp's CPU backend computes each step in an OpenMP team; by libgomp's default its threads
+    spin for some 300,000 iterations after every step. With as many compute threads as cores
+    (DESIGN.md "Processes": one worker per device, ``threads`` = the cores), that spin holds the
+    core the worker's own link thread, the coordinator and the clients need between two steps, and
+    a team thread the kernel then preempts stalls every barrier of the next step: on a busy 2-core
+    box single-stream decode ran at a third of its passive rate and swung several-fold
+    (``bench/bench_openmp_wait.py``). Passive threads sleep on a futex instead; waking one costs
+    microseconds per step."""
+    env = os.environ if environ is None else environ
+    return {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": OPENMP_WAIT_POLICY}
 
 
 def device_env(device: str | None) -> dict[str, str]:
@@ -418,9 +439,7 @@ class WorkerProcess:
             for a in attach:
                 argv += ["--ring", f"{a.ring_id}:{_RING_NAMES[a.ring_id]}:{a.fd}:{a.slots}:{a.slot_bytes}"]
             argv += ["--control", str(res.control.fd)]
-            env = None
-            if spec.env or device_env(spec.device):
-                env = {**os.environ, **device_env(spec.device), **(spec.env or {})}
+            env = {**os.environ, **compute_env(), **device_env(spec.device), **(spec.env or {})}
             res.proc = subprocess.Popen(
                 argv,
                 pass_fds=[*(a.fd for a in attach), res.control.fd],
