@@ -75,15 +75,22 @@ def _environ(pid: int) -> dict[str, str]:
     return {k: v for k, _, v in items}
 
 
-def test_worker_openmp_threads_wait_passively_unless_told(make_spec, monkeypatch):
-    # compute_env: the worker's OpenMP team sleeps between steps instead of spinning on the
-    # cores the link thread and the coordinator need; an operator's policy passes through.
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+def test_worker_openmp_threads_poll_briefly_unless_told(make_spec, monkeypatch):
+    # compute_env: the worker's OpenMP threads poll briefly, then sleep, instead of spinning on
+    # the cores the link thread and the coordinator need; an operator's setting passes through.
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
     with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
-        assert _environ(w.proc.pid)["OMP_WAIT_POLICY"] == "PASSIVE"
+        env = _environ(w.proc.pid)
+        assert env["GOMP_SPINCOUNT"] == "3000" and "OMP_WAIT_POLICY" not in env
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
-        assert _environ(w.proc.pid)["OMP_WAIT_POLICY"] == "ACTIVE"
+        env = _environ(w.proc.pid)
+        assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in env
     monkeypatch.delenv("OMP_WAIT_POLICY")
-    with SyncWorker(make_spec(lanes=1, context_length=64, env={"OMP_WAIT_POLICY": "ACTIVE"})) as w:
-        assert _environ(w.proc.pid)["OMP_WAIT_POLICY"] == "ACTIVE"  # the spec's own env wins
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
+        assert _environ(w.proc.pid)["GOMP_SPINCOUNT"] == "300000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    with SyncWorker(make_spec(lanes=1, context_length=64, env={"GOMP_SPINCOUNT": "0"})) as w:
+        assert _environ(w.proc.pid)["GOMP_SPINCOUNT"] == "0"  # the spec's own env wins

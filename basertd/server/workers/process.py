@@ -250,24 +250,29 @@ class WorkerSpec:
         return args + [str(a) for a in self.extra_args]
 
 
-OPENMP_WAIT_POLICY = "PASSIVE"
-"""``OMP_WAIT_POLICY`` of every worker whose coordinator's environment names none (``compute_env``)."""
+OPENMP_SPIN_COUNT = "3000"
+"""``GOMP_SPINCOUNT`` of every worker whose coordinator's environment sets no OpenMP wait
+(``compute_env``): how many times an idle OpenMP thread polls (about 0.1 ms) before it sleeps."""
 
 
 def compute_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for a worker's compute threads: ``OMP_WAIT_POLICY=PASSIVE`` unless ``environ``
-    (default the coordinator's own) already names a policy, which then passes through unchanged.
+    """Environment for a worker's compute threads: ``GOMP_SPINCOUNT=3000`` unless ``environ``
+    (default the coordinator's own) sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, which then
+    pass through unchanged.
 
-    llama.cpp's CPU backend computes each step in an OpenMP team; by libgomp's default its threads
-    spin for some 300,000 iterations after every step. With as many compute threads as cores
-    (DESIGN.md "Processes": one worker per device, ``threads`` = the cores), that spin holds the
-    core the worker's own link thread, the coordinator and the clients need between two steps, and
-    a team thread the kernel then preempts stalls every barrier of the next step: on a busy 2-core
-    box single-stream decode ran at a third of its passive rate and swung several-fold
-    (``bench/bench_openmp_wait.py``). Passive threads sleep on a futex instead; waking one costs
-    microseconds per step."""
+    llama.cpp's CPU backend computes each step in an OpenMP team and joins its threads at
+    ``omp barrier`` between operations. libgomp's default has an idle thread poll 300,000 times
+    (milliseconds) before sleeping: with as many compute threads as cores (DESIGN.md "Processes"),
+    that holds the core the worker's link thread, the coordinator and the clients need between two
+    steps, and when the kernel preempts a team thread its partner spins through the barrier
+    instead of yielding. Passive threads (no polling) pay a futex wake at every barrier instead.
+    Measured on the default model, 1 stream, 2 threads, 2 cores (``bench/bench_openmp_wait.py``):
+    at load ~3, 57.5 tok/s with 3,000 polls, 56.7 with 300,000 (one run 7.8), 49.6 passive; with
+    other work taking the cores, 40.0 with 3,000, 13.1 with 300,000 (runs of 0.5), 33.8 passive."""
     env = os.environ if environ is None else environ
-    return {} if "OMP_WAIT_POLICY" in env else {"OMP_WAIT_POLICY": OPENMP_WAIT_POLICY}
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    return {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
 
 
 def device_env(device: str | None) -> dict[str, str]:
