@@ -16,14 +16,14 @@ then the tensor data from the next multiple of ``general.alignment`` (default 32
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, MODEL_ARCH_NAMES, GGUFValueType
+from types import ModuleType
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -68,19 +68,25 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
 """Architectures no engine serves, with the kind of model each is: the engines serve decoder-only
 models with a KV cache (per-token state that prefix sharing and truncation rely on)."""
 
-_SCALARS = {
-    GGUFValueType.UINT8: 1,
-    GGUFValueType.INT8: 1,
-    GGUFValueType.UINT16: 2,
-    GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4,
-    GGUFValueType.INT32: 4,
-    GGUFValueType.FLOAT32: 4,
-    GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT64: 8,
-    GGUFValueType.INT64: 8,
-    GGUFValueType.FLOAT64: 8,
-}
+
+def _gguf() -> ModuleType:
+    """``gguf.constants``, imported on first use: importing the gguf package adds 50-250 ms to the
+    start of every process that imports this module (the coordinator's tokenizer, the llama.cpp
+    worker), and a file is only diagnosed after a load failed."""
+    from gguf import constants
+
+    return constants
+
+
+@functools.cache
+def _scalars() -> dict[int, int]:
+    """Bytes of each scalar GGUF value type, by type code."""
+    t = _gguf().GGUFValueType
+    sizes = {t.UINT8: 1, t.INT8: 1, t.UINT16: 2, t.INT16: 2, t.UINT32: 4, t.INT32: 4, t.FLOAT32: 4}
+    sizes.update({t.BOOL: 1, t.UINT64: 8, t.INT64: 8, t.FLOAT64: 8})
+    return {int(k): v for k, v in sizes.items()}
+
+
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -135,22 +141,24 @@ class _Cursor:
         return self.buf[start : start + n]
 
     def skip_value(self, vtype: int, what: str) -> None:
-        if vtype == GGUFValueType.STRING:
+        value_type = _gguf().GGUFValueType
+        scalars = _scalars()
+        if vtype == value_type.STRING:
             self.need(self.u64(what), what)
-        elif vtype == GGUFValueType.ARRAY:
+        elif vtype == value_type.ARRAY:
             item = self.u32(what)
             count = self.u64(what)
-            if item == GGUFValueType.STRING:
+            if item == value_type.STRING:
                 if count * 8 > self.size - self.pos:
                     self.need(count * 8, what)  # raises: not even the lengths fit
                 for _ in range(count):
                     self.need(self.u64(what), what)
-            elif item in _SCALARS:
-                self.need(count * _SCALARS[GGUFValueType(item)], what)
+            elif item in scalars:
+                self.need(count * scalars[item], what)
             else:
                 raise _Bad("corrupt", f"{what} is an array of unknown type {item}")
-        elif vtype in _SCALARS:
-            self.need(_SCALARS[GGUFValueType(vtype)], what)
+        elif vtype in scalars:
+            self.need(scalars[vtype], what)
         else:
             raise _Bad("corrupt", f"{what} has unknown value type {vtype}")
 
@@ -184,6 +192,7 @@ def diagnose_gguf(path: str | os.PathLike[str]) -> GgufProblem | None:
 
 
 def _check(p: Path, buf: mmap.mmap, size: int) -> GgufProblem | None:
+    g = _gguf()
     cur = _Cursor(buf, size)
     cur.pos = 4
     arch = ""
@@ -195,13 +204,13 @@ def _check(p: Path, buf: mmap.mmap, size: int) -> GgufProblem | None:
             )
         n_tensors = cur.u64("the tensor count")
         n_kv = cur.u64("the metadata count")
-        alignment = GGUF_DEFAULT_ALIGNMENT
+        alignment = g.GGUF_DEFAULT_ALIGNMENT
         for i in range(n_kv):
             key = cur.string(f"metadata key {i}").decode("utf-8", "replace")
             vtype = cur.u32(f"the type of {key}")
-            if key == "general.architecture" and vtype == GGUFValueType.STRING:
+            if key == "general.architecture" and vtype == g.GGUFValueType.STRING:
                 arch = cur.string(key).decode("utf-8", "replace")
-            elif key == "general.alignment" and vtype == GGUFValueType.UINT32:
+            elif key == "general.alignment" and vtype == g.GGUFValueType.UINT32:
                 alignment = cur.u32(key)
                 if alignment == 0 or alignment & (alignment - 1):
                     raise _Bad("corrupt", f"general.alignment is {alignment}, not a power of two")
@@ -222,7 +231,7 @@ def _check(p: Path, buf: mmap.mmap, size: int) -> GgufProblem | None:
             tensors.append((name, elements, ggml_type, offset))
         data_start = -(-cur.pos // alignment) * alignment
         for name, elements, ggml_type, offset in tensors:
-            sizes = GGML_QUANT_SIZES.get(ggml_type)  # type: ignore[call-overload]
+            sizes = g.GGML_QUANT_SIZES.get(ggml_type)
             if sizes is None:
                 raise _Bad("corrupt", f"tensor {name} has unknown ggml type {ggml_type}")
             block, type_bytes = sizes
@@ -248,7 +257,7 @@ def _architecture(p: Path, arch: str) -> GgufProblem | None:
             f"model file {p} has the unsupported architecture {arch!r} ({refused} model); the engines "
             "serve decoder-only models with a KV cache",
         )
-    if arch not in MODEL_ARCH_NAMES.values():
+    if arch not in _gguf().MODEL_ARCH_NAMES.values():
         return GgufProblem(
             "unknown_architecture",
             f"model file {p} has the architecture {arch!r}, which this build of the gguf library "

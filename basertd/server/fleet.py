@@ -147,17 +147,32 @@ class Fleet:
     # --- construction and lifecycle --------------------------------------------------------------
 
     async def build(self) -> None:
-        """Create every worker's spec, tokenizer, supervisor and scheduler (nothing started)."""
-        for worker_id, wcfg in enumerate(self.config.workers):
-            self.members.append(self._member(worker_id, wcfg, await self.prepare(worker_id, wcfg)))
+        """Create every worker's spec, supervisor, tokenizer and scheduler. Each worker is spawned
+        (its supervisor started) before the coordinator loads the tokenizers, so the worker's
+        imports and model load overlap the tokenizer's load (a GGUF vocabulary takes about as long
+        to load as the worker's whole start; DESIGN.md "Processes"); ``start()`` then starts the
+        schedulers. Raises what ``prepare`` raises, after stopping the workers already spawned."""
+        early: list[tuple[int, WorkerConfig, WorkerSpec, tuple[str, str], str, WorkerSlot, list]] = []
+        try:
+            for worker_id, wcfg in enumerate(self.config.workers):
+                spec, tok_key, name = self._spec(worker_id, wcfg)
+                holder: list[Scheduler] = []
+                slot = self._slot(spec, holder)
+                slot.start()
+                early.append((worker_id, wcfg, spec, tok_key, name, slot, holder))
+            for worker_id, wcfg, spec, tok_key, name, slot, holder in early:
+                tok = await self._tokenizer(worker_id, tok_key)
+                prep = Prepared(wcfg, spec, tok_key, name, tok)
+                self.members.append(self._member(worker_id, wcfg, prep, slot, holder))
+        except BaseException:
+            started = [e[5] for e in early[len(self.members) :]]
+            await asyncio.gather(*(s.stop() for s in started), return_exceptions=True)
+            raise
 
-    async def prepare(self, worker_id: int, wcfg: WorkerConfig) -> Prepared:
-        """Worker ``worker_id``'s spec, served name and tokenizer for the table ``wcfg`` (a
-        tokenizer already loaded for the same vocabulary is shared, otherwise it loads in a
-        thread). Changes nothing. Raises ``basertd.models.ModelUnavailable`` or
-        ``TokenizerError`` (a basert bundle whose tokenizer does not load gets an
-        ``UnavailableTokenizer``)."""
-        spec, tok_key, name = worker_spec(
+    def _spec(self, worker_id: int, wcfg: WorkerConfig) -> tuple[WorkerSpec, tuple[str, str], str]:
+        """Worker ``worker_id``'s spec, tokenizer key and served name for the table ``wcfg``.
+        Raises ``basertd.models.ModelUnavailable``."""
+        return worker_spec(
             worker_id,
             wcfg,
             runtime_dir=self.workers_dir,
@@ -165,6 +180,19 @@ class Fleet:
             host_bytes=self.config.cache.host_bytes,
             speculation=self.config.speculation.worker_args(),
         )
+
+    async def prepare(self, worker_id: int, wcfg: WorkerConfig) -> Prepared:
+        """Worker ``worker_id``'s spec, served name and tokenizer for the table ``wcfg`` (a
+        tokenizer already loaded for the same vocabulary is shared, otherwise it loads in a
+        thread). Changes nothing. Raises ``basertd.models.ModelUnavailable`` or
+        ``TokenizerError`` (a basert bundle whose tokenizer does not load gets an
+        ``UnavailableTokenizer``)."""
+        spec, tok_key, name = self._spec(worker_id, wcfg)
+        return Prepared(wcfg, spec, tok_key, name, await self._tokenizer(worker_id, tok_key))
+
+    async def _tokenizer(self, worker_id: int, tok_key: tuple[str, str]) -> Tokenizer:
+        """The tokenizer of ``tok_key``: a member's when one shares the vocabulary, else loaded in
+        a thread. Raises ``TokenizerError`` (a basert bundle's gets an ``UnavailableTokenizer``)."""
         tok = next((m.tokenizer for m in self.members if m.tok_key == tok_key), None)
         if tok is None:
             try:
@@ -175,17 +203,32 @@ class Fleet:
                 # The worker of this bundle fails the same way and is reported (status, health).
                 log.error("tokenizer_unavailable", worker_id=worker_id, reason=str(exc))
                 tok = UnavailableTokenizer(str(exc))
-        return Prepared(wcfg, spec, tok_key, name, tok)
+        return tok
 
-    def _member(self, worker_id: int, wcfg: WorkerConfig, prep: Prepared) -> Member:
-        """A new member (supervisor, scheduler, cache policy) from ``prep``; nothing started."""
-        cfg = self.config
-        holder: list[Scheduler] = []
-        slot = WorkerSlot(
-            prep.spec,
+    @staticmethod
+    def _slot(spec: WorkerSpec, holder: list[Scheduler]) -> WorkerSlot:
+        """The supervisor of ``spec``; giving up is reported to the scheduler ``holder`` holds
+        once there is one (nothing is queued before)."""
+        return WorkerSlot(
+            spec,
             close_grace_s=WORKER_CLOSE_GRACE_S,
             on_give_up=lambda err, h=holder: h and h[0].on_give_up(err),
         )
+
+    def _member(
+        self,
+        worker_id: int,
+        wcfg: WorkerConfig,
+        prep: Prepared,
+        slot: WorkerSlot | None = None,
+        holder: list[Scheduler] | None = None,
+    ) -> Member:
+        """A new member (supervisor, scheduler, cache policy) from ``prep``; nothing started but
+        ``slot`` when it is given (``build``: spawned early, with its ``holder``)."""
+        cfg = self.config
+        if slot is None or holder is None:
+            holder = []
+            slot = self._slot(prep.spec, holder)
         spec = prep.spec
         limits = WorkerLimits(
             context_length=wcfg.context_length,

@@ -67,3 +67,30 @@ def test_capabilities_describe_engine_model_and_rings(make_spec):
     other = make_spec(ref_config={"vocab_size": 300, "eos_period": 7})
     with SyncWorker(other) as w:
         assert w.capabilities.model_id != first_id
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [kv.decode().partition("=") for kv in f.read().split(b"\0") if kv]
+    return {k: v for k, _, v in items}
+
+
+def test_worker_openmp_threads_poll_briefly_unless_told(make_spec, monkeypatch):
+    # compute_env: the worker's OpenMP threads poll briefly, then sleep, instead of spinning on
+    # the cores the link thread and the coordinator need; an operator's setting passes through.
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(key, raising=False)
+    with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
+        env = _environ(w.proc.pid)
+        assert env["GOMP_SPINCOUNT"] == "3000" and "OMP_WAIT_POLICY" not in env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
+        env = _environ(w.proc.pid)
+        assert env["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    with SyncWorker(make_spec(lanes=1, context_length=64)) as w:
+        assert _environ(w.proc.pid)["GOMP_SPINCOUNT"] == "300000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    with SyncWorker(make_spec(lanes=1, context_length=64, env={"GOMP_SPINCOUNT": "0"})) as w:
+        assert _environ(w.proc.pid)["GOMP_SPINCOUNT"] == "0"  # the spec's own env wins

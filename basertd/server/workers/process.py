@@ -165,13 +165,14 @@ class WorkerSpec:
     per pending HOST row; a slot must hold vocab_size f32 for HOST lanes to work).
 
     ``runtime_dir``: parent of the private per-worker directory (None: ``$XDG_RUNTIME_DIR`` or the
-    temp dir). ``stderr``: where the worker's JSON log lines go (None inherits ours; a file
-    object or fd). ``start_timeout``: seconds for spawn + model load + handshake. ``env``: extra
-    environment variables. ``command``: the program and leading arguments that run the worker
-    (default ``[sys.executable, "-m", "basertd.worker.main"]``; e.g. behind ``taskset``); the
-    worker flags are appended. ``emit_window_ms``: coalescing window of partial emits (None: the
-    worker's default, 2 ms; 0: every engine callback is sent at once; see ``basertd.worker.link``:
-    a lane's TICK_EMITs of one tick concatenate to a prefix of that tick's tokens for it)."""
+    temp dir). ``stderr``: where the worker's JSON log lines go (None inherits ours; a file object
+    or fd). ``start_timeout``: seconds for spawn + model load + handshake. ``env``: extra
+    environment variables (they win over ``compute_env`` and ``device_env``). ``command``: the
+    program and leading arguments that run the worker (default ``[sys.executable, "-m",
+    "basertd.worker.main"]``; e.g. behind ``taskset``); the worker flags are appended.
+    ``emit_window_ms``: coalescing window of partial emits (None: the worker's default, 2 ms; 0:
+    every engine callback is sent at once; see ``basertd.worker.link``: a lane's TICK_EMITs of one
+    tick concatenate to a prefix of that tick's tokens for it)."""
 
     worker_id: int = 0
     engine: str = "basert"
@@ -247,6 +248,31 @@ class WorkerSpec:
         if self.emit_window_ms is not None:
             args += ["--emit-window-ms", repr(float(self.emit_window_ms))]
         return args + [str(a) for a in self.extra_args]
+
+
+OPENMP_SPIN_COUNT = "3000"
+"""``GOMP_SPINCOUNT`` of every worker whose coordinator's environment sets no OpenMP wait
+(``compute_env``): how many times an idle OpenMP thread polls (about 0.1 ms) before it sleeps."""
+
+
+def compute_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a worker's compute threads: ``GOMP_SPINCOUNT=3000`` unless ``environ``
+    (default the coordinator's own) sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, which then
+    pass through unchanged.
+
+    llama.cpp's CPU backend computes each step in an OpenMP team and joins its threads at
+    ``omp barrier`` between operations. libgomp's default has an idle thread poll 300,000 times
+    (milliseconds) before sleeping: with as many compute threads as cores (DESIGN.md "Processes"),
+    that holds the core the worker's link thread, the coordinator and the clients need between two
+    steps, and when the kernel preempts a team thread its partner spins through the barrier
+    instead of yielding. Passive threads (no polling) pay a futex wake at every barrier instead.
+    Measured on the default model, 1 stream, 2 threads, 2 cores (``bench/bench_openmp_wait.py``):
+    at load ~3, 57.5 tok/s with 3,000 polls, 56.7 with 300,000 (one run 7.8), 49.6 passive; with
+    other work taking the cores, 40.0 with 3,000, 13.1 with 300,000 (runs of 0.5), 33.8 passive."""
+    env = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    return {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
 
 
 def device_env(device: str | None) -> dict[str, str]:
@@ -418,9 +444,7 @@ class WorkerProcess:
             for a in attach:
                 argv += ["--ring", f"{a.ring_id}:{_RING_NAMES[a.ring_id]}:{a.fd}:{a.slots}:{a.slot_bytes}"]
             argv += ["--control", str(res.control.fd)]
-            env = None
-            if spec.env or device_env(spec.device):
-                env = {**os.environ, **device_env(spec.device), **(spec.env or {})}
+            env = {**os.environ, **compute_env(), **device_env(spec.device), **(spec.env or {})}
             res.proc = subprocess.Popen(
                 argv,
                 pass_fds=[*(a.fd for a in attach), res.control.fd],

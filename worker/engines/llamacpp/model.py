@@ -138,16 +138,40 @@ class LlamaModel:
         head_v = int(v_len) if v_len else n_embd // n_head
         self.arch = arch
         self.kv_bytes_per_token = self.n_layer * n_head_kv * (head_k + head_v) * 2  # F16 K and V
-        is_eog = L.llama_vocab_is_eog
-        self.eog_ids = tuple(t for t in range(self.n_vocab) if is_eog(self.vocab, t))
-        self.eog_mask = np.zeros(self.n_vocab, bool)
-        self.eog_mask[list(self.eog_ids)] = True
         bos = int(L.llama_vocab_bos(self.vocab))
         self.bos_id = bos if 0 <= bos < self.n_vocab else -1
         self.add_bos = bool(L.llama_vocab_get_add_bos(self.vocab))
         desc = ctypes.create_string_buffer(256)
         L.llama_model_desc(m, desc, len(desc))
         self.description = desc.value.decode("utf-8", "replace")
+        # One llama_vocab_is_eog call per token (0.1-0.4 s for a 262,144-token vocabulary): in a
+        # thread, so that it overlaps what the caller does next (the context's creation, in C).
+        self._eog: tuple[tuple[int, ...], np.ndarray] | None = None
+        self._eog_scan = threading.Thread(target=self._scan_eog, name="eog-scan", daemon=True)
+        self._eog_scan.start()
+
+    def _scan_eog(self) -> None:
+        is_eog, vocab = L.llama_vocab_is_eog, self.vocab
+        ids = tuple(t for t in range(self.n_vocab) if is_eog(vocab, t))
+        mask = np.zeros(self.n_vocab, bool)
+        mask[list(ids)] = True
+        self._eog = (ids, mask)
+
+    def _eog_result(self) -> tuple[tuple[int, ...], np.ndarray]:
+        self._eog_scan.join()
+        if self._eog is None:  # the scan raised (its traceback went to the thread's stderr)
+            raise EngineError(Status.ERR_FATAL, f"{self.path}: the end-of-generation scan failed")
+        return self._eog
+
+    @property
+    def eog_ids(self) -> tuple[int, ...]:
+        """Every token id ``llama_vocab_is_eog`` marks, ascending (waits for the scan)."""
+        return self._eog_result()[0]
+
+    @property
+    def eog_mask(self) -> np.ndarray:
+        """bool per token id: ``eog_ids`` as a mask (waits for the scan)."""
+        return self._eog_result()[1]
 
     def tokenize(self, text: bytes, add_special: bool) -> list[int]:
         """Token ids of ``text`` (UTF-8 bytes); ``add_special`` adds BOS where the model wants it.
@@ -179,7 +203,11 @@ class LlamaModel:
         return bytes(out)
 
     def close(self) -> None:
-        """Free the weights. Idempotent."""
+        """Free the weights (after the end-of-generation scan, which reads the vocabulary).
+        Idempotent."""
+        scan = getattr(self, "_eog_scan", None)
+        if scan is not None:
+            scan.join()
         if getattr(self, "ptr", None):
             L.llama_model_free(self.ptr)
             self.ptr = None
