@@ -55,6 +55,21 @@ def test_every_object_is_closed_and_the_input_is_untouched():
             jsonschema.validate(extra, out)
 
 
+def test_without_strict_only_objects_that_name_their_keys_are_closed():
+    schema = {
+        "type": "object",
+        "properties": {"item": PYDANTIC, "anything": {"type": "object"}, "free": {"type": "object"}},
+    }
+    out = close_objects(schema, named_only=True)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["item"]["additionalProperties"] is False
+    assert out["properties"]["item"]["$defs"]["Tag"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]["anything"]  # names no keys: any object
+    jsonschema.validate({"item": {"name": "x", "tags": []}, "anything": {"k": 1}}, out)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"item": {"name": "x", "tags": [], "more": 1}}, out)
+
+
 def test_what_a_schema_says_wins_and_allof_members_stay_open():
     schema = {
         "type": "object",

@@ -1207,17 +1207,25 @@ OPEN = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 """A schema as pydantic writes it: no ``additionalProperties``."""
 
 
-def test_strict_true_closes_the_schemas_objects_and_strict_false_keeps_them_open():
+def test_strict_true_closes_every_object_and_without_it_the_objects_that_name_their_keys():
     def schema_of(body):
         fake = FakeFrontend(reply=CALL_TEXT)
         assert post(fake, "/v1/chat/completions", body)[0] == 200
         return fake.gens[0][0].response_format["json_schema"]["schema"]
 
     msgs = [{"role": "user", "content": "hi"}]
-    for strict, closed in ((True, True), (False, False), (None, False)):  # what admission compiles
-        js = {"name": "city", "schema": OPEN, **({} if strict is None else {"strict": strict})}
+    bare = {"type": "object", "properties": {"city": OPEN, "extra": {"type": "object"}}}
+    for strict in (True, False, None):  # what admission compiles
+        js = {"name": "city", "schema": bare, **({} if strict is None else {"strict": strict})}
         got = json.loads(grammar.spec_from_request({"type": "json_schema", "json_schema": js}).text)
-        assert (got.get("additionalProperties") is False) is closed, (strict, got)
+        assert got["additionalProperties"] is False, (strict, got)  # llama.cpp's and xgrammar's reading
+        assert got["properties"]["city"]["additionalProperties"] is False, (strict, got)
+        # an object that names no keys is any object, unless strict closes it
+        assert (got["properties"]["extra"].get("additionalProperties") is False) is (strict is True)
+    said = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}
+    js = {"name": "open", "schema": said}
+    got = json.loads(grammar.spec_from_request({"type": "json_schema", "json_schema": js}).text)
+    assert got["additionalProperties"] is True  # what a schema says wins
     fn = {"name": "get_weather", "parameters": OPEN, "strict": True}
     tool = schema_of(
         {"messages": msgs, "tools": [{"type": "function", "function": fn}], "tool_choice": "required"}

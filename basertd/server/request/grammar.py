@@ -116,8 +116,9 @@ def spec_from_request(
 
     ``response_format`` ``{"type": "text"}`` (or None) asks for nothing; ``json_object`` is any
     JSON object; ``json_schema`` needs ``json_schema.schema`` (an object; ``name`` is accepted;
-    ``strict: true`` reads it as OpenAI does, every object closed unless it says otherwise:
-    ``strict_schema.close_objects``; every output meets the schema either way). Raises
+    ``strict: true`` reads it as OpenAI does, every object closed unless it says otherwise, and
+    without it the objects that list ``properties`` are closed, as llama.cpp and xgrammar read
+    them: ``strict_schema.close_objects``; every output meets the schema either way). Raises
     GrammarRequestError for more than one of the three, an unknown or malformed
     ``response_format``, a non-string ``grammar`` / ``regex``, or a schema too deep
     (``validate_spec``); whether the spec compiles is ``SpecCompiler``'s to say."""
@@ -154,9 +155,8 @@ def spec_from_request(
         schema = js.get("schema", _ANY_OBJECT)
         if not isinstance(schema, (dict, bool)):
             raise GrammarRequestError("response_format.json_schema.schema must be an object")
-        if js.get("strict") is True:  # OpenAI's strict reading: objects closed unless they say so
-            schema = close_objects(schema)
-        return schema_spec(schema)
+        # strict: OpenAI's reading, every object closed; else the objects that name their keys
+        return schema_spec(close_objects(schema, named_only=js.get("strict") is not True))
     raise GrammarRequestError(f"unknown response_format type {kind!r} (text, json_object, json_schema)")
 
 
@@ -195,9 +195,10 @@ def check_tool_caps(tools: Any, max_tools: int = MAX_TOOLS, max_bytes: int = MAX
 def parse_tools(tools: Any) -> list[Tool]:
     """The function tools of an OpenAI ``tools`` array (``[{"type": "function", "function":
     {"name", "description"?, "parameters"?, "strict"?}}]``; ``strict: true`` closes the
-    parameters' objects, ``strict_schema``). Raises GrammarRequestError for anything else:
-    not a list, a non-function tool, a bad or duplicate name, parameters that are not an object
-    schema or too deep (``validate_spec``); they are compiled with the tool grammar."""
+    parameters' objects, and without it those that list ``properties``: ``strict_schema``).
+    Raises GrammarRequestError for anything else: not a list, a non-function tool, a bad or
+    duplicate name, parameters that are not an object schema or too deep (``validate_spec``);
+    they are compiled with the tool grammar."""
     if not isinstance(tools, list) or not tools:
         raise GrammarRequestError("tools must be a non-empty array")
     out: list[Tool] = []
@@ -221,8 +222,7 @@ def parse_tools(tools: Any) -> list[Tool]:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise GrammarRequestError(f"tools[{i}].function.strict must be a boolean")
-        if strict:  # the strict reading, as for response_format
-            params = close_objects(params)
+        params = close_objects(params, named_only=not strict)  # as for response_format
         try:
             _check_depth(params)
         except GrammarRequestError as exc:

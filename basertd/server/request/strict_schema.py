@@ -1,4 +1,5 @@
-"""A JSON schema read the way OpenAI's strict mode reads it: every object closed unless it says otherwise.
+"""JSON schemas read with their objects closed unless they say otherwise, as the engines of other
+servers read them.
 
 With ``strict: true`` (``response_format.json_schema.strict``, a tool's ``function.strict``)
 OpenAI's structured outputs treat each object schema as if it said ``"additionalProperties":
@@ -13,7 +14,13 @@ walks the subschema keywords of JSON Schema 2020-12 (``properties``, ``items``, 
 ``not``, ``if`` / ``then`` / ``else``, ``dependentSchemas``, ``contains``), iteratively, so depth
 costs no stack. Two exceptions keep a valid instance valid: the members of an ``allOf`` stay as
 written (closing each member would refuse the properties the other members add), and an object
-that sets ``unevaluatedProperties`` is left to it. A non-strict request keeps the plain reading.
+that sets ``unevaluatedProperties`` is left to it.
+
+Without ``strict`` the same reading applies to objects that list ``properties`` (``named_only``):
+llama.cpp's schema-to-grammar converter closes such an object unless ``additionalProperties`` says
+otherwise, and vLLM's and SGLang's xgrammar do too (its ``strict_mode``), so a pydantic model sent
+without ``strict`` (instructor's JSON_SCHEMA mode, most clients' structured outputs) gets its own
+keys and no others. An object schema without ``properties`` stays any object.
 """
 
 from __future__ import annotations
@@ -53,12 +60,12 @@ def _is_object_schema(node: dict[str, Any]) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
 
 
-def close_objects(schema: Any) -> Any:
+def close_objects(schema: Any, named_only: bool = False) -> Any:
     """A deep copy of ``schema`` (a parsed JSON schema: dict, or bool) with every object schema
     that leaves ``additionalProperties`` (and ``unevaluatedProperties``) unset closed with
-    ``"additionalProperties": false``; members of ``allOf`` are copied unchanged (module
-    docstring). Never raises for a malformed schema: what is not a schema is copied as it is,
-    for the compiler to refuse."""
+    ``"additionalProperties": false`` (with ``named_only``, only those that list ``properties``);
+    members of ``allOf`` are copied unchanged (module docstring). Never raises for a malformed
+    schema: what is not a schema is copied as it is, for the compiler to refuse."""
     out = _copy(schema)
     stack: list[Any] = [out]
     while stack:
@@ -66,7 +73,7 @@ def close_objects(schema: Any) -> Any:
         if not isinstance(node, dict):
             continue
         if (
-            _is_object_schema(node)
+            (_is_object_schema(node) if not named_only else isinstance(node.get("properties"), dict))
             and "additionalProperties" not in node
             and "unevaluatedProperties" not in node
         ):
