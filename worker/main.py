@@ -113,14 +113,24 @@ def write_error_line(path: str | None, line: str) -> None:
         pass
 
 
-def _positive(text: str) -> int:
+def _int_at_least(text: str, low: int, what: str) -> int:
+    """``text`` as a base-10 integer of at least ``low``; ``argparse.ArgumentTypeError`` naming
+    ``what`` was expected otherwise."""
     try:
         value = int(text, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _non_negative(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def _non_negative_float(text: str) -> float:
@@ -130,16 +140,6 @@ def _non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 

@@ -45,14 +45,19 @@ def deliver(
     first = req.t_first_token is None
     if tokens:
         st.t_token[lane.tag] = now
-        if req.admissions == 0:  # tokens of its first admission before the tick's apply (a partial
-            # emit): the admit took, and the Done these tokens may bring reports the cached tokens
-            req.cached_tokens = min(lane.seeded_tokens, len(req.prompt))
+        if req.admissions == 0:  # tokens before the admitting tick's apply (a partial emit): the
+            _count_cached(lane)  # admit took, and the Done they may bring reports the cached tokens
     reason = req.deliver(tokens, now, logprobs, out)
     if first and req.t_first_token is not None:
         in_flight = 1 if req.tick_in_flight_at_arrival else 0
         req.ttft_ticks = st.plan_seq - req.plan_seq_received + in_flight
     return reason
+
+
+def _count_cached(lane: Lane) -> None:
+    """``lane``'s request at its first admission: the prompt tokens its seed served are its
+    cached tokens (later admissions, seeded from its own work, do not count)."""
+    lane.request.cached_tokens = min(lane.seeded_tokens, len(lane.request.prompt))
 
 
 def finish(st: SchedulerState, lane: Lane, reason: str, now: float, out: list) -> None:
@@ -165,7 +170,7 @@ def apply_accepted(st: SchedulerState, plan: Plan, tick: Accepted, now: float, o
             st.grammars.drop(lane.request)
             _admit_refused(st, lane.request, r, now, out)
         elif lane is not None and lane.request.admissions == 0:
-            lane.request.cached_tokens = min(lane.seeded_tokens, len(lane.request.prompt))
+            _count_cached(lane)
         if lane is not None and tag in st.lanes:
             lane.request.admissions += 1
 
