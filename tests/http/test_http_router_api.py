@@ -164,12 +164,21 @@ def test_the_polled_endpoints_answer_in_the_routers_shapes(daemon):
     load = httpx.get(daemon.http_url + "/get_load").json()
     assert load == {"load": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0, "dp_rank": 0}
     seen: list[dict] = []
-    body = {"prompt": "A long one", "max_tokens": 200}
+    polls: list[dict] = []
+    body = {"prompt": "A long one", "max_tokens": 400}
     t = threading.Thread(target=lambda: seen.append(post(daemon, "/v1/completions", body).json()))
     t.start()
-    busy = wait_until(lambda: (x := httpx.get(daemon.http_url + "/get_load").json())["load"] and x, 30)
+
+    def running() -> dict | None:
+        polls.append(x := httpx.get(daemon.http_url + "/get_load").json())
+        return x if x["num_tokens"] else None  # a queued request holds no KV yet
+
+    busy = wait_until(running, 30, what="the request running on a lane")
     t.join(60)
-    assert busy["num_reqs"] == 1 and busy["num_tokens"] > 0 and seen[0]["choices"]
+    assert busy["num_reqs"] == busy["load"] == 1 and busy["num_waiting_reqs"] == 0 and seen[0]["choices"]
+    # every poll adds up: queued or running, never both, never more than the one request
+    assert all(p["load"] == p["num_reqs"] <= 1 and p["num_waiting_reqs"] <= p["num_reqs"] for p in polls)
+    assert all(p["num_tokens"] == 0 for p in polls if p["num_waiting_reqs"])
 
 
 def test_render_gives_the_token_ids_and_sampling_params_the_request_would_run_with(daemon):
