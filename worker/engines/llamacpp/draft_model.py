@@ -118,7 +118,7 @@ class DraftModel:
     ) -> None:
         try:
             self.model = model = LlamaModel(path, n_gpu_layers=n_gpu_layers)
-        except EngineError as exc:
+        except (EngineError, OSError) as exc:  # OSError: a file that cannot be read
             raise _refused(f"draft model {path}: {exc}") from None
         self.ctx = None
         try:
