@@ -239,3 +239,36 @@ def test_an_uncertified_draft_registration_keeps_no_model(lc, tiny_gguf):
     assert (res.status, res.cert_id) == (AdmitStatus.ADMITTED, 0)
     (e,) = ev.emits
     assert e.n_tokens == 6 and e.spec.proposed == 0
+
+
+def test_the_worker_flag_parses_and_registers(lc, tmp_path):
+    """``--speculation draft-model:...`` parses to a ``DraftConfig`` (and back); ``register``
+    offers the certified slot with a ``--draft-model`` path and skips the strategy without one or
+    with a path that does not load (logged, never raised: the worker serves on)."""
+    from basertd.worker.strategies import SpeculationArgError, parse_speculation, register, speculation_arg
+
+    eng, _ = lc
+    cfg = parse_speculation("draft-model:draft_max=5,min_accept_permille=0")
+    assert cfg == DraftConfig(draft_max=5, min_accept_permille=0)
+    assert parse_speculation(speculation_arg(cfg)) == cfg
+    for bad in ("draft-model:ngram_min=2", "draft-model:draft_max=99", "draft-models"):
+        with pytest.raises(SpeculationArgError):
+            parse_speculation(bad)
+
+    class Log:
+        def __init__(self):
+            self.events = []
+
+        def warning(self, event, **kw):
+            self.events.append(event)
+
+        info = warning
+
+    log = Log()
+    assert register(eng, [cfg], log) == [] and log.events == ["strategy_refused"]
+    assert register(eng, [cfg], log, str(tmp_path / "missing.gguf")) == []
+    (offer,) = register(eng, [cfg], log, str(eng.model.path))
+    assert (
+        offer.strategy_id == DRAFT_MODEL and offer.cert_id and offer.exactness == Exactness.DISTRIBUTION_EXACT
+    )
+    assert log.events == ["strategy_refused", "strategy_refused", "strategy_registered"]
