@@ -56,6 +56,7 @@ from basertd.worker.engines import (
     UnknownEngine,
     open_engine,
 )
+from basertd.worker.engines.draft import DraftConfig
 from basertd.worker.engines.lookup import LookupConfig
 from basertd.worker.lifecycle import ExitCode, LifecycleError, StopSignals, die_with_parent
 from basertd.worker.link import EMIT_WINDOW_S, InheritedRing, LinkServer
@@ -230,6 +231,12 @@ def build_parser() -> _Parser:
         metavar="STRATEGY[:KEY=N,...]",
         help="register a speculation strategy at load, e.g. prompt-lookup:draft_max=8 (repeatable)",
     )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="the draft GGUF of --speculation draft-model (same vocabulary as the model)",
+    )
     p.add_argument("--log-level", default="info", choices=wlog.level_names())
     p.add_argument(
         "--error-file",
@@ -240,7 +247,7 @@ def build_parser() -> _Parser:
     return p
 
 
-def _speculation(value: str) -> LookupConfig:
+def _speculation(value: str) -> LookupConfig | DraftConfig:
     try:
         return parse_speculation(value)
     except SpeculationArgError as exc:
@@ -381,7 +388,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         yields = bool(
             control is not None and engine.supports(Capability.TICK_YIELD) and engine.attach_control(control)
         )
-        strategies = register_strategies(engine, args.speculation, log)
+        strategies = register_strategies(engine, args.speculation, log, args.draft_model)
         info = engine.info()
         log.info(
             "engine_loaded",

@@ -3,10 +3,13 @@
 capability record carries to the coordinator.
 
 ``--speculation prompt-lookup:draft_min=1,draft_max=8,ngram_min=2,ngram_max=4,max_batch_lanes=4,``
-``min_accept_permille=150`` (every key optional; the ``LookupConfig`` defaults fill the rest). A
-registration the engine refuses, or an engine without the SPECULATION capability, leaves the worker
-serving without that strategy (logged): speculation is an optimisation, never a reason not to
-start.
+``min_accept_permille=150`` (every key optional; the ``LookupConfig`` defaults fill the rest);
+``--speculation draft-model:draft_min=1,draft_max=8,max_batch_lanes=4,min_accept_permille=150``
+(``DraftConfig``) with the draft GGUF in ``--draft-model PATH``. A registration the engine refuses
+(a draft model that does not load or whose vocabulary differs: ERR_REGISTRATION_REFUSED), a
+draft-model strategy without a ``--draft-model`` path, or an engine without the SPECULATION
+capability, leaves the worker serving without that strategy (logged): speculation is an
+optimisation, never a reason not to start.
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from typing import Any
 
 from basertd.schema import link
 from basertd.worker.engines.base import Capability, Engine, EngineError
+from basertd.worker.engines.draft import DRAFT_MODEL, DraftConfig, draft_registration
 from basertd.worker.engines.lookup import PROMPT_LOOKUP, LookupConfig, lookup_registration
 
-STRATEGY_IDS = (PROMPT_LOOKUP,)
+_CONFIGS: dict[str, type[LookupConfig] | type[DraftConfig]] = {
+    PROMPT_LOOKUP: LookupConfig,
+    DRAFT_MODEL: DraftConfig,
+}
+STRATEGY_IDS = tuple(_CONFIGS)
 """The strategies ``--speculation`` accepts."""
 
 
@@ -26,36 +34,42 @@ class SpeculationArgError(ValueError):
     """A ``--speculation`` value that does not parse (the message names the part)."""
 
 
-def parse_speculation(value: str) -> LookupConfig:
-    """``"prompt-lookup[:key=int,...]"`` -> its ``LookupConfig``. Raises SpeculationArgError for
-    another strategy, an unknown key, a non-integer or an out-of-bounds value."""
+def parse_speculation(value: str) -> LookupConfig | DraftConfig:
+    """``"prompt-lookup[:key=int,...]"`` -> its ``LookupConfig``, ``"draft-model[:key=int,...]"``
+    -> its ``DraftConfig``. Raises SpeculationArgError for another strategy, an unknown key, a
+    non-integer or an out-of-bounds value."""
     name, _, rest = value.partition(":")
     if name not in STRATEGY_IDS:
         raise SpeculationArgError(f"unknown strategy {name!r} (known: {', '.join(STRATEGY_IDS)})")
+    cls = _CONFIGS[name]
     fields: dict[str, int] = {}
     for part in filter(None, rest.split(",")):
         key, eq, num = part.partition("=")
-        if not eq or key not in LookupConfig.__dataclass_fields__:
+        if not eq or key not in cls.__dataclass_fields__:
             raise SpeculationArgError(f"{name}: unknown setting {part!r}")
         try:
             fields[key] = int(num)
         except ValueError:
             raise SpeculationArgError(f"{name}: {key} must be an integer, got {num!r}") from None
     try:
-        return LookupConfig(**fields)
+        return cls(**fields)
     except ValueError as exc:
         raise SpeculationArgError(f"{name}: {exc}") from None
 
 
-def speculation_arg(cfg: LookupConfig) -> str:
+def speculation_arg(cfg: LookupConfig | DraftConfig) -> str:
     """The ``--speculation`` value of ``cfg`` (``parse_speculation``'s inverse)."""
-    keys = LookupConfig.__dataclass_fields__
-    return f"{PROMPT_LOOKUP}:" + ",".join(f"{k}={getattr(cfg, k)}" for k in keys)
+    name = DRAFT_MODEL if isinstance(cfg, DraftConfig) else PROMPT_LOOKUP
+    keys = type(cfg).__dataclass_fields__
+    return f"{name}:" + ",".join(f"{k}={getattr(cfg, k)}" for k in keys)
 
 
-def register(engine: Engine, configs: Sequence[LookupConfig], log: Any) -> list[link.StrategyOffer]:
-    """Register each config on ``engine``; returns what the capability record offers (one
-    ``StrategyOffer`` per granted strategy, with its best certificate)."""
+def register(
+    engine: Engine, configs: Sequence[LookupConfig | DraftConfig], log: Any, draft_model: str | None = None
+) -> list[link.StrategyOffer]:
+    """Register each config on ``engine`` (a ``DraftConfig`` with the GGUF at ``draft_model``);
+    returns what the capability record offers (one ``StrategyOffer`` per granted strategy, in
+    ``configs`` order, with its best certificate)."""
     if not configs:
         return []
     if not engine.supports(Capability.SPECULATION):
@@ -63,16 +77,24 @@ def register(engine: Engine, configs: Sequence[LookupConfig], log: Any) -> list[
         return []
     offers = []
     for cfg in configs:
+        if isinstance(cfg, DraftConfig):
+            if not draft_model:
+                log.warning("strategy_refused", strategy=DRAFT_MODEL, reason="no --draft-model path")
+                continue
+            reg = draft_registration(cfg, draft_model)
+        else:
+            reg = lookup_registration(cfg)
+        name = reg.strategy_id
         try:
-            grant = engine.strategy_register(lookup_registration(cfg))
+            grant = engine.strategy_register(reg)
         except EngineError as exc:
-            log.warning("strategy_refused", strategy=PROMPT_LOOKUP, status=exc.status.name, reason=str(exc))
+            log.warning("strategy_refused", strategy=name, status=exc.status.name, reason=str(exc))
             continue
         best = max(grant.certificates, key=lambda c: c.exactness, default=None)
-        offer = link.StrategyOffer(strategy_id=PROMPT_LOOKUP, strategy_slot=grant.strategy_slot)
+        offer = link.StrategyOffer(strategy_id=name, strategy_slot=grant.strategy_slot)
         if best is not None:
             offer = link.StrategyOffer(
-                strategy_id=PROMPT_LOOKUP,
+                strategy_id=name,
                 strategy_slot=grant.strategy_slot,
                 cert_id=best.cert_id,
                 exactness=int(best.exactness),
@@ -81,8 +103,6 @@ def register(engine: Engine, configs: Sequence[LookupConfig], log: Any) -> list[
                 grammar_allowed=bool(best.grammar_allowed),
                 logit_bias_allowed=bool(best.logit_bias_allowed),
             )
-        log.info(
-            "strategy_registered", strategy=PROMPT_LOOKUP, slot=grant.strategy_slot, cert_id=offer.cert_id
-        )
+        log.info("strategy_registered", strategy=name, slot=grant.strategy_slot, cert_id=offer.cert_id)
         offers.append(offer)
     return offers

@@ -148,7 +148,8 @@ class WorkerConfig(_Section):
     ``chat_template``: the chat template of the HTTP chat endpoint: a file path or the name of a
     template shipped with basertd (``basertd.server.transport.http.chat_template``); "" = the
     model's own (GGUF ``tokenizer.chat_template``), or the shipped Gemma template for the default
-    model."""
+    model. ``draft_model``: this llamacpp worker's draft GGUF for ``[speculation]`` "draft-model"
+    ("" = ``[speculation] draft_model``)."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""
@@ -161,6 +162,7 @@ class WorkerConfig(_Section):
     engine_args: list[str] = msgspec.field(default_factory=list)
     ref_config: dict[str, int | float | bool | str] = msgspec.field(default_factory=dict)
     chat_template: str = ""
+    draft_model: str = ""
 
 
 class SchedulerConfig(_Section):
@@ -535,9 +537,17 @@ class SpeculationConfig(_Section):
     ``ngram_max`` tokens; ``max_batch_lanes``: a round with more decoding lanes drafts nothing
     (verification rows cost more than they save in a large batch); ``min_acceptance``: a lane whose
     recent share of accepted drafts falls below it pauses drafting for a while (0..1). A request's
-    ``speculation`` field ("auto", "off", a strategy name) chooses per request."""
+    ``speculation`` field ("auto", "off", a strategy name) chooses per request; "auto" takes the
+    first strategy of ``strategies`` (in this order) that covers the request.
 
-    strategies: list[Literal["prompt-lookup"]] = msgspec.field(default_factory=list)
+    "draft-model" drafts with a smaller GGUF of the same vocabulary, ``draft_model`` (a path; a
+    ``[[workers]]`` table's own ``draft_model`` overrides it for that llamacpp worker), with the
+    same ``draft_min`` / ``draft_max`` / ``max_batch_lanes`` / ``min_acceptance``; a worker without
+    a path serves without it. A ``draft_model`` without "draft-model" in ``strategies``, or
+    "draft-model" with no path anywhere, is a ConfigError."""
+
+    strategies: list[Literal["prompt-lookup", "draft-model"]] = msgspec.field(default_factory=list)
+    draft_model: str = ""
     draft_min: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     draft_max: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     ngram_min: Annotated[int, msgspec.Meta(ge=1, le=16)] = 2
@@ -549,16 +559,26 @@ class SpeculationConfig(_Section):
         if self.draft_min > self.draft_max or self.ngram_min > self.ngram_max:
             raise ValueError("speculation: draft_min <= draft_max and ngram_min <= ngram_max")
 
-    def worker_args(self) -> tuple[str, ...]:
-        """The ``basertd-worker`` flags registering these strategies (``--speculation``)."""
-        knobs = (
-            f"draft_min={self.draft_min},draft_max={self.draft_max},ngram_min={self.ngram_min},"
-            f"ngram_max={self.ngram_max},max_batch_lanes={self.max_batch_lanes},"
+    def worker_args(self, worker: WorkerConfig | None = None) -> tuple[str, ...]:
+        """The ``basertd-worker`` flags registering these strategies for ``worker``
+        (``--speculation``, in ``strategies`` order, and ``--draft-model`` with the worker's draft
+        path; "draft-model" is left out for a worker without one, or not llamacpp)."""
+        common = (
+            f"draft_min={self.draft_min},draft_max={self.draft_max},max_batch_lanes={self.max_batch_lanes},"
             f"min_accept_permille={round(self.min_acceptance * 1000)}"
         )
-        return tuple(
-            a for name in dict.fromkeys(self.strategies) for a in ("--speculation", f"{name}:{knobs}")
-        )
+        knobs = {"prompt-lookup": f"{common},ngram_min={self.ngram_min},ngram_max={self.ngram_max}"}
+        draft = ""
+        if worker is not None and worker.engine == "llamacpp":
+            draft = worker.draft_model or self.draft_model
+        out: list[str] = []
+        for name in dict.fromkeys(self.strategies):
+            if name == "draft-model" and not draft:
+                continue
+            out += ["--speculation", f"{name}:{knobs.get(name, common)}"]
+        if draft and "draft-model" in self.strategies:
+            out += ["--draft-model", os.path.expanduser(draft)]
+        return tuple(out)
 
 
 class Config(_Section):
@@ -596,6 +616,12 @@ class Config(_Section):
         if not 0 <= mode <= 0o777:
             raise ValueError(f"socket_mode must be within 0..0o777, got {mode:#o}")
         self.socket_mode = mode
+        spec = self.speculation
+        paths = [spec.draft_model, *(w.draft_model for w in self.workers)]
+        if "draft-model" in spec.strategies and not any(paths):
+            raise ValueError("speculation: draft-model needs a draft_model path")
+        if any(paths) and "draft-model" not in spec.strategies:
+            raise ValueError("speculation: a draft_model is set but strategies does not name draft-model")
 
 
 _KEY_PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)")

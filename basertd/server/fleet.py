@@ -178,7 +178,7 @@ class Fleet:
             runtime_dir=self.workers_dir,
             log_level=self.config.log_level,
             host_bytes=self.config.cache.host_bytes,
-            speculation=self.config.speculation.worker_args(),
+            speculation=self.config.speculation.worker_args(wcfg),
         )
 
     async def prepare(self, worker_id: int, wcfg: WorkerConfig) -> Prepared:

@@ -63,6 +63,7 @@ from basertd.worker.engines.base import (
 )
 from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.context import Sizes, open_context
+from basertd.worker.engines.llamacpp.draft_model import DraftHost
 from basertd.worker.engines.llamacpp.embed import EMBED_INPUTS, Embedder
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.host_tier import HostTier
@@ -198,11 +199,19 @@ class LlamaCppEngine(Engine):
         self.ops = StateOps(self.sequences, self.identity)
         self.rates = RateCurve()
         batch_rows = sizes.n_batch + lanes
-        self.strategies = Strategies(self.model.arch, self.model.n_layer)
+        self.drafts = DraftHost(
+            self.model,
+            lanes=lanes,
+            context_length=context_length,
+            n_threads=n_threads,
+            n_threads_batch=threads_batch,
+            n_gpu_layers=n_gpu_layers,
+        )
+        self.strategies = Strategies(self.model.arch, self.model.n_layer, self.drafts)
         # Drafts write KV past the lane's end and are removed again: not on a window cache that
         # prunes (``speculation``).
         self.speculates = swa_full or not self.n_swa
-        speculator = Speculator(cells, context_length)
+        speculator = Speculator(cells, context_length, self.drafts.sources)
         self.rounds = Rounds(
             cells, live, grammars, self.rates, stats, self.n_vocab, self.step_rows, batch_rows, speculator
         )
@@ -298,11 +307,14 @@ class LlamaCppEngine(Engine):
         by the yield word), spec_rounds_total / spec_drafted_total / spec_accepted_total
         (speculative rounds verified, tokens drafted and accepted), the host tier's ``host_*``
         gauges and counters (``HostTier.stats``: entries, bytes, capacity, demotions, drops,
-        restores, restored tokens, restore ns, refused snapshots), and the measured rate curve
-        (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two llama_decode size)."""
+        restores, restored tokens, restore ns, refused snapshots), the draft models'
+        ``draft_models`` / ``draft_bytes`` / ``draft_sequences`` (``DraftHost.stats``), and the
+        measured rate curve (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two
+        llama_decode size)."""
         out = dict(self._stats)
         out.update(self.rates.stats())
         out.update(self.host.stats())
+        out.update(self.drafts.stats())
         out.update(
             last_plan_seq=self.last_plan_seq or 0,
             bare_sequences=len(self.sequences.bare) + len(self.seeds.adopted),
@@ -439,6 +451,7 @@ class LlamaCppEngine(Engine):
         self.host.clear()
         self.embedder.close()
         self.scorer.close()
+        self.drafts.close()
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None

@@ -103,6 +103,7 @@ class Rounds:
         """The tick's prefills and decodes, round after round, until every grant is spent and every
         prefill fed, or a yield; then the abort callback is disarmed."""
         lanes = self.lanes
+        self.speculator.forget_gone(lanes)  # draft sequences of lanes retired before the rounds
         for tag, eff in work.prefills:
             lane = lanes.get(tag)
             if lane is not None:

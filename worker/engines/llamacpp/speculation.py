@@ -26,6 +26,10 @@ engine does not verify: HOST lanes, sampled lanes (temperature > 0), grammar lan
 replay tail (ABI rule 72: replay units keep their one-token shape), and on a sliding-window model
 whose window cache is pruned (``swa_full`` False: a draft written past the window could prune keys
 the next position needs).
+
+Lanes on a draft-model certificate (``Speculator.sources``) take their ``m`` drafts, within the
+same bounds, from a smaller model's greedy decodes instead of lookup (``draft_model``); the
+verification is the same.
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ from basertd.worker.engines.llamacpp import sampling
 from basertd.worker.engines.lookup import LookupConfig
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
 
+    from basertd.worker.engines.draft import DraftConfig
     from basertd.worker.engines.llamacpp.cells import Cells
+    from basertd.worker.engines.llamacpp.draft_model import DraftModel
     from basertd.worker.engines.llamacpp.lane import Lane
     from basertd.worker.engines.llamacpp.tick import Tick
 
@@ -78,7 +84,7 @@ class LaneSpec:
     for now (``draft_min`` .. ``draft_max``), a pause (rounds left without drafting) and a decaying
     window of drafted / accepted tokens; ``proposed`` / ``accepted`` count the lane's whole life."""
 
-    cfg: LookupConfig
+    cfg: LookupConfig | DraftConfig
     cert_id: int
     k: int = 0
     pause: int = 0
@@ -111,12 +117,23 @@ class LaneSpec:
 
 class Speculator:
     """Draft planning and verification for one engine (module docstring). ``override``, None in
-    production, lets a test supply the drafts: ``override(lane, k) -> int32 array``."""
+    production, lets a test supply the drafts: ``override(lane, k) -> int32 array``. ``sources``
+    maps a certificate id to the draft model drafting for its lanes (``draft_model``; the lanes of
+    other certificates draft by prompt lookup): the same bounds on ``m``, drafts batched over the
+    round's lanes after the bounds are set."""
 
-    def __init__(self, cells: Cells, context_length: int) -> None:
+    def __init__(
+        self, cells: Cells, context_length: int, sources: Mapping[int, DraftModel] | None = None
+    ) -> None:
         self.cells = cells
         self.context_length = context_length
         self.override: Callable[[Lane, int], np.ndarray] | None = None
+        self.sources: Mapping[int, DraftModel] = {} if sources is None else sources
+
+    def forget_gone(self, lanes: Mapping[int, Lane]) -> None:
+        """Release the draft-model state of lanes no longer in ``lanes`` (the engine's live lanes)."""
+        for src in set(self.sources.values()):
+            src.forget_gone(lanes)
 
     def plan(self, forward: list[Lane], n_active: int, tick: Tick, rows_free: int) -> dict[int, np.ndarray]:
         """Drafts for this round's forwarding lanes, by tag (lanes absent draft nothing);
@@ -124,6 +141,7 @@ class Speculator:
         ``llama_decode`` part has left."""
         out: dict[int, np.ndarray] = {}
         slack: int | None = None
+        batched: dict[DraftModel, list[tuple[Lane, int]]] = {}
         for lane in forward:
             s = lane.spec
             if s is None or n_active > s.cfg.max_batch_lanes or rows_free <= 0:
@@ -142,7 +160,10 @@ class Speculator:
             if m <= 0:
                 continue
             d = self.override(lane, m) if self.override is not None else None
-            if d is None:
+            if d is None and s.cert_id in self.sources:  # rows reserved; drafted after the loop
+                batched.setdefault(self.sources[s.cert_id], []).append((lane, m))
+                d = np.zeros(m, np.int32)
+            elif d is None:
                 c = s.cfg
                 d = lookup(lane.tokens, lane.n_tokens, m, c.ngram_min, c.ngram_max)
             d = np.asarray(d, np.int32)[:m]
@@ -152,6 +173,13 @@ class Speculator:
             rows_free -= int(d.size)
             if d.size > grant - 1 and slack is not None:
                 slack -= int(d.size) - (grant - 1)
+        for src, want in batched.items():
+            got = src.draft(want, tick.lanes)
+            for lane, _ in want:
+                if lane.tag in got:
+                    out[lane.tag] = got[lane.tag]
+                else:
+                    del out[lane.tag]
         return out
 
     def _slack(self, tick: Tick) -> int:

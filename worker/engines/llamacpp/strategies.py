@@ -15,7 +15,12 @@ hash of the ``LookupConfig`` its PROPOSAL_LINEAR capability carries
 certificate says what the tests show: GREEDY (and GUMBEL at temperature <= 0) lanes, logit bias
 allowed, no grammar, exactness DISTRIBUTION_EXACT, the class a plain lane of this engine has
 (``work.GRANTED_CLASS``): greedy verification commits the argmax chain, equal to a
-non-speculative run's tokens up to near-ties that batch shape may flip. Any other registration is
+non-speculative run's tokens up to near-ties that batch shape may flip. "draft-model" with
+``impl_hash == DRAFT_IMPL_HASH`` and ``config_hash`` the hash of its ``DraftConfig`` gets the same
+certificate (its drafts go through the same verification); its DRAFT_WEIGHTS artifact is loaded
+after every other check (``draft_model.DraftHost.open``: a file that does not load or a vocabulary
+that differs from the target's is ERR_REGISTRATION_REFUSED) and kept only when certified. Any other
+registration is
 granted a slot with no certificate and no drafter: lanes admitted on it with ``allow_approximate``
 run without speculation (rule 122).
 
@@ -36,6 +41,8 @@ from basertd.native.abi import ExactnessCert, StrategyGrant, StrategyRegistratio
 from basertd.schema.abi import CertDomain, CertMode, Exactness, Sampling, Status, StrategyCap
 from basertd.schema.tick import LaneAdmit
 from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.draft import DRAFT_IMPL_HASH, DRAFT_MODEL, DraftConfig
+from basertd.worker.engines.llamacpp.draft_model import DraftHost
 from basertd.worker.engines.llamacpp.work import GRANTED_CLASS
 from basertd.worker.engines.lookup import LOOKUP_IMPL_HASH, PROMPT_LOOKUP, LookupConfig
 
@@ -51,7 +58,7 @@ class Registered:
     strategy_id: str
     certificates: list[ExactnessCert] = field(default_factory=list)
     host_compatible: bool = False
-    lookup: LookupConfig | None = None
+    lookup: LookupConfig | DraftConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ class AdmitGrant:
 
     cert_id: int
     granted: int
-    lookup: LookupConfig | None
+    lookup: LookupConfig | DraftConfig | None
 
 
 def _refused(why: str) -> EngineError:
@@ -70,11 +77,13 @@ def _refused(why: str) -> EngineError:
 
 class Strategies:
     """The strategies registered on one engine, by slot. ``arch`` is the model's architecture
-    name, ``n_layers`` its layer count (rule 115)."""
+    name, ``n_layers`` its layer count (rule 115); ``drafts`` loads draft models (None: a
+    "draft-model" registration is refused)."""
 
-    def __init__(self, arch: str, n_layers: int) -> None:
+    def __init__(self, arch: str, n_layers: int, drafts: DraftHost | None = None) -> None:
         self.arch = arch
         self.n_layers = n_layers
+        self.drafts = drafts
         self.slots: dict[int, Registered] = {}
         self._slot = itertools.count(1).__next__
         self._cert = itertools.count(1).__next__
@@ -98,7 +107,8 @@ class Strategies:
             raise _refused("this engine offers no kernel capabilities")  # rule 116
         if any(a.load_path is None for a in reg.artifacts):
             raise _refused("an artifact has no load_path")  # rule 116
-        lookup = None
+        lookup: LookupConfig | DraftConfig | None = None
+        drafter = None
         linear = [c for c in reg.capabilities if c.kind_id == StrategyCap.PROPOSAL_LINEAR]
         if reg.strategy_id == PROMPT_LOOKUP:
             raw = linear[0].params if linear and linear[0].params else LookupConfig().params()
@@ -106,13 +116,15 @@ class Strategies:
                 lookup = LookupConfig.from_params(raw)
             except ValueError as exc:
                 raise _refused(f"prompt-lookup config: {exc}") from None
+        elif reg.strategy_id == DRAFT_MODEL:  # loaded last: every other check has passed
+            if self.drafts is None:
+                raise _refused("this engine loads no draft models")
+            raw = linear[0].params if linear and linear[0].params else DraftConfig().params()
+            lookup, drafter = self.drafts.open(reg, raw)
+        impl_hash = {PROMPT_LOOKUP: LOOKUP_IMPL_HASH, DRAFT_MODEL: DRAFT_IMPL_HASH}.get(reg.strategy_id)
         host = any(c.kind_id == StrategyCap.HOST_COMPATIBLE for c in reg.capabilities)
         certs: list[ExactnessCert] = []
-        if (
-            lookup is not None
-            and reg.impl_hash == LOOKUP_IMPL_HASH
-            and reg.config_hash == lookup.config_hash()
-        ):
+        if lookup is not None and reg.impl_hash == impl_hash and reg.config_hash == lookup.config_hash():
             certs.append(
                 ExactnessCert(
                     cert_id=self._cert(),
@@ -124,6 +136,12 @@ class Strategies:
                     verification_shape_class=1,
                 )
             )
+        if drafter is not None and self.drafts is not None:
+            if certs:
+                self.drafts.bind(certs[0].cert_id, drafter)
+            else:  # an uncertified slot drafts nothing: the draft model is not kept
+                drafter.close()
+                lookup = None
         slot = self._slot()
         self.slots[slot] = Registered(slot, reg.strategy_id, certs, host, lookup)
         return StrategyGrant(strategy_slot=slot, certificates=list(certs), reserved_bytes=reg.est_state_bytes)
