@@ -3,13 +3,18 @@ llama-server (built from the same llama.cpp, ``bench/llama_server.py``) with and
 speculation, on the default model (a base model: /v1/completions prompts).
 
 Workloads: ``code`` (rewrite a ~1,000-token Python file with one identifier renamed), ``quote``
-(answer by quoting a given passage) and ``prose`` (free text with little repetition). Each run is
-one streamed greedy completion of ``--tokens`` tokens (ignore_eos); the decode rate is tokens after
-the first over the seconds after the first. basertd runs with ``[speculation] strategies =
-["prompt-lookup"]`` and each request says ``speculation`` "off" or "prompt-lookup": both in the
-same process and minute. Prints tokens/s per workload, the ratios, and the drafts accepted.
+(answer by quoting a given passage), ``prose`` (a story: this base model falls into loops on it
+greedily, so it repeats more than free text does) and ``free`` (the same story with
+``frequency_penalty`` 1.0: free text with little repetition, where speculation must back off).
+Each run is one streamed greedy completion of ``--tokens`` tokens (ignore_eos); the decode rate is
+tokens after the first over the seconds after the first. basertd runs with ``[speculation]
+strategies = ["prompt-lookup"]`` and each request says ``speculation`` "off" or "auto" (which picks
+prompt-lookup and backs off where it does not pay): both in the same process and minute. Then
+``--streams`` concurrent ``code`` completions (distinct files), aggregate tokens/s, off vs auto.
+Prints tokens/s per workload, the ratios, and the drafts accepted.
 
-    .venv/bin/python bench/bench_speculation.py --threads 2 --tokens 256 [--spec-type ngram-simple]
+    .venv/bin/python bench/bench_speculation.py --threads 2 --tokens 256
+        [--streams 8] [--reps 1] [--no-llama-server] [--spec-types ngram-simple,ngram-map-k,ngram-mod]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -42,10 +48,7 @@ _FUNC = '''def compute_total_{i}(items, factor={i}):
 
 
 def workloads() -> dict[str, str]:
-    """The three prompts (module docstring)."""
-    code = "".join(_FUNC.format(i=i) for i in range(14))
-    renamed = code.replace("compute_total", "sum_scaled")
-    head = renamed[: renamed.index("\n") + 1]
+    """The four prompts (module docstring)."""
     passage = (
         "The committee met on the third of March to review the harbour accounts. It found that the "
         "lighthouse fund had been spent on new ropes, two rowing boats and the repair of the north "
@@ -58,12 +61,28 @@ def workloads() -> dict[str, str]:
         "strange creatures, learning new songs and changing its mind about the world.\n\nStory:"
     )
     return {
-        "code": f"# file.py\n```python\n{code}```\n\n# The same file with compute_total renamed to "
-        f"sum_scaled:\n```python\n{head}",
+        "code": code_prompt(0),
         "quote": f"Passage:\n{passage}\n\nQuestion: what did the committee find? Answer by quoting "
         f'the passage exactly.\nAnswer: "{passage[:60]}',
         "prose": prose,
+        "free": prose,
     }
+
+
+EXTRA = {"free": {"frequency_penalty": 1.0}}
+"""Per-workload request fields beyond the common ones."""
+
+
+def code_prompt(variant: int) -> str:
+    """The rename-a-file prompt on file ``variant`` (distinct numbers per variant), ending with the
+    renamed file's first line to continue from."""
+    code = "".join(_FUNC.format(i=i + 100 * variant) for i in range(14))
+    renamed = code.replace("compute_total", "sum_scaled")
+    head = renamed[: renamed.index("\n") + 1]
+    return (
+        f"# file.py\n```python\n{code}```\n\n# The same file with compute_total renamed to "
+        f"sum_scaled:\n```python\n{head}"
+    )
 
 
 def completion(url: str, prompt: str, tokens: int, extra: dict) -> tuple[float, int, dict]:
@@ -98,13 +117,39 @@ def best(url: str, prompt: str, tokens: int, extra: dict, reps: int) -> tuple[fl
     return statistics.median(rates), usage
 
 
+def aggregate(url: str, n: int, tokens: int, extra: dict) -> tuple[float, int, int]:
+    """``n`` concurrent ``code`` completions on distinct files: (tokens/s over the wall time from the
+    first send to the last token, drafts accepted, drafts proposed)."""
+    out: list[tuple[float, int, dict]] = [(0.0, 0, {})] * n
+
+    def one(i: int) -> None:
+        out[i] = completion(url, code_prompt(i + 1), tokens, extra)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    details = [u.get("completion_tokens_details") or {} for *_, u in out]
+    acc = sum(x.get("accepted_prediction_tokens", 0) for x in details)
+    rej = sum(x.get("rejected_prediction_tokens", 0) for x in details)
+    return sum(k for _, k, _ in out) / wall, acc, acc + rej
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--draft-max", type=int, default=16)
-    ap.add_argument("--spec-type", default="ngram-simple", help="llama-server's n-gram --spec-type")
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams of the batch row (0: none)")
+    ap.add_argument(
+        "--spec-types",
+        default="ngram-simple,ngram-map-k,ngram-mod",
+        help="llama-server's n-gram --spec-type values to run; each workload compares with the best",
+    )
     ap.add_argument("--no-llama-server", action="store_true")
     a = ap.parse_args()
     model = str(default_model_path())
@@ -115,31 +160,56 @@ def main() -> int:
     )
     rows: dict[str, dict[str, float]] = {w: {} for w in loads}
     accept: dict[str, str] = {}
-    workers = workers_toml(model=model, threads=a.threads, lanes=2, context_length=4096)
+    batch: dict[str, float] = {}
+    lanes = max(2, a.streams)
+    workers = workers_toml(model=model, threads=a.threads, lanes=lanes, context_length=4096)
     with BenchDaemon(workers, extra=spec, http=True, prefix="brt-spec-") as d:
         assert d.url is not None
         for w, prompt in loads.items():
-            completion(d.url, prompt, 8, {"speculation": "off"})  # warm: the prompt cached, pages hot
-            rows[w]["off"], _ = best(d.url, prompt, a.tokens, {"speculation": "off"}, a.reps)
-            rows[w]["on"], usage = best(d.url, prompt, a.tokens, {"speculation": "prompt-lookup"}, a.reps)
+            off = {"speculation": "off", **EXTRA.get(w, {})}
+            auto = {"speculation": "auto", **EXTRA.get(w, {})}
+            completion(d.url, prompt, 8, off)  # warm: the prompt cached, pages hot
+            rows[w]["off"], _ = best(d.url, prompt, a.tokens, off, a.reps)
+            rows[w]["on"], usage = best(d.url, prompt, a.tokens, auto, a.reps)
             det = usage.get("completion_tokens_details") or {}
             acc, rej = det.get("accepted_prediction_tokens", 0), det.get("rejected_prediction_tokens", 0)
             accept[w] = f"{acc}/{acc + rej}" if acc + rej else "0/0"
+        if a.streams:
+            for label in ("off", "auto", "off2", "auto2"):  # alternating, each measured twice
+                rate, acc, drafted = aggregate(d.url, a.streams, a.tokens, {"speculation": label.rstrip("2")})
+                batch[label] = rate
+                if label.startswith("auto"):
+                    batch["accepted"], batch["drafted"] = acc, drafted
     if not a.no_llama_server:
-        for label, extra in (("ls", ()), ("ls_spec", ("--spec-type", a.spec_type))):
+        types = [t for t in a.spec_types.split(",") if t]
+        for label, extra in [("ls", ())] + [(t, ("--spec-type", t)) for t in types]:
             with LlamaServer(model, ctx=4096, parallel=1, threads=a.threads, extra=extra) as srv:
                 for w, prompt in loads.items():
-                    completion(srv.url, prompt, 8, {})
-                    rows[w][label], _ = best(srv.url, prompt, a.tokens, {}, a.reps)
+                    completion(srv.url, prompt, 8, EXTRA.get(w, {}))
+                    rows[w][label], _ = best(srv.url, prompt, a.tokens, EXTRA.get(w, {}), a.reps)
+        for r in rows.values():  # llama-server's best n-gram type per workload
+            r["ls_spec"], r["ls_type"] = max((r[t], i) for i, t in enumerate(types))
+            r["ls_type"] = float(r["ls_type"])
     print(
-        f"single stream, {a.tokens} tokens, {a.threads} threads, greedy; decode tok/s after the first token"
+        f"single stream, {a.tokens} tokens, {a.threads} threads, greedy; decode tok/s after the first token;"
+        " basertd's speculation 'auto' (prompt-lookup) against 'off'"
     )
-    head = f"{'workload':8} {'off':>7} {'lookup':>7} {'x off':>6} {'ls':>7}"
-    print(f"{head} {'ls+' + a.spec_type:>18} {'x ls+':>6} accepted")
+    types = [t for t in a.spec_types.split(",") if t]
+    head = f"{'workload':8} {'off':>7} {'auto':>7} {'x off':>6} {'ls':>7}"
+    print(f"{head} {'ls best n-gram':>27} {'x ls+':>6} accepted")
     for w, r in rows.items():
         ls, lss = r.get("ls", float("nan")), r.get("ls_spec", float("nan"))
-        print(f"{w:8} {r['off']:7.1f} {r['on']:7.1f} {r['on'] / r['off']:6.2f} {ls:7.1f} {lss:18.1f} "
-              f"{r['on'] / lss:6.2f} {accept[w]}")  # fmt: skip
+        kind = types[int(r["ls_type"])] if "ls_type" in r else "-"
+        print(f"{w:8} {r['off']:7.1f} {r['on']:7.1f} {r['on'] / r['off']:6.2f} {ls:7.1f} {lss:7.1f} "
+              f"({kind:>17}) {r['on'] / lss:6.2f} {accept[w]}")  # fmt: skip
+    if batch:
+        off = statistics.mean((batch["off"], batch["off2"]))
+        auto = statistics.mean((batch["auto"], batch["auto2"]))
+        print(
+            f"{a.streams} concurrent code streams, aggregate tok/s: off {off:.1f} (runs {batch['off']:.1f}, "
+            f"{batch['off2']:.1f}), auto {auto:.1f} (runs {batch['auto']:.1f}, {batch['auto2']:.1f}), "
+            f"x off {auto / off:.2f}, accepted {batch['accepted']:.0f}/{batch['drafted']:.0f}"
+        )
     return 0
 
 
