@@ -89,9 +89,10 @@ class Generate(_Msg, tag="generate"):
 
     ``speculation``: "auto" (speculative decoding where the worker's strategies are certified for
     the request and pay), "off", or a strategy name enabled in the ``[speculation]`` config (e.g.
-    "prompt-lookup"; INVALID_REQUEST for one not enabled, or for a request its certificate does
-    not cover: sampled, or with a grammar). Speculation never changes the tokens beyond the
-    near-ties a batch's shape may flip (greedy verification, tick ABI §2)."""
+    "prompt-lookup"; INVALID_REQUEST for one not enabled, or for a request with a grammar, which
+    no certificate covers). Speculation never changes the output distribution: greedy requests
+    keep their tokens up to the near-ties a batch's shape may flip (greedy verification), sampled
+    ones their sampling distribution (the rejection rule; tick ABI §2)."""
 
     request_id: str
     prompt: str | None = None

@@ -284,8 +284,9 @@ class TokenizerDesc(_Msg):
 
 class StrategyOffer(_Msg):
     """A speculation strategy the worker registered at load (tick ABI §2): its ``strategy_id``,
-    the ``strategy_slot`` admits name, and its best certificate (``cert_id`` 0: none, so no lane
-    may use it without consenting to approximation): ``exactness`` (an ``Exactness``),
+    the ``strategy_slot`` admits name, and one of its certificates (a strategy with several
+    certificates is offered once per certificate, same slot; ``cert_id`` 0: none, so no lane may
+    use it without consenting to approximation): ``exactness`` (an ``Exactness``),
     ``sampling_modes`` (``CertMode`` bits), ``param_domain`` (a ``CertDomain``), whether grammar
     and logit-bias lanes are covered."""
 

@@ -68,8 +68,10 @@ def register(
     engine: Engine, configs: Sequence[LookupConfig | DraftConfig], log: Any, draft_model: str | None = None
 ) -> list[link.StrategyOffer]:
     """Register each config on ``engine`` (a ``DraftConfig`` with the GGUF at ``draft_model``);
-    returns what the capability record offers (one ``StrategyOffer`` per granted strategy, in
-    ``configs`` order, with its best certificate)."""
+    returns what the capability record offers: one ``StrategyOffer`` per certificate of each
+    granted strategy, in ``configs`` order and then the engine's (the llama.cpp engine: greedy,
+    then sampled), all naming the strategy's one slot; one offer without a certificate for a
+    strategy granted none."""
     if not configs:
         return []
     if not engine.supports(Capability.SPECULATION):
@@ -90,19 +92,25 @@ def register(
         except EngineError as exc:
             log.warning("strategy_refused", strategy=name, status=exc.status.name, reason=str(exc))
             continue
-        best = max(grant.certificates, key=lambda c: c.exactness, default=None)
-        offer = link.StrategyOffer(strategy_id=name, strategy_slot=grant.strategy_slot)
-        if best is not None:
-            offer = link.StrategyOffer(
+        slot = grant.strategy_slot
+        mine = [
+            link.StrategyOffer(
                 strategy_id=name,
-                strategy_slot=grant.strategy_slot,
-                cert_id=best.cert_id,
-                exactness=int(best.exactness),
-                sampling_modes=int(best.sampling_modes),
-                param_domain=int(best.param_domain),
-                grammar_allowed=bool(best.grammar_allowed),
-                logit_bias_allowed=bool(best.logit_bias_allowed),
+                strategy_slot=slot,
+                cert_id=c.cert_id,
+                exactness=int(c.exactness),
+                sampling_modes=int(c.sampling_modes),
+                param_domain=int(c.param_domain),
+                grammar_allowed=bool(c.grammar_allowed),
+                logit_bias_allowed=bool(c.logit_bias_allowed),
             )
-        log.info("strategy_registered", strategy=name, slot=grant.strategy_slot, cert_id=offer.cert_id)
-        offers.append(offer)
+            for c in grant.certificates
+        ] or [link.StrategyOffer(strategy_id=name, strategy_slot=slot)]
+        log.info(
+            "strategy_registered",
+            strategy=name,
+            slot=slot,
+            cert_ids=[o.cert_id for o in mine if o.cert_id],
+        )
+        offers += mine
     return offers

@@ -10,12 +10,15 @@ drafts and rejects others; the KV ledger must then hold exactly the committed to
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import numpy as np
 import pytest
 from lc_harness import BareLlama, admit, first_divergence, generate, ignore_eos, make_prompt
 
 from basertd.native.abi import StrategyRegistration
-from basertd.schema.abi import AdmitStatus, Exactness, Sampling, Status
+from basertd.schema.abi import AdmitStatus, CertDomain, CertMode, Exactness, Sampling, Status
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
 from basertd.worker.engines.base import EngineError, PlanRejected
 from basertd.worker.engines.llamacpp.speculation import lookup
@@ -46,8 +49,15 @@ def references(bare: BareLlama, prompts: dict[int, list[int]], n_new: int) -> di
 
 
 def register(eng, **cfg) -> int:
+    """Register prompt-lookup with ``cfg``: the greedy and the sampled certificate, in that order."""
     grant = eng.strategy_register(lookup_registration(LookupConfig(**cfg)))
-    assert len(grant.certificates) == 1
+    greedy, sampled = grant.certificates
+    assert (greedy.sampling_modes, greedy.param_domain) == (
+        CertMode.GREEDY | CertMode.GUMBEL,
+        CertDomain.GREEDY_ONLY,
+    )
+    assert (sampled.sampling_modes, sampled.param_domain) == (CertMode.GUMBEL, CertDomain.ANY)
+    assert greedy.exactness == sampled.exactness == Exactness.DISTRIBUTION_EXACT
     return grant.strategy_slot
 
 
@@ -289,33 +299,45 @@ def test_certificates_only_for_the_tested_combination(lc):
     assert info.value.status == Status.ERR_REGISTRATION_REFUSED
 
 
-def test_admission_grants_greedy_lanes_only(lc):
-    """Greedy and temperature-0 lanes get the certificate; a sampled or grammar lane is REJECTED
-    (CERT_UNMATCHED) unless it allows approximation, and then decodes without drafting; a HOST
-    lane on a strategy without HOST_COMPATIBLE is HOST_RULES; an unregistered slot is refused."""
+def test_admission_grants_greedy_lanes_one_certificate_and_sampled_lanes_the_other(lc):
+    """Greedy and temperature-0 lanes get the greedy certificate (1), sampled lanes, with or
+    without penalties, the sampled one (2); a sampled lane that requires the greedy certificate,
+    a grammar lane or a floor above the certificates' class is REJECTED (CERT_UNMATCHED); on a
+    slot without certificates a lane that allows approximation is APPROXIMATE and decodes without
+    drafting; a HOST lane on a strategy without HOST_COMPATIBLE is HOST_RULES; an unregistered slot
+    is refused."""
     eng, coord = lc
     slot = register(eng)
+    bare_slot = eng.strategy_register(StrategyRegistration("prompt-lookup")).strategy_slot  # no impl hash
     eng.rounds.speculator.override = lambda lane, k: np.full(k, 3, np.int32)
     p = coord.prompt(make_prompt(2, 8))
     sampled = SamplingParams(temperature=0.8, flags=ignore_eos().flags)
+    penalised = SamplingParams(
+        temperature=0.8, repeat_penalty=1.2, freq_penalty=0.5, flags=ignore_eos().flags
+    )
     grammar = eng.grammar_create('{"type": "object"}')
+    gumbel = Sampling.GPU_GUMBEL
     admits = [
         admit(1, p, strategy_slot=slot, params=ignore_eos()),
-        admit(2, p, strategy_slot=slot, sampling=Sampling.GPU_GUMBEL, params=SamplingParams(temperature=0.0)),
-        admit(3, p, strategy_slot=slot, sampling=Sampling.GPU_GUMBEL, params=sampled),
-        admit(4, p, strategy_slot=slot, sampling=Sampling.GPU_GUMBEL, params=sampled, allow_approximate=1),
+        admit(2, p, strategy_slot=slot, sampling=gumbel, params=SamplingParams(temperature=0.0)),
+        admit(3, p, strategy_slot=slot, sampling=gumbel, params=sampled),
+        admit(4, p, strategy_slot=bare_slot, sampling=gumbel, params=sampled, allow_approximate=1),
         admit(5, p, strategy_slot=slot, grammar_handle=grammar),
         admit(6, p, strategy_slot=slot, minimum_exactness=Exactness.SEED_PATH_INVARIANT),
+        admit(7, p, strategy_slot=slot, sampling=gumbel, params=penalised),
+        admit(
+            8, p, strategy_slot=slot, sampling=gumbel, params=sampled, required_cert_id=1
+        ),  # rules 119, 120
     ]
     ev = coord.tick(admits=admits)
     res = {r.lane_tag: r for r in ev.admit_results}
-    for tag in (1, 2):
+    for tag, cert in ((1, 1), (2, 1), (3, 2), (7, 2)):
         assert (res[tag].status, res[tag].cert_id, res[tag].granted_class) == (
             AdmitStatus.ADMITTED,
-            1,
+            cert,
             Exactness.DISTRIBUTION_EXACT,
         )
-    for tag in (3, 5, 6):
+    for tag in (5, 6, 8):
         assert (res[tag].status, res[tag].reject_code) == (AdmitStatus.REJECTED, CERT_UNMATCHED_BITS)
     assert (res[4].status, res[4].cert_id, res[4].granted_class) == (
         AdmitStatus.ADMITTED,
@@ -329,12 +351,138 @@ def test_admission_grants_greedy_lanes_only(lc):
     (e,) = ev.emits
     assert e.n_tokens == 6 and e.spec.proposed == 0 and e.spec.cert_id_in_effect == 0
     for bad, status in (
-        (admit(7, p, strategy_slot=slot + 5), Status.REJECT_ILLEGAL_COMBINATION),
+        (admit(9, p, strategy_slot=slot + 5), Status.REJECT_ILLEGAL_COMBINATION),
         (
-            admit(8, p, strategy_slot=slot, sampling=Sampling.HOST, allow_approximate=1),
+            admit(10, p, strategy_slot=slot, sampling=Sampling.HOST, allow_approximate=1),
             Status.REJECT_HOST_RULES,
         ),
     ):
         with pytest.raises(PlanRejected) as info:
             coord.tick(admits=[bad])
         assert info.value.status == status
+
+
+# --------------------------------------------------------------------------- sampled verification
+
+LIKELY = (40, 41)  # token ids a logit bias makes the tiny model's likely choices (with 7, 250)
+N_SEEDS = 320  # seeds per side of each comparison
+N_NEW = 6  # tokens per lane: the first comes from the prefill, the rest from speculative rounds
+
+
+def sampled_runs(coord, prompt, seeds, params, slot, bias):
+    """Each RNG seed in ``seeds`` as one sampled lane (8 lanes a batch, a grant of N_NEW in one
+    tick): returns ({seed: tokens}, drafted, accepted)."""
+    out, drafted, accepted = {}, 0, 0
+    ref = coord.prompt(prompt)
+    for i in range(0, len(seeds), 8):
+        group = dict(enumerate(seeds[i : i + 8], start=1))
+        kw = dict(sampling=Sampling.GPU_GUMBEL, params=params, strategy_slot=slot, logit_bias_handle=bias)
+        admits = [admit(t, ref, rng_counter_base=s << 32, **kw) for t, s in group.items()]
+        prefills = [LanePrefill(lane_tag=t, token_offset=0, token_count=len(prompt)) for t in group]
+        ev = coord.tick(
+            admits=admits,
+            prefills=prefills,
+            decodes=[LaneDecode(lane_tag=t, max_new_tokens=N_NEW) for t in group],
+        )
+        got = coord.tokens_of(ev)
+        for e in ev.emits:
+            drafted += e.spec.proposed
+            accepted += e.spec.accepted
+        coord.tick(retires=[LaneRetire(lane_tag=t) for t in group])
+        out.update({s: got[t] for t, s in group.items()})
+    assert all(len(t) == N_NEW for t in out.values())
+    return out, drafted, accepted
+
+
+def chi2_same_law(a: list[int], b: list[int]) -> tuple[float, float]:
+    """Two-sample chi-square statistic of the token counts ``a`` and ``b`` (equal sizes; tokens
+    rarer than 5 in both pooled into one cell) and its critical value at alpha = 0.001
+    (Wilson-Hilferty's approximation of the chi-square quantile)."""
+    ca, cb = Counter(a), Counter(b)
+    cells = [t for t in ca.keys() | cb.keys() if ca[t] + cb[t] >= 10]
+    rare = [t for t in ca.keys() | cb.keys() if t not in cells]
+    pairs = [(ca[t], cb[t]) for t in cells] + [(sum(ca[t] for t in rare), sum(cb[t] for t in rare))]
+    pairs = [(x, y) for x, y in pairs if x + y]
+    stat = sum((x - y) ** 2 / (x + y) for x, y in pairs)
+    df = max(1, len(pairs) - 1)
+    z = 3.0902  # the standard normal's 0.999 quantile
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0, top_k=6, top_p=0.97, min_p=0.02),
+        dict(temperature=0.8, top_k=12, repeat_penalty=1.15, freq_penalty=0.3, presence_penalty=0.2),
+    ],
+    ids=["truncated", "penalised"],
+)
+def test_sampled_speculation_keeps_the_sampling_distribution(lc, params):
+    """The rejection rule (``speculation``): over fixed RNG seeds, the token at each of the first
+    N_NEW positions has the same histogram with speculation on (seeds 0..N-1) and off (seeds
+    N..2N-1, independent draws), by a two-sample chi-square test at alpha 0.001 (deterministic:
+    the seeds are fixed). A logit bias makes five tokens likely and the prompt is made of them, so
+    prompt lookup drafts at every round and many drafts are accepted, many rejected. The same
+    seeds with speculation off give the same tokens for nearly every seed (one uniform per
+    position decides acceptance and the draw alike; only the verification batch's last bits
+    differ)."""
+    eng, coord = lc
+    slot = register(eng, ngram_min=1, max_batch_lanes=8, min_accept_permille=0)
+    bias = eng.logit_bias_create(list(LIKELY), [8.0, 12.0])
+    rng = np.random.default_rng(5)
+    prompt = [1, *rng.choice(LIKELY, 40, p=[0.6, 0.4]).tolist()]
+    sp = ignore_eos(**params)
+    on, drafted, accepted = sampled_runs(coord, prompt, list(range(N_SEEDS)), sp, slot, bias)
+    off, d_off, _ = sampled_runs(coord, prompt, list(range(N_SEEDS, 2 * N_SEEDS)), sp, 0, bias)
+    same_seeds, _, _ = sampled_runs(coord, prompt, list(range(N_SEEDS)), sp, 0, bias)
+    assert d_off == 0
+    # the speculative run really verified drafts, accepting some and rejecting others
+    assert drafted >= N_SEEDS and N_SEEDS // 8 <= accepted < 0.9 * drafted, (drafted, accepted)
+    for pos in range(N_NEW):
+        a = [t[pos] for t in on.values()]
+        b = [t[pos] for t in off.values()]
+        stat, crit = chi2_same_law(a, b)
+        assert stat < crit, (pos, stat, crit, Counter(a).most_common(8), Counter(b).most_common(8))
+    # a check the test can fail: accepting every draft gives another law than the plain sampler
+    same = sum(on[s] == same_seeds[s] for s in on)
+    assert same >= 0.9 * N_SEEDS
+    print(f"sampled acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, same tokens {same}/{N_SEEDS}")
+
+
+# --------------------------------------------------------------------------- strategy faults
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[5, 293], [-1, 4], [2**32 + 5], [[5, 6]], [0.5, 1.0]],
+    ids=["past-vocab", "negative", "wraps-in-int32", "two-rows", "floats"],
+)
+def test_a_draft_outside_the_vocabulary_is_a_strategy_fault_and_the_lane_goes_on(lc, bad):
+    """A drafter proposing what the engine cannot verify (``speculation.StrategyFault``,
+    FaultCode.STRATEGY): the draft is discarded and counted, the lane's speculation is turned off
+    (no more drafts asked for, ``cert_id_in_effect`` 0), no lane fault stops it (ABI rules 60-62),
+    and its tokens, greedy and sampled, are those of a plain run."""
+    eng, coord = lc
+    slot = register(eng)
+    prompts = {1: make_prompt(44, 12), 2: make_prompt(45, 15)}
+    sampled = dict(
+        sampling=Sampling.GPU_GUMBEL, params=ignore_eos(temperature=0.9, top_k=20), rng_counter_base=7 << 32
+    )
+    kw = {1: dict(params=ignore_eos()), 2: sampled}
+    plain = generate(coord, prompts, 24, per_tick=8, admit_kw=kw)
+    asked: list[int] = []
+
+    def drafter(lane, k):
+        asked.append(lane.tag)
+        return np.array(bad)
+
+    eng.rounds.speculator.override = drafter
+    spec_kw = {t: {**a, "strategy_slot": slot} for t, a in kw.items()}
+    got, stats, per_emit = run(coord, prompts, 24, per_tick=8, admit_kw=spec_kw, eng=eng)
+    assert got == plain
+    assert sorted(asked) == [1, 2]  # asked once per lane, never again
+    assert stats == {1: [0, 0], 2: [0, 0]}
+    assert {s.cert_id_in_effect for _, _, s in per_emit} == {0}
+    s = eng.stats()
+    assert (s["spec_faults_total"], s["faults_total"], s["spec_rounds_total"]) == (2, 0, 0)

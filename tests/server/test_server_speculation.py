@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from daemon_harness import Daemon
 from serving_harness import assert_same_up_to_near_ties, bare_reference, tiny_toml
@@ -66,16 +67,33 @@ def test_greedy_tokens_are_the_reference_with_speculation_on_and_off(daemon, tin
     assert ours in metrics and vllm in metrics
 
 
-def test_a_sampled_request_decodes_plainly_and_a_bad_value_is_refused(daemon):
-    p = make_prompt(300, 20) * 2
+def test_a_sampled_request_speculates_and_a_bad_value_is_refused(daemon):
+    """A sampled request (temperature > 0) drafts under auto and under its strategy's name (the
+    sampled certificate, rejection-rule verification), is reproducible for its RNG seed, and "off"
+    drafts nothing; an unknown strategy, or a named one with structured output, is
+    INVALID_REQUEST. A logit bias makes the prompt's tokens likely, so the drafts are often
+    accepted (tests/llamacpp/test_llamacpp_speculation.py compares the distributions)."""
+    rng = np.random.default_rng(5)
+    p = [1, *rng.choice([40, 41], 40, p=[0.6, 0.4]).tolist()]
+    bias = {40: 8.0, 41: 12.0}  # makes the prompt's two tokens the tiny model's likely ones
     with daemon.client() as c:
-        sampled = c.generate(prompt_tokens=p, max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
-        again = c.generate(
-            prompt_tokens=p, max_tokens=16, temperature=0.8, seed=7, ignore_eos=True, speculation="off"
-        )
-        assert sampled.ids == again.ids and sampled.usage.draft_tokens == 0
-        for value, kw in (("draft-model", {}), ("bogus", {}), ("prompt-lookup", {"temperature": 0.8})):
+        sampled = dict(prompt_tokens=p, max_tokens=24, temperature=1.0, top_k=6, seed=7, ignore_eos=True)
+        sampled["logit_bias"] = bias
+        on = c.generate(**sampled)
+        again = c.generate(**sampled)
+        named = c.generate(**sampled, speculation="prompt-lookup")
+        off = c.generate(**sampled, speculation="off")
+        assert on.ids == again.ids and len(on.ids) == len(off.ids) == 24
+        assert on.usage.draft_tokens > 0 and named.usage.draft_tokens > 0
+        assert 0 < on.usage.accepted_draft_tokens <= on.usage.draft_tokens
+        assert off.usage.draft_tokens == off.usage.accepted_draft_tokens == 0
+        json_out = {"type": "json_object"}
+        for value, kw in (
+            ("draft-model", {}),
+            ("bogus", {}),
+            ("prompt-lookup", {"response_format": json_out}),
+        ):
             with pytest.raises(ClientError) as info:
-                c.generate(prompt_tokens=p, max_tokens=4, speculation=value, **{"temperature": 0.0, **kw})
+                c.generate(prompt_tokens=p, max_tokens=4, speculation=value, temperature=0.8, **kw)
             assert info.value.code == ErrorCode.INVALID_REQUEST
             assert "speculation" in str(info.value)

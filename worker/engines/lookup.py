@@ -4,8 +4,8 @@ that serve it (tick ABI §2 ``BaseRTStrategyRegistration``; RULES.md section I).
 ``LookupConfig`` is the strategy's canonical config: it travels as the one record of the
 registration's PROPOSAL_LINEAR capability (six little-endian u32) and its SHA-256 is the
 registration's ``config_hash``, so an engine certifies exactly the config it tested (rule 117).
-``LOOKUP_IMPL_HASH`` names the implementation (the llama.cpp engine's drafter and greedy
-verification, ``basertd.worker.engines.llamacpp.speculation``); an engine that registers the
+``LOOKUP_IMPL_HASH`` names the implementation (the llama.cpp engine's drafter and its greedy and
+sampled verification, ``basertd.worker.engines.llamacpp.speculation``); an engine that registers the
 strategy without drafting grants a slot without certificates.
 """
 
@@ -21,8 +21,10 @@ from basertd.schema.abi import Exactness, StrategyCap
 PROMPT_LOOKUP = "prompt-lookup"
 """The one strategy this engine drafts for: n-gram lookup over the lane's own tokens."""
 
-LOOKUP_IMPL_VERSION = "1.0.0"
-LOOKUP_IMPL_HASH = hashlib.sha256(b"basertd llamacpp prompt-lookup, linear, greedy verification v1").digest()
+LOOKUP_IMPL_VERSION = "1.1.0"
+LOOKUP_IMPL_HASH = hashlib.sha256(
+    b"basertd llamacpp prompt-lookup, linear, greedy and sampled (rejection rule) verification v2"
+).digest()
 """The implementation identity certificates are bound to (rule 117): change it with the drafter
 or the verification."""
 

@@ -398,6 +398,7 @@ class Durability:
             stop=list(record.stop),
             qos=record.qos,  # type: ignore[arg-type]
             ignore_eos=record.ignore_eos,
+            speculation=record.speculation,
             stream=record.stream,
             model=record.model,
             logprobs=getattr(record, "logprobs", None),

@@ -91,7 +91,9 @@ class RequestRecord(msgspec.Struct, kw_only=True):
 
     ``prompt``: prompt token ids; ``max_tokens``: tokens to generate; ``seed``: the resolved
     sampling seed (``rng_counter_base = seed << 32``, ABI rule 73); the sampling knobs as in the
-    client's Generate; ``qos`` the class; ``t_accepted`` wall-clock seconds (``time.time()``);
+    client's Generate; ``qos`` the class; ``speculation`` the client's choice ("auto", "off" or a
+    strategy name; records written before the field existed read as "auto", the default then and
+    now); ``t_accepted`` wall-clock seconds (``time.time()``);
     ``extra``: front-end fields the journal keeps opaquely (msgpack-able values); ``client``: who
     sent it and how to answer a resume (small msgpack-able values), kept with its result too."""
 
@@ -110,6 +112,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     qos: QosClass = QosClass.INTERACTIVE
     logprobs: int | None = None
     ignore_eos: bool = False
+    speculation: str = "auto"
     stream: bool = True
     model: str = ""
     t_accepted: float = 0.0
@@ -133,6 +136,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
             "qos",
             "logprobs",
             "ignore_eos",
+            "speculation",
             "stream",
             "model",
             "max_tokens",

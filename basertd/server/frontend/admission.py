@@ -355,9 +355,7 @@ class Frontend:
             spec = spec_from_request(gen.response_format, gen.grammar, gen.regex)
         except GrammarRequestError as exc:
             raise AdmissionError(exc.code, str(exc)) from None
-        why = explicit_refusal(
-            gen.speculation, self.fleet.config.speculation.strategies, sampler_for(gen), spec is not None
-        )
+        why = explicit_refusal(gen.speculation, self.fleet.config.speculation.strategies, spec is not None)
         if why is not None:
             raise AdmissionError(ErrorCode.INVALID_REQUEST, why)
         wid = self.fleet.route(gen.model)

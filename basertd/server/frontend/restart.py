@@ -9,7 +9,9 @@ to (prompt and logit-bias ids), its structured-output spec compiled again
 ``Fleet.route_prefix`` to the peer holding its longest cached prefix,
 ``SchedulerCore.check_admission`` for the context window and KV pool — except that the queue caps
 are not applied: the request was acknowledged before the restart, and refusing it now would lose
-it. Its durable tokens count as delivered (``Durability.restore``), so it resumes with
+it, and its ``speculation`` is not checked against the ``[speculation]`` config again (a strategy
+no longer registered simply decodes plainly, ``sched.speculation.strategy_for``). Its durable
+tokens count as delivered (``Durability.restore``), so it resumes with
 ``decode_replay`` (ABI rules 71-73) and its replies go to whoever ``Resume``\\ s it. A request
 that no longer passes after a configuration change (its model is not served, its prompt no longer
 fits the context, its ids are outside the new vocabulary, its grammar no longer compiles) is never
@@ -89,6 +91,7 @@ def requeue(durability: Durability, fleet: Fleet, metrics: Metrics, drainer: Dra
             qos=record.qos,
             stream=record.stream,
             grammar=durability.grammar_of(record),
+            speculation=gen.speculation,
         )
         observed.attach(req)
         ended = durability.restore(req, sink, record, tokens)

@@ -1,13 +1,17 @@
 """Which speculation strategy a lane runs (tick ABI §2 ``LaneAdmit.strategy_slot``), decided by
 the coordinator at each admission from the request's ``speculation`` field and what the worker
-registered (``WorkerLimits.strategies``, one ``link.StrategyOffer`` each). Pure functions.
+registered (``WorkerLimits.strategies``, one ``link.StrategyOffer`` per certificate). Pure
+functions.
 
 A lane gets a strategy's slot only when that strategy's certificate covers it, so the engine never
 refuses the admit (REJECT_CERT_UNMATCHED) and the granted exactness is the certificate's, never
 APPROXIMATE: its sampling mode (greedy lanes are GREEDY; sampled lanes GUMBEL) and parameter domain
 (GREEDY_ONLY: temperature 0; PENALTY_FREE: no penalties; ANY), a grammar only when the certificate
-allows grammars, a logit bias only when it allows biases. "auto" takes the first covering strategy
-the worker offers; a strategy name takes that one when it covers the lane; "off" none. What "auto"
+allows grammars, a logit bias only when it allows biases. "auto" takes the first covering offer
+the worker made; a strategy name takes that strategy's first covering offer; "off" none. A
+llama.cpp worker's prompt-lookup has a greedy certificate (GREEDY_ONLY) and a sampled one (GUMBEL,
+ANY: the rejection rule), so greedy and sampled lanes both speculate under "auto"; grammar lanes
+never do. What "auto"
 does after that is the engine's, with the coordinator's ``[speculation]`` knobs (registered at
 load): no drafts in rounds of more than ``max_batch_lanes`` decoding lanes, a lane whose acceptance
 does not pay pauses its drafts (``basertd.worker.engines.llamacpp.speculation``).
@@ -57,18 +61,17 @@ def strategy_for(
     return None
 
 
-def explicit_refusal(mode: str, enabled: Sequence[str], sampler: Sampler, grammar: bool) -> str | None:
+def explicit_refusal(mode: str, enabled: Sequence[str], grammar: bool) -> str | None:
     """Why a request's ``speculation`` value cannot be honoured, or None: an unknown value or a
-    strategy the ``[speculation]`` config does not enable; a named strategy for a sampled request
-    (its certificate covers greedy lanes only) or one with a grammar. "auto" and "off" always
-    pass (auto simply decodes plainly where nothing covers the lane)."""
+    strategy the ``[speculation]`` config does not enable, or a named strategy for a request with
+    a grammar (no certificate covers grammar lanes). Greedy and sampled requests may name a strategy
+    (its certificates cover both). "auto" and "off" always pass (auto simply decodes plainly where
+    nothing covers the lane)."""
     if mode in (AUTO, OFF):
         return None
     if mode not in enabled:
         names = ", ".join([AUTO, OFF, *enabled])
         return f"speculation must be one of {names}, got {mode!r}"
-    if sampler.mode != Sampling.GPU_GREEDY:
-        return f"speculation {mode!r} verifies greedy decoding only: use temperature 0, or auto / off"
     if grammar:
         return f"speculation {mode!r} does not run with structured output: use auto or off"
     return None

@@ -211,7 +211,7 @@ class LlamaCppEngine(Engine):
         # Drafts write KV past the lane's end and are removed again: not on a window cache that
         # prunes (``speculation``).
         self.speculates = swa_full or not self.n_swa
-        speculator = Speculator(cells, context_length, self.drafts.sources)
+        speculator = Speculator(cells, context_length, self.n_vocab, self.drafts.sources)
         self.rounds = Rounds(
             cells, live, grammars, self.rates, stats, self.n_vocab, self.step_rows, batch_rows, speculator
         )
@@ -305,7 +305,8 @@ class LlamaCppEngine(Engine):
         pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
         by the yield word), spec_rounds_total / spec_drafted_total / spec_accepted_total
-        (speculative rounds verified, tokens drafted and accepted), the host tier's ``host_*``
+        (speculative rounds verified, tokens drafted and accepted), spec_faults_total (drafts
+        refused as strategy faults, ``speculation.StrategyFault``), the host tier's ``host_*``
         gauges and counters (``HostTier.stats``: entries, bytes, capacity, demotions, drops,
         restores, restored tokens, restore ns, refused snapshots), the draft models'
         ``draft_models`` / ``draft_bytes`` / ``draft_sequences`` (``DraftHost.stats``), and the

@@ -1,5 +1,6 @@
-"""Prompt-lookup speculation on the llama.cpp engine: drafts, their place in a round, greedy
-verification (tick ABI §2; ``LaneDecode.overshoot``; ``SpecStats`` in a lane's emit).
+"""Prompt-lookup speculation on the llama.cpp engine: drafts, their place in a round, their
+verification, greedy or sampled (tick ABI §2; ``LaneDecode.overshoot``; ``SpecStats`` in a lane's
+emit).
 
 A lane admitted on a certified prompt-lookup slot (``strategies``) carries a ``LaneSpec``. In a
 round where it forwards its pending token at position ``k``, ``Speculator.plan`` may give it ``m``
@@ -7,12 +8,28 @@ draft tokens: the continuation of the most recent earlier occurrence of its last
 tokens (prompt and output, ``lookup``). The round's batch then holds ``k+1`` positions for that
 sequence, ``tokens[k], d_1 .. d_m`` at ``k .. k+m``, each with logits (``rounds``). ``verify``
 takes the rows in order: row ``i`` gives the token ``t_i`` exactly as a plain decode unit would
-(logit bias and penalties over the history including ``t_0 .. t_{i-1}``, argmax), commits it, and
-goes on only while ``t_i == d_{i+1}``; so a round commits the accepted drafts plus one bonus token,
-the argmax chain a non-speculative greedy run takes (up to near-ties that the batch shape may flip,
-the margin rule of the engine's tests). The KV of rejected drafts is removed at once
-(``Cells.truncate``: ``llama_memory_seq_rm`` and the ledger together), leaving the lane's usual
-shape: KV of every committed token but the last.
+(logit bias and penalties over the history including ``t_0 .. t_{i-1}``, then ``sampling.select``
+with the lane's own uniform ``u = draw(rng_counter_base + p)`` for stream position ``p``, ABI rules
+67, 73), commits it, and goes on only while ``t_i == d_{i+1}``; so a round commits the accepted
+drafts plus one bonus token. The KV of rejected drafts is removed at once (``Cells.truncate``:
+``llama_memory_seq_rm`` and the ledger together), leaving the lane's usual shape: KV of every
+committed token but the last.
+
+Greedy lanes: the chain is the argmax chain a non-speculative greedy run takes (up to near-ties that
+the batch shape may flip, the margin rule of the engine's tests). Sampled lanes (temperature > 0):
+this is the standard speculative rejection rule for a deterministic drafter. A prompt-lookup draft
+``d`` has the one-hot proposal ``q = [d]``, so the rule accepts ``d`` with probability
+``min(1, p(d) / q(d)) = p(d)``, ``p`` the lane's sampling distribution at that row (after bias,
+penalties, top-k, top-p, min-p and temperature, exactly as ``sampling.select`` builds it); on a
+rejection it draws from ``p`` with ``d`` removed and renormalised and stops; after ``m`` accepted
+drafts the bonus token is drawn from the last row's ``p``. Acceptance and the draw on rejection use
+one uniform: the inverse-CDF token of ``u`` is ``d`` on an interval of ``u`` of length ``p(d)``
+(accept), and off it ``u`` is uniform on the rest, whose inverse-CDF token has law ``p`` without
+``d``, renormalised. So each committed token has, given its history, the law a plain decode unit
+gives it (``DISTRIBUTION_EXACT``), and a lane's tokens are a function of its seed and rows alone, as
+a plain lane's are: with the same rows, speculation on and off commit the same tokens for the same
+RNG seed (the rows themselves differ in the last bits across batch shapes, the exactness note of
+the README).
 
 Bounds on ``m`` per round: the lane's adaptive draft length (``LaneSpec``); the grant left minus
 one plus the decode's unused ``overshoot`` (ABI: tokens a round may commit past max_new_tokens; a
@@ -21,15 +38,23 @@ lane's context; and the batch: every decode row of a round sits in the round's f
 ``llama_decode`` part, so a yield or abort takes a speculative run whole or not at all. A round
 with more than ``max_batch_lanes`` decoding lanes drafts nothing.
 
-Speculation is off (the lane decodes plainly) on lanes the certificate does not cover or this
-engine does not verify: HOST lanes, sampled lanes (temperature > 0), grammar lanes, lanes in their
-replay tail (ABI rule 72: replay units keep their one-token shape), and on a sliding-window model
-whose window cache is pruned (``swa_full`` False: a draft written past the window could prune keys
-the next position needs).
+Speculation is off (the lane decodes plainly) on lanes the certificates do not cover or this
+engine does not verify: HOST lanes, grammar lanes, lanes in their replay tail (ABI rule 72: replay
+units keep their one-token shape), and on a sliding-window model whose window cache is pruned
+(``swa_full`` False: a draft written past the window could prune keys the next position needs).
 
 Lanes on a draft-model certificate (``Speculator.sources``) take their ``m`` drafts, within the
 same bounds, from a smaller model's greedy decodes instead of lookup (``draft_model``); the
 verification is the same.
+
+Strategy faults: a draft this engine cannot verify (a token id outside ``0 .. n_vocab - 1``, a
+proposal that is not one row of integers) is a ``StrategyFault`` (``FaultCode.STRATEGY``). The
+round discards that draft, the lane's speculation is turned off for the rest of its life (its
+``LaneSpec`` dropped, so its emits carry ``cert_id_in_effect`` 0 from that tick on) and the engine
+counts it (``spec_faults_total``); the lane itself goes on decoding plainly, its tokens those of a
+lane that never drafted. The fault is not a ``LaneFault`` record of the tick's events: that record
+stops the lane (ABI rules 60-62) and the coordinator ends its request, while a drafter's mistake
+costs the lane nothing but its drafts.
 """
 
 from __future__ import annotations
@@ -39,6 +64,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from basertd.schema.abi import FaultCode
 from basertd.worker.engines.llamacpp import sampling
 from basertd.worker.engines.lookup import LookupConfig
 
@@ -52,6 +78,7 @@ if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.tick import Tick
 
 _EMPTY = np.zeros(0, np.int32)
+_U64 = (1 << 64) - 1
 _DECAY = 0.8  # weight of the acceptance window's past per drafting round
 _WINDOW_MIN = 8.0  # drafted tokens in the window before a pause is considered
 PAUSE_ROUNDS = 32
@@ -76,6 +103,33 @@ def lookup(tokens: np.ndarray, n: int, k: int, ngram_min: int, ngram_max: int) -
             start = int(cand[-1]) + g
             return hist[start : min(n, start + k)].astype(np.int32)
     return _EMPTY
+
+
+class StrategyFault(Exception):
+    """A draft the engine refuses to verify (module docstring): ``code`` is ``FaultCode.STRATEGY``,
+    ``detail`` the first offending token id as u64 (0 when the proposal is not a row of ids)."""
+
+    code = FaultCode.STRATEGY
+
+    def __init__(self, detail: int, why: str) -> None:
+        super().__init__(why)
+        self.detail = detail & _U64
+
+
+def checked_drafts(drafts: object, n_vocab: int) -> np.ndarray:
+    """``drafts`` as int32 token ids, each in ``0 .. n_vocab - 1``; StrategyFault for anything
+    else (a non-integer or multi-dimensional proposal, an id out of the vocabulary). The bounds are
+    checked before the cast, so an int64 id past int32 cannot wrap into the vocabulary."""
+    a = np.asarray(drafts)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise StrategyFault(0, f"a draft must be one row of token ids, got {a.dtype} of shape {a.shape}")
+    if not a.size:
+        return _EMPTY
+    bad = np.flatnonzero((a < 0) | (a >= n_vocab))
+    if bad.size:
+        tok = int(a[bad[0]])
+        raise StrategyFault(tok, f"draft token {tok} at {int(bad[0])} is outside the vocabulary of {n_vocab}")
+    return a.astype(np.int32)
 
 
 @dataclass(eq=False)
@@ -116,17 +170,23 @@ class LaneSpec:
 
 
 class Speculator:
-    """Draft planning and verification for one engine (module docstring). ``override``, None in
-    production, lets a test supply the drafts: ``override(lane, k) -> int32 array``. ``sources``
-    maps a certificate id to the draft model drafting for its lanes (``draft_model``; the lanes of
-    other certificates draft by prompt lookup): the same bounds on ``m``, drafts batched over the
-    round's lanes after the bounds are set."""
+    """Draft planning and verification for one engine (module docstring); ``n_vocab`` is the
+    model's vocabulary size, the bound of a draft's ids. ``override``, None in production, lets a
+    test supply the drafts: ``override(lane, k) -> array of token ids`` (checked like any draft).
+    ``sources`` maps a certificate id to the draft model drafting for its lanes (``draft_model``;
+    the lanes of other certificates draft by prompt lookup): the same bounds on ``m``, drafts
+    batched over the round's lanes after the bounds are set."""
 
     def __init__(
-        self, cells: Cells, context_length: int, sources: Mapping[int, DraftModel] | None = None
+        self,
+        cells: Cells,
+        context_length: int,
+        n_vocab: int,
+        sources: Mapping[int, DraftModel] | None = None,
     ) -> None:
         self.cells = cells
         self.context_length = context_length
+        self.n_vocab = n_vocab
         self.override: Callable[[Lane, int], np.ndarray] | None = None
         self.sources: Mapping[int, DraftModel] = {} if sources is None else sources
 
@@ -146,7 +206,7 @@ class Speculator:
             s = lane.spec
             if s is None or n_active > s.cfg.max_batch_lanes or rows_free <= 0:
                 continue
-            if lane.produced != lane.n_tokens or lane.grammar is not None or lane.cfg.sampled:
+            if lane.produced != lane.n_tokens or lane.grammar is not None:
                 continue
             if s.pause:
                 s.pause -= 1
@@ -166,7 +226,12 @@ class Speculator:
             elif d is None:
                 c = s.cfg
                 d = lookup(lane.tokens, lane.n_tokens, m, c.ngram_min, c.ngram_max)
-            d = np.asarray(d, np.int32)[:m]
+            try:
+                d = checked_drafts(d, self.n_vocab)[:m]
+            except StrategyFault:
+                lane.spec = None  # this lane decodes plainly from now on (module docstring)
+                tick.stats["spec_faults_total"] += 1
+                continue
             if not d.size:
                 continue
             out[lane.tag] = d
@@ -191,10 +256,13 @@ class Speculator:
         return max(0, self.cells.free - promised)
 
     def verify(self, tick: Tick, lane: Lane, rows: np.ndarray, drafts: np.ndarray) -> None:
-        """Commit the argmax chain of ``rows`` (float32, (m + 1, vocab): the logits at positions
-        ``k .. k + m``) against ``drafts`` (m tokens), then drop the KV past the last committed
-        token's predecessor and count the round in the lane's emit (module docstring). Each token
-        goes through the tick's ordinary decode unit (logprobs, EOS, LENGTH, partial emits)."""
+        """Commit the chain of ``rows`` (float32, (m + 1, vocab): the logits at positions
+        ``k .. k + m``) against ``drafts`` (m tokens): each row's token chosen as a plain decode
+        unit chooses it (argmax, or a sampled lane's inverse-CDF draw with its uniform for that
+        stream position: the rejection rule, module docstring), going on while it equals the next
+        draft; then drop the KV past the last committed token's predecessor and count the round in
+        the lane's emit. Each token goes through the tick's ordinary decode unit (logprobs, EOS,
+        LENGTH, partial emits)."""
         k0 = lane.kv_len - rows.shape[0]  # the position of tokens[k0], the pending token
         tag = lane.tag
         committed = accepted = 0
@@ -205,7 +273,8 @@ class Speculator:
             if head is None:
                 break
             r = sampling.adjusted_row(head, lane.cfg, lane.tokens[: lane.n_tokens], lane.prefill_end)
-            tok = sampling.select(r, lane.cfg, 0.0)
+            u = sampling.draw(lane.rng_base + lane.generated) if lane.cfg.sampled else 0.0
+            tok = sampling.select(r, lane.cfg, u)
             tick.unit_tail(lane, r, tok)
             committed += 1
             if i == drafts.shape[0] or tok != int(drafts[i]):

@@ -11,18 +11,29 @@ slot (1, 2, ...; never reused) and ``reserved_bytes = est_state_bytes`` (rule 11
 Certificates (rule 117) are granted only to the one combination this engine has tested:
 ``strategy_id`` "prompt-lookup" with ``impl_hash == LOOKUP_IMPL_HASH`` and ``config_hash`` the
 hash of the ``LookupConfig`` its PROPOSAL_LINEAR capability carries
-(``basertd.worker.engines.lookup.lookup_registration`` builds such a registration). That
-certificate says what the tests show: GREEDY (and GUMBEL at temperature <= 0) lanes, logit bias
-allowed, no grammar, exactness DISTRIBUTION_EXACT, the class a plain lane of this engine has
-(``work.GRANTED_CLASS``): greedy verification commits the argmax chain, equal to a
-non-speculative run's tokens up to near-ties that batch shape may flip. "draft-model" with
-``impl_hash == DRAFT_IMPL_HASH`` and ``config_hash`` the hash of its ``DraftConfig`` gets the same
-certificate (its drafts go through the same verification); its DRAFT_WEIGHTS artifact is loaded
-after every other check (``draft_model.DraftHost.open``: a file that does not load or a vocabulary
-that differs from the target's is ERR_REGISTRATION_REFUSED) and kept only when certified. Any other
-registration is
-granted a slot with no certificate and no drafter: lanes admitted on it with ``allow_approximate``
-run without speculation (rule 122).
+(``basertd.worker.engines.lookup.lookup_registration`` builds such a registration). It gets two
+certificates, each saying what the tests show, both of exactness DISTRIBUTION_EXACT, the class a
+plain lane of this engine has (``work.GRANTED_CLASS``; nothing speculative can be more than the
+lane it speeds up), logit bias allowed, no grammar:
+
+- greedy: GREEDY (and GUMBEL at temperature <= 0) lanes, domain GREEDY_ONLY. Greedy verification
+  commits the argmax chain, equal to a non-speculative run's tokens up to near-ties that batch
+  shape may flip.
+- sampled: GUMBEL lanes, domain ANY (temperature > 0 with top-k, top-p, min-p, penalties).
+  Verification is the rejection rule for a one-hot draft (``speculation``: accept ``d`` with
+  probability ``p(d)``, else draw from ``p`` without ``d``), so every committed token has the law
+  a plain lane's token has: the tests compare the token histograms over fixed RNG seeds with
+  speculation on and off, with and without penalties and a logit bias. Not SEED_PATH_INVARIANT:
+  the rows a verification batch computes differ in the last bits from one-row decoding.
+
+The greedy certificate comes first, so a temperature-0 GUMBEL lane, which both cover, is granted
+it (equal classes: the lower id wins). "draft-model" with ``impl_hash == DRAFT_IMPL_HASH`` and
+``config_hash`` the hash of its ``DraftConfig`` gets the greedy certificate alone (its drafts go
+through the same verification; its sampled lanes are untested, so uncertified); its DRAFT_WEIGHTS
+artifact is loaded after every other check (``draft_model.DraftHost.open``: a file that does not
+load or a vocabulary that differs from the target's is ERR_REGISTRATION_REFUSED) and kept only when
+certified. Any other registration is granted a slot with no certificate and no drafter: lanes
+admitted on it with ``allow_approximate`` run without speculation (rule 122).
 
 Admission (``admit_grant``) picks, as the reference engine does, the best matching certificate of
 the slot (highest exactness, then lowest id); a match needs ``required_cert_id`` 0 or its id, the
@@ -125,17 +136,21 @@ class Strategies:
         host = any(c.kind_id == StrategyCap.HOST_COMPATIBLE for c in reg.capabilities)
         certs: list[ExactnessCert] = []
         if lookup is not None and reg.impl_hash == impl_hash and reg.config_hash == lookup.config_hash():
-            certs.append(
-                ExactnessCert(
-                    cert_id=self._cert(),
-                    exactness=GRANTED_CLASS,
-                    sampling_modes=CertMode.GREEDY | CertMode.GUMBEL,
-                    grammar_allowed=0,
-                    logit_bias_allowed=1,
-                    param_domain=CertDomain.GREEDY_ONLY,
-                    verification_shape_class=1,
+            kinds = [(CertMode.GREEDY | CertMode.GUMBEL, CertDomain.GREEDY_ONLY)]  # greedy verification
+            if reg.strategy_id == PROMPT_LOOKUP:
+                kinds.append((CertMode.GUMBEL, CertDomain.ANY))  # sampled: the rejection rule
+            for modes, domain in kinds:
+                certs.append(
+                    ExactnessCert(
+                        cert_id=self._cert(),
+                        exactness=GRANTED_CLASS,
+                        sampling_modes=modes,
+                        grammar_allowed=0,
+                        logit_bias_allowed=1,
+                        param_domain=domain,
+                        verification_shape_class=1,
+                    )
                 )
-            )
         if drafter is not None and self.drafts is not None:
             if certs:
                 self.drafts.bind(certs[0].cert_id, drafter)

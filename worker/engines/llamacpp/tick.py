@@ -61,7 +61,7 @@ def new_stats() -> dict[str, int]:
         "ticks prefill_tokens_total cached_tokens_total decode_tokens_total replay_tokens_total"
         " evictions_total faults_total rejected_plans cold_fallbacks_total yields_total"
         " yield_aborts_total yield_abort_rows_total spec_rounds_total spec_drafted_total"
-        " spec_accepted_total"
+        " spec_accepted_total spec_faults_total"
     )
     return dict.fromkeys(names.split(), 0)
 

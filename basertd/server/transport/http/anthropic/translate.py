@@ -5,7 +5,9 @@ or text blocks) become chat-template messages (``conversation``); a last ``assis
 a prefill the reply continues. ``max_tokens`` is required; ``temperature`` (0..1 in Anthropic's
 API, our limits table allows more), ``top_p``, ``top_k``, ``stop_sequences``, ``stream`` and
 ``metadata.user_id`` (logged nowhere, accepted) are served; ``qos`` (or the header
-``X-Basertd-QoS``) is our extension. ``cache_control`` on a block is accepted and has no effect:
+``X-Basertd-QoS``) and ``speculation`` (``Generate.speculation``: "auto", "off" or a strategy
+name; a value the daemon cannot honour is a 400 naming it, before anything is queued) are our
+extensions. ``cache_control`` on a block is accepted and has no effect:
 the prefix cache is automatic. Images, documents and extended thinking are a 400 naming the field.
 
 Tools (``basertd.server.transport.http.tool_calls``): ``tools`` (``name``, ``description``,
@@ -168,6 +170,7 @@ def generate_of(
         top_k=req.top_k or 0,
         stop=list(req.stop_sequences or []),
         qos=qos,
+        speculation=req.speculation or "auto",
         stream=bool(req.stream),
         model=req.model,
         **(tool_calls.generate_fields(plan.spec) if plan is not None else {}),

@@ -98,6 +98,7 @@ class MessagesRequest(CountRequest, kw_only=True, forbid_unknown_fields=True):
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None
     qos: str | None = None
+    speculation: str | None = None
 
 
 def usage_of(done: api.Done | None, prompt_tokens: int, output_tokens: int) -> dict[str, int]:

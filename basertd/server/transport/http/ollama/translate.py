@@ -4,7 +4,9 @@
 ``system`` + ``prompt`` as one user turn the same way, or sends ``prompt`` as is with
 ``raw: true``. ``options``: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``num_predict`` (max tokens; -1 or absent: the rest of the context), ``stop``, ``repeat_penalty``,
-``presence_penalty``, ``frequency_penalty``, with Ollama's defaults; model-loading options
+``presence_penalty``, ``frequency_penalty``, with Ollama's defaults, and our extension
+``speculation`` (``Generate.speculation``: "auto", "off" or a strategy name; a value the daemon
+cannot honour is a 400 naming it, before anything is queued); model-loading options
 (``num_ctx``, ``num_gpu``, ``num_thread``, ...) are ignored (the daemon's configuration decides
 them), as is ``keep_alive``; ``format`` ``"json"`` (any JSON object) or a JSON schema constrains
 the output (``basertd.server.request.grammar``; an invalid schema is a 400 with llguidance's
@@ -143,6 +145,7 @@ def generate_of(
         seed=o.seed if o.seed is None or o.seed >= 0 else None,
         stop=list(o.stop or []),
         qos=qos,
+        speculation=o.speculation or "auto",
         stream=req.stream is None or req.stream,
         model=model,
         response_format=response_format,

@@ -45,6 +45,7 @@ class Options(msgspec.Struct, forbid_unknown_fields=True):
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    speculation: str | None = None  # our extension (``Generate.speculation``)
     # model loading: the daemon's configuration decides these
     num_ctx: int | None = None
     num_batch: int | None = None

@@ -21,6 +21,10 @@ values other than ``reasoning.encrypted_content`` (there is no reasoning to incl
 ``truncation: "auto"``, ``top_logprobs`` above 0, ``max_tool_calls``, ``text.verbosity`` other
 than medium, ``service_tier`` other than auto / default, ``prompt``, ``conversation``,
 ``context_management``. The same fields at their no-op values are accepted.
+
+Extensions: ``seed``, ``top_k``, ``qos`` and ``speculation`` (``Generate.speculation``: "auto",
+"off" or a strategy name; a value the daemon cannot honour is a 400 naming it, before anything is
+queued).
 """
 
 from __future__ import annotations
@@ -270,6 +274,7 @@ def generate_of(
         top_k=req.top_k or 0,
         seed=req.seed,
         qos=qos,  # type: ignore[arg-type]
+        speculation=req.speculation or "auto",
         stream=bool(req.stream),
         model=req.model,
         **structured,

@@ -40,8 +40,8 @@ class Reasoning(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/responses`` (``translate`` checks the values; ``seed``, ``top_k`` and ``qos``
-    are extensions). ``input`` items are read one by one (``translate.conversation_of``)."""
+    """``POST /v1/responses`` (``translate`` checks the values; ``seed``, ``top_k``, ``qos`` and
+    ``speculation`` are extensions). ``input`` items are read one by one (``translate.conversation_of``)."""
 
     model: str = ""
     input: str | list[Any] | None = None
@@ -75,6 +75,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     seed: int | None = None
     top_k: int | None = None
     qos: str | None = None
+    speculation: str | None = None
 
 
 # --- input items ---------------------------------------------------------------------------------
