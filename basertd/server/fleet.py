@@ -251,7 +251,7 @@ class Fleet:
         holder.append(sched)
         m = Member(worker_id, wcfg, prep.name, slot, sched, prep.tokenizer, policy, prep.tok_key)
         # a crashed or handed-over worker's lanes resume on a live peer of the same model
-        sched.peers = lambda me=m: [
+        sched.handover.peers = lambda me=m: [
             o.scheduler
             for o in self.members
             if o is not me and not o.leaving and o.model_name == me.model_name and o.tokenizer is me.tokenizer
