@@ -27,7 +27,8 @@ from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.cache.policy import route as route_by_prefix
-from basertd.server.config import Config, WorkerConfig
+from basertd.server.config import Config
+from basertd.server.config_sections import WorkerConfig
 from basertd.server.observe.metrics import LiveState, Metrics
 from basertd.server.observe.snapshot import FleetTotals, WorkerSnapshot
 from basertd.server.request.record import AdmissionError

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from basertd.server.config import WorkerConfig
+from basertd.server.config_sections import WorkerConfig
 from basertd.server.fleet import Fleet, Member, Prepared
 from basertd.server.states import SlotState
 

@@ -48,7 +48,7 @@ from basertd.schema.client import ErrorCode
 from basertd.schema.tick import TokenRef
 from basertd.server.cache.commands import Command, DropPin, Evict, HoldPin, ListEntries
 from basertd.server.cache.policy import WorkerCache
-from basertd.server.config import CacheConfig, SchedulerConfig
+from basertd.server.config_sections import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.notify import Heartbeat
 from basertd.server.observe.snapshot import WorkerSnapshot
