@@ -55,17 +55,6 @@ def u32_status(status: Status) -> int:
     return int(status) & _U32
 
 
-def new_stats() -> dict[str, int]:
-    """The engine's counters, all 0 (named in ``LlamaCppEngine.stats``)."""
-    names = (
-        "ticks prefill_tokens_total cached_tokens_total decode_tokens_total replay_tokens_total"
-        " evictions_total faults_total rejected_plans cold_fallbacks_total yields_total"
-        " yield_aborts_total yield_abort_rows_total spec_rounds_total spec_drafted_total"
-        " spec_accepted_total"
-    )
-    return dict.fromkeys(names.split(), 0)
-
-
 @dataclass(eq=False)
 class TickParts:
     """The engine's long-lived parts a tick works on: the live lanes by tag, tags faulted and not
