@@ -11,7 +11,7 @@ logits ring instead.
 
 This module is the Engine surface; the work is in its parts: ``cells.Cells`` (llama.cpp memory,
 the cell ledger and sequence ids, changed together), ``tick.Tick`` (one tick's state and lane
-work), ``rounds.Rounds`` (decode rounds, batches, yield and abort),
+work; the admits in ``admit``), ``rounds.Rounds`` (decode rounds, batches, yield and abort),
 ``validate`` and ``report.Report`` (``info``, ``state_spaces``, ``stats``). Each optional
 capability is served by one part (``base.ServedBy``: the call goes to the part's method of the same
 name): the prefix cache by ``seeds.Seeds`` (matches, leases, publish, evict), state ops by
@@ -59,6 +59,7 @@ from basertd.worker.engines.base import (
     RingMapping,
     ServedBy,
 )
+from basertd.worker.engines.llamacpp.admit import admit
 from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.context import Sizes, open_context
 from basertd.worker.engines.llamacpp.embed import EMBED_INPUTS, Embedder
@@ -275,7 +276,7 @@ class LlamaCppEngine(Engine):
         for e in work.evict:
             self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
         tick.commit(work)
-        tick.admit(work)
+        admit(tick, work)
         self.rounds.run(work, tick)
         tick.finish_events(work)
         ev.op_completions = self.ops.take_completions()
