@@ -282,7 +282,7 @@ class Daemon:
 
     def _open_journal(self) -> Durability:
         """Open the write-ahead log in ``state_dir`` (mode "off": a ``NullJournal``, no directory
-        touched). Raises ``StateDirLocked``, ``WalCorrupt``, ``ConfigError``, OSError."""
+        touched). Raises ``wal_fence.StateDirLocked``, ``WalCorrupt``, ``ConfigError``, OSError."""
         cfg = self.config
         if cfg.durability.mode == "off":
             journal = Journal.open("", mode="off")

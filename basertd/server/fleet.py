@@ -27,7 +27,8 @@ from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.cache.policy import route as route_by_prefix
-from basertd.server.config import Config, WorkerConfig
+from basertd.server.config import Config
+from basertd.server.config_sections import WorkerConfig
 from basertd.server.observe.metrics import LiveState, Metrics
 from basertd.server.observe.snapshot import FleetTotals, WorkerSnapshot
 from basertd.server.request.record import AdmissionError
@@ -251,7 +252,7 @@ class Fleet:
         holder.append(sched)
         m = Member(worker_id, wcfg, prep.name, slot, sched, prep.tokenizer, policy, prep.tok_key)
         # a crashed or handed-over worker's lanes resume on a live peer of the same model
-        sched.peers = lambda me=m: [
+        sched.handover.peers = lambda me=m: [
             o.scheduler
             for o in self.members
             if o is not me and not o.leaving and o.model_name == me.model_name and o.tokenizer is me.tokenizer

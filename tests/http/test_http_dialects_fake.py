@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
-from basertd.server.config import HttpConfig
+from basertd.server.config_sections import HttpConfig
 from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.embeddings import Embeddings
 from basertd.server.frontend.scoring import PromptScores

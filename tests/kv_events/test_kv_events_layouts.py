@@ -16,7 +16,7 @@ import zmq
 from proc_testutil import wait_until
 
 from basertd.server.cache.prefix_index import PrefixIndex, page_hashes
-from basertd.server.config import KvEventsConfig
+from basertd.server.config_sections import KvEventsConfig
 from basertd.server.observe.kv_events import start_kv_events
 
 

@@ -15,7 +15,8 @@ import pytest
 from vllm_subscriber import Subscriber
 
 from basertd.server.cache.prefix_index import PrefixIndex, page_hashes
-from basertd.server.config import ConfigError, KvEventsConfig, parse_config
+from basertd.server.config import ConfigError, parse_config
+from basertd.server.config_sections import KvEventsConfig
 from basertd.server.observe.kv_events import binds, offset_endpoint, start_kv_events
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.config import OperatorsConfig, load_config
+from basertd.server.config import load_config
+from basertd.server.config_sections import OperatorsConfig
 from basertd.server.fleet import WORKER_CLOSE_GRACE_S
 from basertd.server.paths import SOCKET_NAME, SYSTEM_RUNTIME_DIR
 

@@ -183,7 +183,7 @@ def test_reload_replacing_a_workers_model_moves_its_streams_to_the_old_models_pe
 
 
 def test_worker_changes_compare_tables_by_position():
-    from basertd.server.config import WorkerConfig
+    from basertd.server.config_sections import WorkerConfig
     from basertd.server.ops.worker_changes import worker_changes
 
     a, b = (

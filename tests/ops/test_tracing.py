@@ -33,7 +33,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ops_harness import ref_worker
 from proc_testutil import wait_until
 
-from basertd.server.config import ConfigError, TracingConfig, parse_config
+from basertd.server.config import ConfigError, parse_config
+from basertd.server.config_sections import TracingConfig
 from basertd.server.observe.tracing import Tracing
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

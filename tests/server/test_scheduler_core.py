@@ -25,7 +25,7 @@ from basertd.schema.tick import (
     TokenRef,
 )
 from basertd.server.cache.policy import Seed
-from basertd.server.config import CacheConfig, SchedulerConfig
+from basertd.server.config_sections import CacheConfig, SchedulerConfig
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestState, sampler_for
 from basertd.server.request.tokenizer import BytesTokenizer
 from basertd.server.sched.core import SchedulerCore

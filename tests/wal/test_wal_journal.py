@@ -20,9 +20,9 @@ from basertd.server.durability.wal import (
     JournalUsageError,
     NullJournal,
     RequestRecord,
-    StateDirLocked,
     WalCorrupt,
 )
+from basertd.server.durability.wal_fence import StateDirLocked
 from basertd.server.durability.wal_format import WAL_DIR, list_segments, read_segment
 from basertd.server.durability.wal_recover import plan_recovery
 

@@ -69,7 +69,7 @@ import structlog
 from basertd.schema.abi import Status
 from basertd.schema.tick import MatchResult, ShedPolicy, TokenRef
 from basertd.server.cache.prefix_index import IndexEntry, IndexObserver, PrefixIndex, page_hashes
-from basertd.server.config import CacheConfig
+from basertd.server.config_sections import CacheConfig
 from basertd.server.observe.snapshot import HostTierCounts
 from basertd.server.workers.link_errors import WorkerError
 

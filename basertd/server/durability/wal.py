@@ -30,6 +30,7 @@ recovered by the next ``"tick"`` start.
 Epoch: every open bumps ``epoch`` past every earlier one (the ``epoch`` file and the log) and
 makes it durable before returning; every frame carries it. The daemon fences with it: anything
 stamped with an older epoch (lane tags, shm names, worker generations) belongs to a dead daemon.
+The lock and the epoch file are ``basertd.server.durability.wal_fence``'s.
 
 Rotation and compaction: when a segment has grown ``segment_bytes`` past its own checkpoint (so a
 checkpoint larger than ``segment_bytes`` does not rotate at every commit), or once it is older than
@@ -46,7 +47,7 @@ Space: ``open`` refuses a state directory with fewer than ``min_free_bytes`` fre
 (``StateDirFull``) and wraps any failure to write there into ``StateDirUnwritable``, so a daemon
 never reports ready on a log it cannot write.
 
-Errors: ``StateDirLocked`` (another daemon holds ``state_dir``), ``StateDirFull``,
+Errors: ``wal_fence.StateDirLocked`` (another daemon holds ``state_dir``), ``StateDirFull``,
 ``StateDirUnwritable``, ``WalCorrupt`` (recovery refuses;
 the message says what to do), ``JournalUsageError`` (a call that contradicts the journal; nothing
 changes), ``JournalFailed`` (a write or fsync failed: the journal is closed for good, as after a
@@ -55,8 +56,6 @@ failed fsync the kernel may have dropped the pages; the daemon must stop acknowl
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import logging
 import os
 import threading
@@ -69,6 +68,7 @@ from typing import Literal
 import msgspec
 
 from basertd.schema.client import Timings, Usage
+from basertd.server.durability.wal_fence import lock, read_epoch, write_epoch
 from basertd.server.durability.wal_files import (
     KEEP_CORRUPT,
     StateDirFull,
@@ -108,7 +108,6 @@ __all__ = [
     "Recovered",
     "RequestRecord",
     "StateDirFull",
-    "StateDirLocked",
     "StateDirUnwritable",
     "UnfinishedRequest",
     "WalCorrupt",
@@ -119,17 +118,11 @@ log = logging.getLogger("basertd.wal")
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
 """A segment is rotated (checkpoint + compaction) once it passes this many bytes."""
-LOCK_FILE = "lock"
-EPOCH_FILE = "epoch"
 MIN_AGE_ROTATION_S = 60.0
 """A segment rotates for its expired results only once it is this old (a ``result_ttl_s`` of 0
 must not rotate the whole state at every commit)."""
 DEFAULT_MIN_FREE_BYTES = 64 << 20
 """Free bytes ``state_dir`` must have at open (one segment's worth: a rotation writes a checkpoint)."""
-
-
-class StateDirLocked(WalError):
-    """Another daemon holds ``state_dir`` (one daemon per state directory)."""
 
 
 class JournalUsageError(WalError, ValueError):
@@ -340,9 +333,9 @@ class _FileJournal(Journal):
     def _open(self, recover: RecoverMode, min_free_bytes: int) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.wal_dir.mkdir(exist_ok=True, mode=0o700)
-        self._lock()
+        self._lock_fd = lock(self.state_dir)
         check_free(self.state_dir, min_free_bytes)
-        file_epoch = self._read_epoch(recover)
+        file_epoch = read_epoch(self.state_dir, recover)
         plan = plan_recovery(self.state_dir, recover)
         report = plan.report
         for warning in report.warnings:
@@ -350,7 +343,7 @@ class _FileJournal(Journal):
         for problem in report.corrupt:
             log.error("write-ahead log: dropped (--wal-recover=truncate): %s", problem)
         self.epoch = max(file_epoch, report.last_epoch) + 1
-        self._write_epoch()
+        write_epoch(self.state_dir, self.epoch)
         if plan.truncate is not None and plan.truncate[0] not in plan.quarantine:
             path, length = plan.truncate
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -376,47 +369,6 @@ class _FileJournal(Journal):
         st = self.stats
         st.records_recovered, st.bytes_truncated = report.records, report.truncated_bytes
         st.requests_recovered, st.results_recovered = len(state.live), len(state.results)
-
-    def _lock(self) -> None:
-        path = self.state_dir / LOCK_FILE
-        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise StateDirLocked(
-                f"state_dir {self.state_dir} is in use by another basertd (pid {holder}); one daemon "
-                "per state directory: stop it, or give this one another state_dir"
-            ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
-
-    def _read_epoch(self, recover: RecoverMode) -> int:
-        path = self.state_dir / EPOCH_FILE
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            return 0
-        try:
-            return int(text.strip())
-        except ValueError:
-            if recover != "truncate":
-                raise WalCorrupt(self.state_dir, path, 0, "the epoch file is not a number") from None
-            log.error("write-ahead log: unreadable epoch file %s ignored (--wal-recover=truncate)", path)
-            return 0
-
-    def _write_epoch(self) -> None:
-        tmp = self.state_dir / f"{EPOCH_FILE}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            write_all(fd, f"{self.epoch}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.state_dir / EPOCH_FILE)
-        fsync_dir(self.state_dir)
 
     def _release(self) -> None:
         for name in ("_fd", "_lock_fd"):

@@ -53,7 +53,7 @@ import zmq
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from basertd.server.config import KvEventsConfig
+from basertd.server.config_sections import KvEventsConfig
 
 log = structlog.get_logger("basertd.kv_events")
 

@@ -36,7 +36,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from basertd.server.config import ConfigError, TracingConfig
+from basertd.server.config import ConfigError
+from basertd.server.config_sections import TracingConfig
 
 if TYPE_CHECKING:
     from basertd.server.request.record import GenerationRequest

@@ -14,7 +14,7 @@ can avoid by editing in place.
 **One worker at a time** (``apply_changes``): additions first (so lanes moved off a worker being
 replaced or removed may go to them), then replacements in id order, then removals. Replacing worker
 N (``replace``): it stops taking new requests while a peer serves its model (``Member.leaving``),
-``Scheduler.hand_over`` ends its tick in flight early and preempts every lane between two ticks,
+``HandOver.hand_over`` ends its tick in flight early and preempts every lane between two ticks,
 with no crash charged, each request moving to the least loaded live peer serving the same model or
 waiting at the head of its class here; when the new table serves another model (another served name
 or vocabulary, the test peers pass for a crash resume too; the reference engine's ``ref_config``
@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from basertd.server.config import WorkerConfig
+from basertd.server.config_sections import WorkerConfig
 from basertd.server.fleet import Fleet, Member, Prepared
 from basertd.server.states import SlotState
 
@@ -121,13 +121,13 @@ async def replace(fleet: Fleet, m: Member, prep: Prepared, reason: str) -> None:
     WORKER_FAILED."""
     m.leaving = True
     try:
-        await m.scheduler.hand_over(reason)
-        old_name, old_peers = m.model_name, m.scheduler.peers()
+        await m.scheduler.handover.hand_over(reason)
+        old_name, old_peers = m.model_name, m.scheduler.handover.peers()
         other_model = prep.name != m.model_name or prep.tok_key != m.tok_key
         m.slot.replace(prep.spec, reason)
         fleet.retarget(m, prep)
         if other_model:
-            moved, failed = m.scheduler.hand_off_queued(
+            moved, failed = m.scheduler.handover.hand_off_queued(
                 f"worker {m.worker_id} now serves another model and no worker serving {old_name!r} "
                 "could take this request",
                 old_peers,
@@ -137,15 +137,15 @@ async def replace(fleet: Fleet, m: Member, prep: Prepared, reason: str) -> None:
         await _serving(m)
     finally:
         m.leaving = False
-        m.scheduler.release()
+        m.scheduler.handover.release()
 
 
 async def remove_last(fleet: Fleet, reason: str) -> None:
     """Hand the last worker's lanes and queue to peers, then stop it (module docstring)."""
     m = fleet.members[-1]
     m.leaving = True
-    await m.scheduler.hand_over(reason)
-    moved, failed = m.scheduler.hand_off_queued(
+    await m.scheduler.handover.hand_over(reason)
+    moved, failed = m.scheduler.handover.hand_off_queued(
         f"worker {m.worker_id} was removed and no worker serving {m.model_name!r} could take this request"
     )
     if moved or failed:

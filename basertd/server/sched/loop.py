@@ -24,21 +24,13 @@ With nothing to do it awaits an event (a new request, a cancel, a command, the w
 never polls. Ring 1 has one writer: the ``PromptFeed`` of the incarnation this loop serves
 (``basertd.server.workers.prompt_feed``).
 
-A worker that dies (or breaks the link) preempts its lanes: each request goes back to the head of
-its class with its prompt and delivered tokens and resumes on the respawned worker
-(``basertd.server.workers.slot``) with ``decode_replay`` exactly as after a preemption (ABI rules
-71-73), so its client sees a pause, never an error or a repeated token; a poison request fails
-after ``max_crash_resumes`` crashes in a row (``core.apply`` with ``Lost``). The lanes resume on
-a live worker serving the same model when there is one (``peers``). A worker the progress
-watchdog restarts is not a crash: its running work is what stalled, and fails ``WORKER_FAILED``
-(``basertd.server.sched.watchdog``).
-
-A planned replacement (a reload changing the worker's ``[[workers]]`` table, ``basertctl worker
-restart``; DESIGN.md "Operators" and "Crash = preemption") goes the same way without the crash:
-``hand_over`` asks the tick in flight to yield, preempts every lane between two ticks
-(``Lost(planned=True)``: nothing charged to the requests), moves each to a peer or keeps it at
-the head of its class, and parks the loop until ``release`` (the next incarnation then serves
-what waits here).
+A worker that dies (or breaks the link) preempts its lanes: each request resumes on the respawned
+worker (``basertd.server.workers.slot``) or a live peer exactly as after a preemption, so its
+client sees a pause, never an error or a repeated token; a poison request fails after
+``max_crash_resumes`` crashes in a row (``core.apply`` with ``Lost``). A planned replacement
+preempts them the same way without the crash and parks the loop. Both are ``handover.HandOver``'s
+(``Scheduler.handover``). A worker the progress watchdog restarts is not a crash: its running work
+is what stalled, and fails ``WORKER_FAILED`` (``basertd.server.sched.watchdog``).
 """
 
 from __future__ import annotations
@@ -46,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import structlog
@@ -56,21 +48,21 @@ from basertd.schema.client import ErrorCode
 from basertd.schema.tick import TokenRef
 from basertd.server.cache.commands import Command, DropPin, Evict, HoldPin, ListEntries
 from basertd.server.cache.policy import WorkerCache
-from basertd.server.config import CacheConfig, SchedulerConfig
+from basertd.server.config_sections import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.notify import Heartbeat
 from basertd.server.observe.snapshot import WorkerSnapshot
-from basertd.server.request.record import AdmissionError, GenerationRequest
+from basertd.server.request.record import GenerationRequest
 from basertd.server.request.tokenizer import Tokenizer
 from basertd.server.sched import grammar_handles, logit_bias
 from basertd.server.sched.core import QUEUED_FIRST_S, SchedulerCore
 from basertd.server.sched.draft import Plan, Resolved
-from basertd.server.sched.outcome import Accepted, Delivery, Lost, Rejected
+from basertd.server.sched.handover import HandOver
+from basertd.server.sched.outcome import Accepted, Delivery, Rejected
 from basertd.server.sched.pin_warmup import rewarm, warm_prefix
 from basertd.server.sched.plan_builder import rate_curve
 from basertd.server.sched.view import worker_snapshot
 from basertd.server.sched.watchdog import Phase, ProgressWatchdog
-from basertd.server.states import SlotState
 from basertd.server.workers.limits import WorkerLimits
 from basertd.server.workers.link_errors import (
     EmitCallbackError,
@@ -135,9 +127,8 @@ class Scheduler:
         self.metrics = self.core.metrics
         self.heartbeat = Heartbeat(f"scheduler-{slot.worker_id}")
         self.tokenizer = tokenizer
-        self.peers: Callable[[], list[Scheduler]] = list
-        """The schedulers of the other workers serving the same model with the same vocabulary
-        (set by the fleet): a crashed worker's lanes resume on the least loaded live one."""
+        self.handover = HandOver(self)
+        """Where this worker's requests go when it stops serving them (``sched.handover``)."""
         self.watchdog = ProgressWatchdog(config.stall_timeout_s)
         self._yield = YieldWord(slot.worker_id)
         self._port: WorkerPort | None = None
@@ -151,9 +142,6 @@ class Scheduler:
         self._curve_at = 0.0
         self._watermark_tick = 0  # core.ticks_run when the pool was last held to the watermarks
         self._phase = Phase.NO_WORKER
-        self._handover: str | None = None  # why the loop is to park (``hand_over``)
-        self._parked = asyncio.Event()
-        self._released = asyncio.Event()
 
     # --- API side -------------------------------------------------------------------------------
 
@@ -206,52 +194,6 @@ class Scheduler:
         core.rates.tick_target_s = config.tick_target_s
         core.rates.max_prefill = config.prefill_budget
         core.rates.max_grant = config.decode_grant
-
-    async def hand_over(self, reason: str) -> None:
-        """Stop ticking this worker for a planned replacement (module docstring): the tick in
-        flight is asked to yield (DRAIN) and lands; every live lane is then preempted between two
-        ticks and its request moves to the least loaded live peer (``peers``) that can run it,
-        else waits at the head of its class here. Returns once the loop is parked (it ticks
-        nothing until ``release``), at once when no incarnation is being served. Queued requests
-        stay queued (``take_queued`` hands them to the caller)."""
-        self._handover = reason
-        self._parked = asyncio.Event()
-        self._released = asyncio.Event()
-        self._yield.request(YieldReason.DRAIN)
-        self._wake.set()
-        if self._port is not None:
-            await self._parked.wait()
-
-    def release(self) -> None:
-        """End the park of ``hand_over``: the loop waits for the slot's next incarnation (the
-        caller has made the slot drop the old one first, ``WorkerSlot.replace``)."""
-        self._handover = None
-        self._released.set()
-        self._wake.set()
-
-    def take_queued(self) -> list[GenerationRequest]:
-        """Every queued request, removed from this worker's queues (oldest first per class, class
-        order): for a hand-over to a peer when this worker leaves or changes its model."""
-        return self.core.queues.drain()
-
-    def hand_off_queued(self, why: str, peers: list[Scheduler] | None = None) -> tuple[int, int]:
-        """Move every queued request to the least loaded live peer that can run it (``peers``,
-        default ``self.peers()``; its delivered tokens kept: it resumes there exactly), failing
-        with WORKER_FAILED and ``why`` each one no peer can take: this worker leaves, or now
-        serves another model, so they cannot wait for it. Returns (moved, failed)."""
-        now = time.monotonic()
-        moved = failed = 0
-        for req in reversed(self.core.queues.drain()):  # adopt puts each at the head: keep order
-            if req.finished:
-                continue
-            peer = self.peer_for(req, peers)
-            if peer is not None:
-                peer.adopt(req)
-                moved += 1
-            else:
-                self._deliver(self.core.drop(req, ErrorCode.WORKER_FAILED, why, now))
-                failed += 1
-        return moved, failed
 
     def snapshot(self) -> WorkerSnapshot:
         """This worker now, as operators and metrics see it (``basertd.server.observe.snapshot``):
@@ -323,16 +265,15 @@ class Scheduler:
             try:
                 await self._serve(proc)
             except LinkError as exc:
-                self._worker_lost(proc, exc)
+                self.handover.lost(proc, exc)
                 if proc.link.alive:  # a tick that never answered: the engine holds the lanes
                     self.slot.restart(f"link error: {exc}")
             except Exception as exc:  # a bug of ours: never let it end the loop of this worker
                 log.exception("scheduler_error", worker_id=self.worker_id, error=repr(exc))
-                self._worker_lost(proc, LinkError(f"scheduler error: {exc!r}"))
+                self.handover.lost(proc, LinkError(f"scheduler error: {exc!r}"))
                 self.slot.restart("scheduler error: engine state and ours may disagree")
             finally:
-                if self._handover is not None:  # left without parking (the worker died): nothing runs
-                    self._parked.set()
+                self.handover.left()
                 self._port = None
                 self._yield.proc = None
                 core.cache_policy.detach()
@@ -356,8 +297,8 @@ class Scheduler:
         dead = asyncio.ensure_future(proc.link.wait_dead())
         try:
             while True:
-                if self._handover is not None:
-                    await self._park(proc)
+                if self.handover.reason is not None:
+                    await self.handover.park(proc)
                     return
                 if dead.done():
                     raise dead.result()
@@ -626,60 +567,3 @@ class Scheduler:
     def _signal_tick(self) -> None:
         ticked, self._ticked = self._ticked, asyncio.Event()
         ticked.set()
-
-    # --- a lost worker ----------------------------------------------------------------------------
-
-    async def _park(self, proc: WorkerProcess) -> None:
-        """``hand_over`` between two ticks: preempt every lane (planned), then wait for
-        ``release``."""
-        self._worker_lost(proc, LinkError(f"handed over: {self._handover}"), planned=True)
-        self._phase = Phase.NO_WORKER
-        self._parked.set()
-        await self.heartbeat.wait(self._released.wait())
-
-    def _worker_lost(self, proc: WorkerProcess, exc: LinkError, planned: bool = False) -> None:
-        """The worker died or broke the link (``Lost``, ``SchedulerCore.apply``), or is handed
-        over (``planned``: no crash charged): each request to resume goes to the least loaded live
-        peer that can run it, else back to the head of its class here (the oldest at the head)."""
-        self._yield.landed()
-        stalled, self._stalled = self._stalled, None
-        core = self.core
-        lost = core.apply(core.flight, Lost(str(exc), stalled, planned), time.monotonic())
-        self._deliver(lost.deliveries)
-        moved: list[int] = []
-        for req in lost.resume:
-            peer = self.peer_for(req)
-            if peer is None:
-                core.requeue(req)
-            else:
-                peer.adopt(req)
-                moved.append(req.key)
-        self._signal_tick()
-        self._wake.set()
-        log.warning(
-            "worker_lanes_resumed",
-            worker_id=self.worker_id,
-            pid=proc.pid,
-            resumed=len(lost.resume),
-            failed=len(lost.failed),
-            resumed_keys=[r.key for r in lost.resume][::-1],
-            failed_keys=lost.failed,
-            moved_to_peers=moved[::-1],
-            planned=planned,
-            error=str(exc),
-        )
-
-    def peer_for(self, req: GenerationRequest, peers: list[Scheduler] | None = None) -> Scheduler | None:
-        """The least loaded live peer (among ``peers``, default ``self.peers()``) that can run
-        ``req`` now, or None."""
-        fits = []
-        for peer in self.peers() if peers is None else peers:
-            proc = peer.slot.proc
-            if proc is None or not proc.link.alive or peer.slot.state != SlotState.READY:
-                continue
-            try:
-                peer.core.check_admission(len(req.prompt), req.max_tokens, req.qos)
-            except AdmissionError:
-                continue
-            fits.append(peer)
-        return min(fits, key=lambda p: p.core.load(), default=None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from basertd.schema import link
 from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
-from basertd.server.config import CacheConfig, SchedulerConfig
+from basertd.server.config_sections import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
 from basertd.server.request.record import GenerationRequest, RequestState
 from basertd.server.sched.grammar_handles import grammar_handles

@@ -1,6 +1,6 @@
 """Bounded reading of the client socket: connection caps, the request-buffer budget and timeouts.
 
-The ``[limits]`` section (``basertd.server.config.LimitsConfig``) bounds what clients can make the
+The ``[limits]`` section (``basertd.server.config_sections.LimitsConfig``) bounds what clients can make the
 coordinator hold (DESIGN.md "Client API"):
 
 - ``ConnectionCaps`` counts open connections in all and per peer uid; ``admit(uid)`` says which cap

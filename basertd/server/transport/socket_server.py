@@ -12,7 +12,7 @@ slowly that ``max_buffered_bytes`` of replies pile up, has its connection closed
 its generations cancelled (lanes retired in the next plan, queued requests never start). The
 socket file is removed when the server stops.
 
-Resource caps (``[limits]``, ``basertd.server.config.LimitsConfig``; the reading rules are in
+Resource caps (``[limits]``, ``basertd.server.config_sections.LimitsConfig``; the reading rules are in
 ``basertd.server.transport.conn_limits``): connections in all and per peer uid, bytes of half-received
 request frames over all connections, a frame timeout and an idle timeout. A connection over a cap
 gets ``Error(queue_full)``, one that times out ``Error(timeout)``; either is then closed, counted
@@ -36,7 +36,7 @@ import structlog
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.schema.codec import ClientCodec, FrameError
-from basertd.server.config import LimitsConfig
+from basertd.server.config_sections import LimitsConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
 from basertd.server.transport import accept_errors
 from basertd.server.transport.conn_limits import BufferBudget, ConnectionCaps, ConnectionDropped, read_frame

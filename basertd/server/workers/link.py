@@ -33,9 +33,11 @@ FD is edge-style (it signals "look at ZMQ_EVENTS"), which is exactly what zmq.as
 before failing pending calls, with no second ``recv`` racing a cancelled one, and costs one
 callback per burst of frames instead of a future per frame.
 
-The errors live in ``basertd.server.workers.link_errors`` (re-exported here). Everything runs on one
-event loop thread; a link is not thread-safe. ``basertd.server.workers.sync_worker.SyncWorker``
-is a small blocking wrapper for tests and benches.
+The errors live in ``basertd.server.workers.link_errors`` (re-exported here); what the link waits
+for (request replies, the tick in flight and its emits, state ops' ends) and the frames that
+answer it in ``basertd.server.workers.link_replies``. Everything runs on one event loop thread;
+a link is not thread-safe. ``basertd.server.workers.sync_worker.SyncWorker`` is a small blocking
+wrapper for tests and benches.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ from basertd.server.workers.link_errors import (
     WorkerDied,
     WorkerError,
 )
+from basertd.server.workers.link_replies import EmitCallback, Replies, TickWait
 
-__all__ = ["MAX_LINK_MESSAGE_BYTES", "EmitCallback", "WorkerLink", "configure_link_socket"]
+__all__ = ["MAX_LINK_MESSAGE_BYTES", "WorkerLink", "configure_link_socket"]
 
 log = structlog.get_logger("basertd.link")
 
@@ -74,10 +77,6 @@ MAX_LINK_MESSAGE_BYTES = max(MAX_FRAME_BYTES, MAX_SIDE_BYTES)
 of a sealed state export). zmq drops a peer that sends a bigger frame before it is buffered."""
 
 _BURST = 256  # frames dispatched per loop callback before yielding to other tasks
-
-EmitCallback = Callable[[link.TickEmit], None]
-"""``on_emit(emit)``: called on the event loop thread for each TICK_EMIT of the plan in flight, in
-arrival order, before ``tick`` returns. ``emit.tokens`` is a u32 array owned by the callee."""
 
 
 def configure_link_socket(sock: zmq.Socket) -> None:
@@ -93,16 +92,6 @@ def configure_link_socket(sock: zmq.Socket) -> None:
 
 
 # --- the link -----------------------------------------------------------------------------------
-
-
-class _Tick:
-    __slots__ = ("callback_error", "on_emit", "plan_seq", "seq")
-
-    def __init__(self, seq: int, plan_seq: int, on_emit: EmitCallback | None) -> None:
-        self.seq = seq
-        self.plan_seq = plan_seq
-        self.on_emit = on_emit
-        self.callback_error: BaseException | None = None
 
 
 class WorkerLink:
@@ -139,24 +128,21 @@ class WorkerLink:
         self.capabilities: link.Capabilities | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._seq = 0
-        self._pending: dict[int, asyncio.Future] = {}
-        self._tick: _Tick | None = None
+        self._log = log.bind(worker_id=worker_id, pid=pid)
+        self._replies = Replies(self._log)
         self.died_in_tick = False
         """Set when the link failed: True when a plan sent by ``tick`` had no result yet (the
         death is charged to that tick's requests, ``basertd.server.workers.slot``)."""
         self._hello: asyncio.Future | None = None
-        self._ops_done: dict[int, link.StateOpDone] = {}
-        self._op_waiters: dict[int, asyncio.Future] = {}
         self._error: LinkError | None = None
         self._dead: asyncio.Future | None = None
         self._armed = False
         self._check_scheduled = False
         self._last_worker_error: link.Error | None = None
         self._shutdown_sent = False
-        self._log = log.bind(worker_id=worker_id, pid=pid)
         self._handlers: dict[MsgType, Callable[[link.Envelope, Any], None]] = {
-            MsgType.TICK_EMIT: self._on_tick_emit,
-            MsgType.STATE_OP_DONE: self._on_op_done,
+            MsgType.TICK_EMIT: self._replies.on_tick_emit,
+            MsgType.STATE_OP_DONE: self._replies.on_op_done,
             MsgType.HELLO: self._on_hello,
             MsgType.ERROR: self._on_error,
         }
@@ -177,7 +163,7 @@ class WorkerLink:
     @property
     def tick_in_flight(self) -> bool:
         """True while a plan sent by ``tick`` has no result yet (even after its caller timed out)."""
-        return self._tick is not None
+        return self._replies.tick is not None
 
     async def wait_dead(self) -> LinkError:
         """Wait until the link fails or is closed and return why (never raises it)."""
@@ -265,16 +251,7 @@ class WorkerLink:
         else:
             self._log.warning("link_down", error=type(error).__name__, reason=str(error))
         self._disarm()
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(error)
-        self._pending.clear()
-        for fut in self._op_waiters.values():
-            if not fut.done():
-                fut.set_exception(error)
-        self._op_waiters.clear()
-        self.died_in_tick = self._tick is not None
-        self._tick = None
+        self.died_in_tick = self._replies.fail(error)
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(error)
         if self._dead is not None and not self._dead.done():
@@ -296,24 +273,6 @@ class WorkerLink:
             return
         self._handlers.get(env.msg_type, self._on_reply)(env, body)
 
-    def _on_tick_emit(self, env: link.Envelope, body: link.TickEmit) -> None:
-        tick = self._tick
-        if tick is None or env.corr != tick.seq:
-            self._log.warning("stray_tick_emit", corr=env.corr)
-            return
-        if tick.on_emit is not None and tick.callback_error is None:
-            try:
-                tick.on_emit(body)
-            except Exception as exc:  # surfaced by tick() once its result is in
-                tick.callback_error = exc
-
-    def _on_op_done(self, env: link.Envelope, body: link.StateOpDone) -> None:
-        waiter = self._op_waiters.pop(body.op, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(body)
-        else:
-            self._ops_done[body.op] = body
-
     def _on_hello(self, env: link.Envelope, body: link.Hello) -> None:
         if self._hello is not None and not self._hello.done():
             self._hello.set_result(body)
@@ -328,26 +287,11 @@ class WorkerLink:
         self._log.warning("worker_error", status=body.status, reason=body.message)
 
     def _on_reply(self, env: link.Envelope, body: Any) -> None:
-        """Resolve the pending request (or the tick in flight) that ``env.corr`` answers."""
-        mt = env.msg_type
-        if self._tick is not None and env.corr == self._tick.seq:
-            if mt == MsgType.TICK_RESULT and body.plan_seq != self._tick.plan_seq:
-                self._fail(
-                    LinkProtocolError(
-                        f"TICK_RESULT plan_seq {body.plan_seq} does not echo plan {self._tick.plan_seq}"
-                    )
-                )
-                return
-            tick, self._tick = self._tick, None
-            fut = self._pending.pop(env.corr, None)
-            if fut is not None and not fut.done():
-                fut.set_result((env, body, tick))
-            return
-        fut = self._pending.pop(env.corr, None)
-        if fut is None or fut.done():
-            self._log.warning("late_reply", msg_type=int(mt), corr=env.corr)
-            return
-        fut.set_result((env, body, None))
+        """Resolve the pending request (or the tick in flight) that ``env.corr`` answers
+        (``Replies.on_reply``); a result that does not echo its plan ends the link."""
+        error = self._replies.on_reply(env, body)
+        if error is not None:
+            self._fail(error)
 
     # -- send ------------------------------------------------------------------------------------
 
@@ -384,12 +328,11 @@ class WorkerLink:
         assert self._loop is not None
         fut = self._loop.create_future()
         seq = self._send(msg)
-        self._pending[seq] = fut
+        self._replies.pending[seq] = fut
         try:
             return await self._await(fut, timeout)
         finally:
-            if self._pending.get(seq) is fut:
-                del self._pending[seq]
+            self._replies.forget(seq, fut)
 
     # -- handshake -------------------------------------------------------------------------------
 
@@ -434,10 +377,10 @@ class WorkerLink:
             raise err from None
         fut = self._loop.create_future()
         seq = self._send(link.Welcome(version=version))
-        self._pending[seq] = fut
+        self._replies.pending[seq] = fut
         self.codec.version = version
         self.version = version
-        self._log = self._log.bind(link_version=version)
+        self._log = self._replies.log = self._log.bind(link_version=version)
         env, caps, _ = await self._await(fut, left())
         if env.msg_type != MsgType.CAPABILITIES:
             self._protocol_violation(MsgType.WELCOME, env)
@@ -502,20 +445,20 @@ class WorkerLink:
         and the worker exits 70), ``EmitCallbackError`` (``on_emit`` raised; the tick completed),
         ``WorkerDied``, ``LinkProtocolError``, ``LinkTimeout``."""
         self._arm()
-        if self._tick is not None:
-            raise TickInFlight(f"plan {self._tick.plan_seq} has no result yet")
+        replies = self._replies
+        if replies.tick is not None:
+            raise TickInFlight(f"plan {replies.tick.plan_seq} has no result yet")
         if self.version is None:
             raise LinkError("handshake() has not completed")
         assert self._loop is not None
         fut = self._loop.create_future()
         seq = self._send(plan)
-        self._pending[seq] = fut
-        self._tick = _Tick(seq, plan.plan_seq, on_emit)
+        replies.pending[seq] = fut
+        replies.tick = TickWait(seq, plan.plan_seq, on_emit)
         try:
             env, body, tick = await self._await(fut, timeout)
         finally:
-            if self._pending.get(seq) is fut:
-                del self._pending[seq]
+            replies.forget(seq, fut)
         mt = env.msg_type
         if mt == MsgType.TICK_RESULT:
             if tick is not None and tick.callback_error is not None:
@@ -568,20 +511,17 @@ class WorkerLink:
     async def op_done(self, op: int, *, timeout: float | None = None) -> link.StateOpDone:
         """The STATE_OP_DONE of async op ``op`` (waits for it; each op's end is returned once)."""
         self._arm()
-        done = self._ops_done.pop(op, None)
+        done = self._replies.take_op_done(op)
         if done is not None:
             return done
         if self._error is not None:
             raise self._error
         assert self._loop is not None
-        fut = self._op_waiters.get(op)
-        if fut is None:
-            fut = self._op_waiters[op] = self._loop.create_future()
+        fut = self._replies.op_waiter(op, self._loop)
         try:
             return await self._await(fut, timeout)
         finally:
-            if self._op_waiters.get(op) is fut and fut.done():
-                del self._op_waiters[op]
+            self._replies.drop_op_waiter(op, fut)
 
     async def cache_evict(self, policy: ShedPolicy, bytes_target: int) -> int:
         """CACHE_EVICT: bytes actually freed (ABI rule 89)."""

@@ -149,7 +149,7 @@ class WorkerSlot:
 
     def replace(self, spec: WorkerSpec, reason: str) -> None:
         """Replace the current incarnation with one started from ``spec`` (module docstring);
-        the caller has handed its lanes over first (``Scheduler.hand_over``). A slot that gave up
+        the caller has handed its lanes over first (``HandOver.hand_over``). A slot that gave up
         starts again from ``spec``; one still starting takes ``spec`` for its next start."""
         self._next_spec = spec
         proc = self.proc

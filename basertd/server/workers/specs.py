@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from basertd.server.config import WorkerConfig
+from basertd.server.config_sections import WorkerConfig
 from basertd.server.request.tokenizer import basert_tokenizer_key
 from basertd.server.workers.process import WorkerSpec
 

@@ -14,7 +14,8 @@ import zmq
 
 from basertd.schema import link
 from basertd.schema.tick import TickEvents, TickPlan
-from basertd.server.workers.link import EmitCallback, WorkerLink
+from basertd.server.workers.link import WorkerLink
+from basertd.server.workers.link_replies import EmitCallback
 from basertd.server.workers.process import WorkerProcess, WorkerSpec
 
 __all__ = ["SyncWorker"]

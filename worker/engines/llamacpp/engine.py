@@ -11,7 +11,8 @@ logits ring instead.
 
 This module is the Engine surface; the work is in its parts: ``cells.Cells`` (llama.cpp memory,
 the cell ledger and sequence ids, changed together), ``tick.Tick`` (one tick's state and lane
-work), ``rounds.Rounds`` (decode rounds, batches, yield and abort) and ``validate``. Each optional
+work; the admits in ``admit``), ``rounds.Rounds`` (decode rounds, batches, yield and abort),
+``validate`` and ``report.Report`` (``info``, ``state_spaces``, ``stats``). Each optional
 capability is served by one part (``base.ServedBy``: the call goes to the part's method of the same
 name): the prefix cache by ``seeds.Seeds`` (matches, leases, publish, evict), state ops by
 ``sequences.Sequences`` (bare sequences, adoption) and ``ops.StateOps`` (exports, snapshots,
@@ -47,20 +48,18 @@ from typing import TYPE_CHECKING
 
 import llama_cpp as L
 
-from basertd.grammar_compile import GRAMMAR_KINDS
-from basertd.schema.abi import SpaceKind, Status
-from basertd.schema.tick import MemCounters, StateSpaceDesc, TickEvents, TickPlan, TickTimings
+from basertd.schema.abi import Status
+from basertd.schema.tick import TickEvents, TickPlan, TickTimings
 from basertd.worker.engines.base import (
     Engine,
     EngineError,
     EngineFatal,
-    EngineInfo,
     PartialEmit,
     PlanRejected,
     RingMapping,
     ServedBy,
-    TokenizerSpec,
 )
+from basertd.worker.engines.llamacpp.admit import admit
 from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.context import Sizes, open_context
 from basertd.worker.engines.llamacpp.draft_model import DraftHost
@@ -72,16 +71,17 @@ from basertd.worker.engines.llamacpp.model import LlamaModel
 from basertd.worker.engines.llamacpp.ops import StateOps
 from basertd.worker.engines.llamacpp.prefix_cache import PrefixCache
 from basertd.worker.engines.llamacpp.rates import RateCurve
+from basertd.worker.engines.llamacpp.report import Report, new_stats
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.rounds import Rounds
 from basertd.worker.engines.llamacpp.sampling import LogitBiases
 from basertd.worker.engines.llamacpp.score import Scorer
-from basertd.worker.engines.llamacpp.seeds import KV_SPACE_ID, Seeds
+from basertd.worker.engines.llamacpp.seeds import Seeds
 from basertd.worker.engines.llamacpp.sequences import Sequences
 from basertd.worker.engines.llamacpp.speculation import Speculator
 from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.strategies import Strategies
-from basertd.worker.engines.llamacpp.tick import Tick, TickParts, new_stats
+from basertd.worker.engines.llamacpp.tick import Tick, TickParts
 from basertd.worker.engines.llamacpp.validate import validate_plan
 from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL
 
@@ -170,7 +170,7 @@ class LlamaCppEngine(Engine):
         # the sliding-window cache layout and llama.cpp's state format (its version). Not the pool
         # size, so a respawned worker with another pool still restores.
         self.identity = compat_identity(self.model.model_id, "kv-f16", "unified", swa_full, L.__version__)
-        self._stats = stats = new_stats()
+        self.counters = stats = new_stats()
         threads_batch = n_threads if n_threads_batch is None else n_threads_batch
         self.scorer = Scorer(self.model, max_tokens=context_length, n_threads=threads_batch)
         self.embedder = Embedder(
@@ -228,6 +228,7 @@ class LlamaCppEngine(Engine):
             context_length,
             handle,
         )
+        self.report = Report(self)
         self.hooks: LaneTestHooks | None = None  # tests only (module docstring)
         self._closed = False
 
@@ -236,40 +237,12 @@ class LlamaCppEngine(Engine):
         """Accepted ticks so far (the seed-lease clock, ``seeds.Seeds``)."""
         return self.seeds.tick_index
 
-    # ------------------------------------------------------------------ static facts
+    # ------------------------------------------------------------------ static facts, counters
 
-    def info(self) -> EngineInfo:
-        """Sizes, vocabulary and tokenizer of the loaded model (see the class docstring)."""
-        m = self.model
-        return EngineInfo(
-            engine="llamacpp",
-            engine_version=f"llama-cpp-python {L.__version__}",
-            model=str(m.path),
-            model_id=m.model_id,
-            vocab_size=m.n_vocab,
-            context_length=self.context_length,
-            max_lanes=self.max_lanes,
-            max_batch_size=self.max_lanes,
-            page_size_tokens=self.page,
-            pool_bytes=self.n_cells * self.bytes_per_token,
-            seed_lease_ticks=self.seed_ttl,
-            eos_token_ids=m.eog_ids,
-            bos_token_id=m.bos_id,
-            add_bos=m.add_bos,
-            tokenizer=TokenizerSpec(kind="gguf", path=str(m.path)),
-            extra={
-                "arch": m.arch,
-                "n_swa": str(self.n_swa),
-                "kv_cells": str(self.n_cells),
-                "n_batch": str(self.n_batch),
-                "step_tokens": str(self.step_rows),
-                "prefill_rounds": "spread",
-                "grammar_kinds": ",".join(GRAMMAR_KINDS),
-                "host_bytes": str(self.host.capacity),
-                "description": m.description,
-                **({"yield": "step"} if self.rounds.control is not None else {}),
-            },
-        )
+    # What the engine says about itself, read from its parts (``report.Report``).
+    info = ServedBy("report")
+    state_spaces = ServedBy("report")
+    stats = ServedBy("report")
 
     def prefill_curve(self) -> list[tuple[int, float]]:
         """Measured tokens per second of a llama_decode by row count, ``[(rows_bucket, tok_s)]``
@@ -279,56 +252,6 @@ class LlamaCppEngine(Engine):
     def context_params(self) -> dict[str, int | bool]:
         """The llama_context_params this engine created its context with (for reference runs)."""
         return dict(self._ctx_params)
-
-    def state_spaces(self) -> list[StateSpaceDesc]:
-        """One PAGED_TOKEN_KV space (id 0): ``bytes_per_token`` is K+V over all layers at F16;
-        forks share pages by reference. Sliding-window models keep the same descriptor; their
-        window limits which cached prefixes are servable (``prefix_cache``)."""
-        return [
-            StateSpaceDesc(
-                space_id=KV_SPACE_ID,
-                kind=SpaceKind.PAGED_TOKEN_KV,
-                version_tag=self.ops.version_tag,
-                bytes_per_token=self.bytes_per_token,
-                page_size_tokens=self.page,
-                fork_cost_class=1,
-                name=f"kv-swa{self.n_swa}" if self.n_swa else "kv",
-            )
-        ]
-
-    def stats(self) -> dict[str, int]:
-        """Counters and gauges (the reference engine's names where it has them): ticks,
-        last_plan_seq, prefill_tokens_total (seeded and replayed tokens excluded),
-        cached_tokens_total (served by seeds), decode_tokens_total (sampled and HOST-committed),
-        replay_tokens_total, live_lanes, live_seed_leases, grammar_handles (live grammar handles),
-        live_logit_biases, cache_entries, bare_sequences,
-        pool_bytes_used / _total, evictions_total, faults_total, rejected_plans,
-        cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
-        by the yield word), spec_rounds_total / spec_drafted_total / spec_accepted_total
-        (speculative rounds verified, tokens drafted and accepted), spec_faults_total (drafts
-        refused as strategy faults, ``speculation.StrategyFault``), the host tier's ``host_*``
-        gauges and counters (``HostTier.stats``: entries, bytes, capacity, demotions, drops,
-        restores, restored tokens, restore ns, refused snapshots), the draft models'
-        ``draft_models`` / ``draft_bytes`` / ``draft_sequences`` (``DraftHost.stats``), and the
-        measured rate curve (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two
-        llama_decode size)."""
-        out = dict(self._stats)
-        out.update(self.rates.stats())
-        out.update(self.host.stats())
-        out.update(self.drafts.stats())
-        out.update(
-            last_plan_seq=self.last_plan_seq or 0,
-            bare_sequences=len(self.sequences.bare) + len(self.seeds.adopted),
-            live_lanes=len(self.lanes),
-            live_seed_leases=len(self.cache.leases),
-            grammar_handles=len(self.grammars),
-            live_logit_biases=len(self.logit_biases),
-            cache_entries=len(self.cache.entries),
-            cache_bytes=self.seeds.cached_cells() * self.bytes_per_token,
-            pool_bytes_used=self.ledger.used * self.bytes_per_token,
-            pool_bytes_total=self.n_cells * self.bytes_per_token,
-        )
-        return out
 
     # ------------------------------------------------------------------ rings
 
@@ -349,7 +272,7 @@ class LlamaCppEngine(Engine):
         try:
             work = validate_plan(self, plan)
         except PlanRejected:
-            self._stats["rejected_plans"] += 1
+            self.counters["rejected_plans"] += 1
             raise
         self.last_plan_seq = plan.plan_seq
         ev = TickEvents(plan_seq=plan.plan_seq)
@@ -362,28 +285,17 @@ class LlamaCppEngine(Engine):
         for e in work.evict:
             self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
         tick.commit(work)
-        tick.admit(work)
+        admit(tick, work)
         self.rounds.run(work, tick)
         tick.finish_events(work)
         ev.op_completions = self.ops.take_completions()
-        self._stats["ticks"] += 1
+        self.counters["ticks"] += 1
         self.seeds.end_tick()
         ev.timings = TickTimings(
             wall_ns=time.perf_counter_ns() - t0, prefill_ns=tick.prefill_ns, decode_ns=tick.decode_ns
         )
-        ev.mem = self._mem_counters()
+        ev.mem = self.report.mem_counters()
         return ev
-
-    def _mem_counters(self) -> MemCounters:
-        held = sum(ln.held_row.nbytes for ln in self.lanes.values() if ln.held_row is not None)
-        used = self.ledger.used
-        return MemCounters(
-            allocated_bytes=used * self.bytes_per_token,
-            host_retained_bytes=held + self.ops.retained_bytes() + self.host.bytes,
-            pool_blocks_total=self.n_cells // self.page,
-            pool_blocks_used=-(-used // self.page),
-            pool_bytes_evictable=self.seeds.evictable_bytes(),
-        )
 
     # ------------------------------------------------------------------ capabilities, by part
 

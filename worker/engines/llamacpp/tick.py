@@ -2,9 +2,10 @@
 
 A ``Tick`` is made per accepted plan over the engine's long-lived ``TickParts``. It holds what the
 tick accumulates (grants left, tokens and logits rows per lane, finishes, faults, timings, the
-yield bookkeeping ``rounds`` reads) and does the lane work around the decode rounds: retires,
-commits and admits before them, each decode unit (``units``: rules 67, 72) inside them, the emit
-records after them. Faults stop one lane and the tick goes on (rules 60-62).
+yield bookkeeping ``rounds`` reads) and does the lane work around the decode rounds: retires and
+commits before them (the admits, between the two, are ``admit``'s), each decode unit (``units``:
+rules 67, 72) inside them, the emit records after them. Faults stop one lane and the tick goes on
+(rules 60-62).
 
 Semantics this engine fixes where the ABI leaves a choice:
 
@@ -25,9 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from basertd.schema.abi import AdmitStatus, FaultCode, Finish, Sampling, Status, TickStatus
+from basertd.schema.abi import FaultCode, Finish, TickStatus
 from basertd.schema.tick import (
-    AdmitResult,
     LaneEmit,
     LaneFault,
     LaneLogprob,
@@ -44,26 +44,7 @@ from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.rings import EngineRings
 from basertd.worker.engines.llamacpp.seeds import Seeds
-from basertd.worker.engines.llamacpp.speculation import LaneSpec
-from basertd.worker.engines.llamacpp.work import AdmitWork, TickWork
-
-_U32 = (1 << 32) - 1
-
-
-def u32_status(status: Status) -> int:
-    """``status`` as the u32 bits a record carries (ABI rule 15: two's complement)."""
-    return int(status) & _U32
-
-
-def new_stats() -> dict[str, int]:
-    """The engine's counters, all 0 (named in ``LlamaCppEngine.stats``)."""
-    names = (
-        "ticks prefill_tokens_total cached_tokens_total decode_tokens_total replay_tokens_total"
-        " evictions_total faults_total rejected_plans cold_fallbacks_total yields_total"
-        " yield_aborts_total yield_abort_rows_total spec_rounds_total spec_drafted_total"
-        " spec_accepted_total spec_faults_total"
-    )
-    return dict.fromkeys(names.split(), 0)
+from basertd.worker.engines.llamacpp.work import TickWork
 
 
 @dataclass(eq=False)
@@ -194,63 +175,6 @@ class Tick:
             if lane.finished:
                 self.note(tag)
                 self.finish[tag] = lane.finish
-
-    def admit(self, work: TickWork) -> None:
-        """The plan's admits: a lane each (seated on its seed), or REJECTED when no certificate
-        serves it (rules 14, 119, 122)."""
-        for w in work.admits:
-            tag = w.rec.lane_tag
-            if w.cert_reject:
-                self.ev.admit_results.append(
-                    AdmitResult(
-                        lane_tag=tag,
-                        status=AdmitStatus.REJECTED,
-                        reject_code=u32_status(Status.REJECT_CERT_UNMATCHED),
-                    )
-                )
-                continue
-            self.lanes[tag] = self._make_lane(w)
-            self.ev.admit_results.append(
-                AdmitResult(
-                    lane_tag=tag, status=AdmitStatus.ADMITTED, cert_id=w.cert_id, granted_class=w.granted
-                )
-            )
-
-    def _make_lane(self, w: AdmitWork) -> Lane:
-        p = self.parts
-        a = w.rec
-        n = w.prompt.shape[0]
-        tokens = np.zeros(self.context_length, np.int32)
-        tokens[:n] = w.prompt
-        bias = p.logit_biases.get(a.logit_bias_handle) if a.logit_bias_handle else None
-        cfg = sampling.SamplerConfig.from_admit(a.sampling, a.params, a.want_logprobs, bias)
-        kv_len, produced = w.kv_len, w.produced
-        if w.lease is None:
-            seq, taint, cold = p.cells.take_seq(), 0, w.cold_fallback
-        else:
-            seq, taint, cold = p.seeds.seat(w.lease, w.share_len, w.cold_fallback)
-            if cold:
-                kv_len, produced = 0, w.prefill_end
-        return Lane(
-            tag=a.lane_tag,
-            seq=seq,
-            handle=p.new_handle(),
-            tokens=tokens,
-            n_tokens=n,
-            prompt_len=n,
-            prefill_end=w.prefill_end,
-            prefilled=w.prefilled,
-            kv_len=kv_len,
-            produced=produced,
-            sampling=Sampling(a.sampling),
-            cfg=cfg,
-            rng_base=a.rng_counter_base,
-            determinism_class=a.determinism_class,
-            taint=taint,
-            seeded_tokens=0 if cold else w.share_len,
-            grammar=self.grammars.lane_grammar(a.grammar_handle, w.prompt[n - a.grammar_replay :]),
-            spec=None if w.lookup is None else LaneSpec(w.lookup, w.cert_id),
-        )
 
     # ------------------------------------------------------------------ decode units
 

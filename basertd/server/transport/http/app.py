@@ -42,7 +42,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from basertd.server.config import CompileConfig, HttpConfig, parse_listen
+from basertd.server.config_sections import CompileConfig, HttpConfig, parse_listen
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.tracing import TRACEPARENT
 from basertd.server.request.record import AdmissionError

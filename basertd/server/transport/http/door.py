@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from basertd.server.config import HttpConfig
+from basertd.server.config_sections import HttpConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
 from basertd.server.transport.http.errors import HttpError
 from basertd.server.transport.peercred import peer_credentials

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from basertd.server.config import CompileConfig
+from basertd.server.config_sections import CompileConfig
 from basertd.server.request.grammar import GrammarRequestError, check_tool_caps
 from basertd.server.request.sandbox import SandboxBusy, SandboxError, SandboxJobError, SandboxPool
 from basertd.server.transport.http import tool_calls
