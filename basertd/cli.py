@@ -69,7 +69,7 @@ def serve(config_path: str | None, http: tuple[str, ...], wal_recover: str) -> N
         sys.exit(2)
     from basertd.models import ModelUnavailable
     from basertd.server.daemon import configure_logging, run
-    from basertd.server.durability.wal import WalError
+    from basertd.server.durability.wal_format import WalError
     from basertd.server.request.tokenizer import TokenizerError
 
     configure_logging(config.log_level)

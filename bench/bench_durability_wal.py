@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from basertd.server.durability.wal import Journal, RequestRecord
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_format import RequestRecord
 
 
 def run(journal: Journal, seconds: float, lanes: int, grant: int, fsyncs: list[float]) -> dict:

@@ -12,7 +12,8 @@ import msgspec
 
 from basertd.schema import client as api
 from basertd.server.durability import durable
-from basertd.server.durability.wal import Journal, RequestRecord
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_format import RequestRecord
 from basertd.server.frontend import restart
 from basertd.server.request.tokenizer import BytesTokenizer
 

@@ -23,7 +23,7 @@ from basertd.client import AsyncClient, ClientError
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.durability import durable
-from basertd.server.durability.wal import RequestRecord
+from basertd.server.durability.wal_format import RequestRecord
 from basertd.server.request import grammar
 from basertd.server.request.record import GenerationRequest, sampler_for
 from basertd.server.request.tokenizer import BytesTokenizer

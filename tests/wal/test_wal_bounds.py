@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from basertd.server.durability import wal, wal_format
-from basertd.server.durability.wal import Journal, RequestRecord, StateDirFull, StateDirUnwritable
-from basertd.server.durability.wal_format import WAL_DIR, list_segments, read_segment
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_files import StateDirFull, StateDirUnwritable
+from basertd.server.durability.wal_format import WAL_DIR, RequestRecord, list_segments, read_segment
 
 
 def _rec(rid: str, prompt_len: int = 3) -> RequestRecord:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from basertd.server.config import ConfigError, parse_config
-from basertd.server.durability.wal import Journal, RequestRecord
-from basertd.server.durability.wal_format import WAL_DIR, list_segments
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_format import WAL_DIR, RequestRecord, list_segments
 from basertd.server.paths import resolve_state_dir
 
 BIN = Path(sys.executable).parent

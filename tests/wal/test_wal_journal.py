@@ -14,16 +14,15 @@ from pathlib import Path
 import pytest
 
 from basertd.schema.client import Usage
-from basertd.server.durability.wal import (
-    Journal,
-    JournalFailed,
-    JournalUsageError,
-    NullJournal,
+from basertd.server.durability.wal import Journal, JournalFailed, JournalUsageError, NullJournal
+from basertd.server.durability.wal_fence import StateDirLocked
+from basertd.server.durability.wal_format import (
+    WAL_DIR,
     RequestRecord,
     WalCorrupt,
+    list_segments,
+    read_segment,
 )
-from basertd.server.durability.wal_fence import StateDirLocked
-from basertd.server.durability.wal_format import WAL_DIR, list_segments, read_segment
 from basertd.server.durability.wal_recover import plan_recovery
 
 
@@ -167,7 +166,8 @@ def test_epoch_grows_with_every_open(tmp_path: Path) -> None:
 
 _CHILD = """
 import sys
-from basertd.server.durability.wal import Journal, RequestRecord
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_format import RequestRecord
 j = Journal.open(sys.argv[1])
 j.accepted(RequestRecord(request_id="x", prompt=[1], max_tokens=10**6, seed=1))
 j.commit()

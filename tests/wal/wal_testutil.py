@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from basertd.schema.client import Usage
-from basertd.server.durability.wal import Journal, RequestRecord
-from basertd.server.durability.wal_format import WAL_DIR, LogState, list_segments
+from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_format import WAL_DIR, LogState, RequestRecord, list_segments
 
 CLOCK = 1_000_000.0
 """Fixed wall clock of recorded logs (results never expire in them)."""

@@ -54,7 +54,8 @@ import structlog
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
 from basertd.server.durability.replay import ReplayCache, ReplayText, replay_text
-from basertd.server.durability.wal import Journal, JournalFailed, RequestRecord, WalError
+from basertd.server.durability.wal import Journal, JournalFailed
+from basertd.server.durability.wal_format import RequestRecord, WalError
 from basertd.server.request.grammar import GrammarSpec
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink
 from basertd.server.request.requester import UNBOUND, may_follow

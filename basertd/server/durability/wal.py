@@ -70,8 +70,6 @@ import msgspec
 from basertd.schema.client import Timings, Usage
 from basertd.server.durability.wal_fence import lock, read_epoch, write_epoch
 from basertd.server.durability.wal_files import (
-    KEEP_CORRUPT,
-    StateDirFull,
     StateDirUnwritable,
     check_free,
     fsync_dir,
@@ -88,7 +86,6 @@ from basertd.server.durability.wal_format import (
     RequestRecord,
     Toks,
     UnfinishedRequest,
-    WalCorrupt,
     WalError,
     batches_of,
     encode_frame,
@@ -97,22 +94,7 @@ from basertd.server.durability.wal_format import (
 )
 from basertd.server.durability.wal_recover import RecoverMode, RecoveryReport, plan_recovery
 
-__all__ = [
-    "KEEP_CORRUPT",
-    "FinishedResult",
-    "Journal",
-    "JournalFailed",
-    "JournalStats",
-    "JournalUsageError",
-    "NullJournal",
-    "Recovered",
-    "RequestRecord",
-    "StateDirFull",
-    "StateDirUnwritable",
-    "UnfinishedRequest",
-    "WalCorrupt",
-    "WalError",
-]
+__all__ = ["Journal", "JournalFailed", "JournalStats", "JournalUsageError", "NullJournal", "Recovered"]
 
 log = logging.getLogger("basertd.wal")
 

@@ -24,7 +24,7 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.server.durability.durable import Durability
-from basertd.server.durability.wal import RequestRecord
+from basertd.server.durability.wal_format import RequestRecord
 from basertd.server.fleet import Fleet
 from basertd.server.frontend.access import ObservedSink
 from basertd.server.frontend.drain import Drainer

@@ -59,7 +59,7 @@ class HandOver:
         and its request moves to the least loaded live peer (``peers``) that can run it, else
         waits at the head of its class here. Returns once the loop is parked (it ticks nothing
         until ``release``), at once when no incarnation is being served. Queued requests stay
-        queued (``take_queued`` hands them to the caller)."""
+        queued (``hand_off_queued`` moves them to peers)."""
         s = self.sched
         self.reason = reason
         self._parked = asyncio.Event()
@@ -125,11 +125,6 @@ class HandOver:
             planned=planned,
             error=str(exc),
         )
-
-    def take_queued(self) -> list[GenerationRequest]:
-        """Every queued request, removed from this worker's queues (oldest first per class, class
-        order): for a hand-over to a peer when this worker leaves or changes its model."""
-        return self.sched.core.queues.drain()
 
     def hand_off_queued(self, why: str, peers: list[Scheduler] | None = None) -> tuple[int, int]:
         """Move every queued request to the least loaded live peer that can run it (``peers``,

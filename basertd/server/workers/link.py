@@ -33,7 +33,7 @@ FD is edge-style (it signals "look at ZMQ_EVENTS"), which is exactly what zmq.as
 before failing pending calls, with no second ``recv`` racing a cancelled one, and costs one
 callback per burst of frames instead of a future per frame.
 
-The errors live in ``basertd.server.workers.link_errors`` (re-exported here); what the link waits
+The errors live in ``basertd.server.workers.link_errors`` (import them from there); what the link waits
 for (request replies, the tick in flight and its emits, state ops' ends) and the frames that
 answer it in ``basertd.server.workers.link_replies``. Everything runs on one event loop thread;
 a link is not thread-safe. ``basertd.server.workers.sync_worker.SyncWorker`` is a small blocking
