@@ -186,6 +186,12 @@ def cli(ctx: click.Context, socket_path: str | None, as_json: bool) -> None:
     help="QoS class",
 )
 @click.option("--stop", "stops", multiple=True, help="stop string (repeatable)")
+@click.option(
+    "--speculation",
+    default="auto",
+    show_default=True,
+    help="auto, off, or a strategy the workers register (prompt-lookup, draft-model)",
+)
 @json_flag
 @click.argument("prompt")
 @click.pass_context
@@ -196,6 +202,7 @@ def generate(
     seed: int | None,
     qos: str,
     stops: tuple,
+    speculation: str,
     as_json: bool,
     prompt: str,
 ) -> None:
@@ -213,6 +220,7 @@ def generate(
                     seed=seed,
                     qos=qos,
                     stop=list(stops),
+                    speculation=speculation,
                 )
             except ClientError as exc:
                 _client_error(ctx, exc)
@@ -221,7 +229,13 @@ def generate(
     with _connect(ctx) as client:
         try:
             stream = client.stream(
-                prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, qos=qos, stop=list(stops)
+                prompt,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                qos=qos,
+                stop=list(stops),
+                speculation=speculation,
             )
             for delta in stream:
                 if delta.text:

@@ -17,6 +17,7 @@ import pytest
 from basertd.server.config import load_config
 from basertd.server.config_sections import OperatorsConfig
 from basertd.server.fleet import WORKER_CLOSE_GRACE_S
+from basertd.server.ops.control import check_config_text
 from basertd.server.paths import SOCKET_NAME, SYSTEM_RUNTIME_DIR
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
@@ -156,3 +157,20 @@ def test_example_config_passes_config_check_and_a_broken_one_names_the_key(tmp_p
         [*ctl, "config", "check", "--json", str(bad)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 1 and "invalid TOML" in json.loads(r.stdout)["errors"][0]
+
+
+def test_config_check_warns_of_model_and_draft_model_files_that_do_not_exist(tmp_path):
+    gone = tmp_path / "gone"
+    text = (
+        f'[[workers]]\nmodel = "{gone}/m.gguf"\ndraft_model = "{gone}/own-draft.gguf"\n'
+        f'[speculation]\nstrategies = ["draft-model"]\ndraft_model = "{gone}/draft.gguf"\n'
+    )
+    r = check_config_text(text, "t.toml")
+    assert r.ok, r.errors
+    assert f"workers[0].model: {gone}/m.gguf does not exist (here)" in r.warnings
+    assert f"workers[0].draft_model: {gone}/own-draft.gguf does not exist (here)" in r.warnings
+    assert f"speculation.draft_model: {gone}/draft.gguf does not exist (here)" in r.warnings
+    here = tmp_path / "d.gguf"
+    here.write_bytes(b"")
+    r = check_config_text(text.replace(f"{gone}/draft.gguf", str(here)), "t.toml")
+    assert not any(w.startswith("speculation.") for w in r.warnings)

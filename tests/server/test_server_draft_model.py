@@ -15,6 +15,8 @@ from daemon_harness import Daemon
 from serving_harness import assert_same_up_to_near_ties, bare_reference, tiny_toml
 from tinymodel import write_tiny_gguf
 
+from basertd.client import ClientError
+from basertd.schema.client import ErrorCode
 from basertd.server.config import ConfigError, WorkerConfig, parse_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llamacpp"))
@@ -121,3 +123,31 @@ def test_draft_model_requests_are_exact_and_counted(daemon, tiny_gguf):
         f'basertd_spec_draft_tokens_total{{strategy="draft-model",worker="0"}} {row.drafted_tokens}.0'
         in metrics
     )
+
+
+def test_naming_draft_model_where_it_cannot_run_is_refused(daemon, tiny_gguf, tmp_path):
+    """A request that names draft-model is refused (INVALID_REQUEST, nothing queued) where the
+    strategy cannot run: a sampled request (its certificate covers greedy lanes only), and a
+    worker whose draft model did not load at start (registration refused: the worker serves
+    without it); "auto" serves both, plainly or by another strategy."""
+    p = make_prompt(900, 24)
+    with daemon.client() as c:
+        with pytest.raises(ClientError) as info:
+            c.generate(prompt_tokens=p, max_tokens=4, speculation="draft-model", temperature=0.8, seed=1)
+        assert info.value.code == ErrorCode.INVALID_REQUEST
+        assert "does not cover this sampled request" in str(info.value)
+        assert len(c.generate(prompt_tokens=p, max_tokens=4, temperature=0.8, seed=1).ids) == 4
+    missing = tmp_path / "no-such-draft.gguf"
+    toml = tiny_toml(tiny_gguf, lanes=2, grant=8)
+    spec = f'[speculation]\nstrategies = ["draft-model"]\ndraft_model = "{missing}"\n'
+    with Daemon(toml + spec) as d, d.client() as c:
+        assert '"strategy_refused"' in d.log_text()
+        with pytest.raises(ClientError) as info:
+            c.generate(prompt_tokens=p, max_tokens=4, speculation="draft-model", temperature=0.0)
+        assert info.value.code == ErrorCode.INVALID_REQUEST
+        assert "not registered by worker 0" in str(info.value)
+        got = c.generate(prompt_tokens=p, max_tokens=4, temperature=0.0)
+        assert len(got.ids) == 4 and got.usage.draft_tokens == 0
+        assert (
+            sum(1 for e in d.log_events() if e.get("event") == "access") == 1
+        )  # the refused one queued nothing

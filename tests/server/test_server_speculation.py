@@ -6,6 +6,7 @@ show them, and a value the daemon cannot honour is INVALID_REQUEST before anythi
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -97,3 +98,19 @@ def test_a_sampled_request_speculates_and_a_bad_value_is_refused(daemon):
                 c.generate(prompt_tokens=p, max_tokens=4, speculation=value, temperature=0.8, **kw)
             assert info.value.code == ErrorCode.INVALID_REQUEST
             assert "speculation" in str(info.value)
+
+
+def test_basertctl_generate_passes_speculation(daemon):
+    """``basertctl generate --speculation``: a strategy name drafts on a prompt that repeats
+    itself, "off" drafts nothing, an unknown value is refused naming the field."""
+    prompt = "abc abd abc abd abc abd abc abd abc abd abc abd"
+    on = daemon.ctl("generate", "--json", "--temperature", "0", "--max-tokens", "24",
+                    "--speculation", "prompt-lookup", prompt)  # fmt: skip
+    assert on.returncode == 0, on.stderr
+    off = daemon.ctl("generate", "--json", "--temperature", "0", "--max-tokens", "24",
+                     "--speculation", "off", prompt)  # fmt: skip
+    assert off.returncode == 0, off.stderr
+    assert json.loads(off.stdout)["usage"]["draft_tokens"] == 0
+    assert json.loads(on.stdout)["usage"]["draft_tokens"] > 0
+    bad = daemon.ctl("generate", "--speculation", "bogus", prompt)
+    assert bad.returncode != 0 and "speculation" in bad.stdout + bad.stderr

@@ -59,8 +59,8 @@ from basertd.server.request.grammar import GrammarRequestError, GrammarSpec, spe
 from basertd.server.request.record import AdmissionError, GenerationRequest, RequestSink, sampler_for
 from basertd.server.request.requester import UNBOUND, cache_salt
 from basertd.server.request.tokenizer import TokenizerError
-from basertd.server.sched.speculation import explicit_refusal
-from basertd.server.states import DaemonState, HealthStatus
+from basertd.server.sched.speculation import explicit_refusal, named_refusal
+from basertd.server.states import DaemonState, HealthStatus, SlotState
 
 log = structlog.get_logger("basertd.frontend")
 
@@ -397,12 +397,18 @@ class Frontend:
                     ErrorCode.CANCELLED, "the client went away before its request was queued"
                 )
             m.scheduler.core.check_admission(len(prompt), gen.max_tokens, gen.qos)
+        sampler = sampler_for(gen, m.tokenizer.vocab_size)
+        if m.slot.state is SlotState.READY:  # its handshake said which strategies it registered
+            strategies = m.scheduler.core.limits.strategies
+            why = named_refusal(gen.speculation, sampler, spec is not None, strategies, f"worker {wid}")
+            if why is not None:
+                raise AdmissionError(ErrorCode.INVALID_REQUEST, why)
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
         req = GenerationRequest(
             request_id=gen.request_id,
             prompt=prompt,
             max_tokens=gen.max_tokens,
-            sampler=sampler_for(gen, m.tokenizer.vocab_size),
+            sampler=sampler,
             sink=observed,
             tokenizer=m.tokenizer,
             stop=list(gen.stop),

@@ -159,7 +159,7 @@ def _timeout(value: float) -> float:
 
 def check_config_text(text: str, source: str, running: Config | None = None) -> control.ConfigCheckResult:
     """Validate configuration ``text`` (TOML) without applying it. Errors: anything
-    ``basertd serve`` would refuse (the key is named). Warnings: model files that do not exist, a
+    ``basertd serve`` would refuse (the key is named). Warnings: model and draft model files that do not exist, a
     socket open to others, an operator group unknown to this system, a drain timeout that does not
     fit the unit's TimeoutStopSec, and, against the ``running`` configuration, which changed keys a
     reload (SIGHUP) applies and which need a restart."""
@@ -173,6 +173,11 @@ def check_config_text(text: str, source: str, running: Config | None = None) -> 
     for i, w in enumerate(cfg.workers):
         if w.model and not Path(w.model).expanduser().exists():
             warnings.append(f"workers[{i}].model: {w.model} does not exist (here)")
+        if w.draft_model and not Path(w.draft_model).expanduser().exists():
+            warnings.append(f"workers[{i}].draft_model: {w.draft_model} does not exist (here)")
+    draft = cfg.speculation.draft_model
+    if draft and not Path(draft).expanduser().exists():
+        warnings.append(f"speculation.draft_model: {draft} does not exist (here)")
     if int(cfg.socket_mode) & 0o007:
         warnings.append(f"socket_mode {int(cfg.socket_mode):04o} lets every local user generate")
     group = cfg.operators.operator_group

@@ -29,13 +29,17 @@ AUTO = "auto"
 OFF = "off"
 
 
+def _greedy(sampler: Sampler) -> bool:
+    return sampler.mode == Sampling.GPU_GREEDY or sampler.params.temperature <= 0.0
+
+
 def covers(offer: link.StrategyOffer, sampler: Sampler, grammar: bool) -> bool:
     """``offer``'s certificate covers a lane sampled by ``sampler`` (with a grammar when
     ``grammar``); False without a certificate."""
     if not offer.cert_id:
         return False
     p = sampler.params
-    greedy = sampler.mode == Sampling.GPU_GREEDY or p.temperature <= 0.0
+    greedy = _greedy(sampler)
     mode = CertMode.GREEDY if sampler.mode == Sampling.GPU_GREEDY else CertMode.GUMBEL
     if not offer.sampling_modes & mode:
         return False
@@ -74,4 +78,29 @@ def explicit_refusal(mode: str, enabled: Sequence[str], grammar: bool) -> str | 
         return f"speculation must be one of {names}, got {mode!r}"
     if grammar:
         return f"speculation {mode!r} does not run with structured output: use auto or off"
+    return None
+
+
+def named_refusal(
+    mode: str, sampler: Sampler, grammar: bool, offers: Sequence[link.StrategyOffer], worker: str
+) -> str | None:
+    """Why a request naming strategy ``mode`` cannot run it on ``worker`` (a name for messages)
+    whose handshake registered ``offers``, or None: the worker registered no strategy of that
+    name (its registration was refused at load: a draft model that did not load, say), or none of
+    that strategy's certificates covers the request (``covers``: draft-model certifies greedy
+    lanes only). "auto" and "off" always pass. Call once the worker has handshaken (before, it
+    offers nothing yet)."""
+    if mode in (AUTO, OFF):
+        return None
+    named = [o for o in offers if o.strategy_id == mode]
+    if not named:
+        return f"speculation {mode!r} is not registered by {worker} (its log says why): use auto or off"
+    if not any(covers(o, sampler, grammar) for o in named):
+        kind = (
+            "greedy" if sampler.mode == Sampling.GPU_GREEDY or sampler.params.temperature <= 0 else "sampled"
+        )
+        return (
+            f"speculation {mode!r} does not cover this {kind} request on {worker} "
+            '(its certificates: README "Speculative decoding"): use auto or off'
+        )
     return None
