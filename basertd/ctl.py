@@ -483,12 +483,13 @@ def cache_ls(ctx: click.Context, worker_id: int | None, limit: int, as_json: boo
 
     def human(rows: list[dict]) -> None:
         _table(
-            ["worker", "tokens", "bytes", "pin", "hits", "idle s", "head"],
+            ["worker", "tokens", "bytes", "tier", "pin", "hits", "idle s", "head"],
             [
                 [
                     e["worker_id"],
                     e["prefix_tokens"],
                     _bytes(e["bytes"]),
+                    e["tier"],
                     e["pin_id"] or "-",
                     e["hits"],
                     f"{e['idle_s']:.0f}",

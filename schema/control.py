@@ -286,7 +286,8 @@ class CacheStatsResult(_Msg, tag="cache_stats_result"):
 
 class CacheEntryRow(_Rec):
     """One cached prefix: its worker, length in tokens, bytes, pin id (0: not pinned), hit count,
-    seconds since last use, and the first tokens (a short preview of ids, never text)."""
+    seconds since last use, the first tokens (a short preview of ids, never text) and ``tier``:
+    "pool" (in the engine's KV pool) or "host" (only in its host-memory tier, restored on use)."""
 
     worker_id: int
     prefix_tokens: int = 0
@@ -295,6 +296,7 @@ class CacheEntryRow(_Rec):
     hits: int = 0
     idle_s: float = 0.0
     head: list[int] = msgspec.field(default_factory=list)
+    tier: str = "pool"
 
 
 class CacheListResult(_Msg, tag="cache_list_result"):

@@ -54,6 +54,10 @@ def test_a_prompt_pushed_out_of_the_pool_is_restored_from_host_memory(daemon, ti
     assert row["evictions"] >= 1 and row["host_entries"] >= 1, row
     assert 0 < row["host_bytes"] <= row["host_capacity_bytes"] == 8 << 20, row
     assert row["host_restores"] == 0 and row["host_refused"] == 0, row
+    listed = json.loads(daemon.ctl("--json", "cache", "ls", "--limit", "1000").stdout)
+    tiers = {e["tier"] for e in listed if e["head"] == ids[:8]}
+    assert tiers == {"host"}, listed  # cache ls says where the pushed-out prompt lives
+    assert any(e["tier"] == "pool" for e in listed), listed  # the newer prompts are in the pool
 
     again = generate(daemon, RETURNING, "r-1")
     assert again.usage.cached_tokens == len(ids) // PAGE * PAGE  # seeded, not prefilled again

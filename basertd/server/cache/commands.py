@@ -42,7 +42,7 @@ class Evict:
 @dataclass(frozen=True)
 class ListEntries:
     """The prefix index, each entry verified against ``space_match`` (``WorkerCache.
-    verified_entries``); the result is a list of ``IndexEntry``, most recently used first."""
+    verified_entries``); the result is a list of (``IndexEntry``, ``Tier``), most recently used first."""
 
 
 Command = HoldPin | DropPin | Evict | ListEntries

@@ -66,7 +66,7 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 
-from basertd.schema.abi import Status
+from basertd.schema.abi import Status, Tier
 from basertd.schema.tick import MatchResult, ShedPolicy, TokenRef
 from basertd.server.cache.prefix_index import IndexEntry, IndexObserver, PrefixIndex, page_hashes
 from basertd.server.config_sections import CacheConfig
@@ -159,6 +159,18 @@ def best_candidate(match: MatchResult, limit: int, page: int) -> int:
         longest = max(lengths, default=0)
         best = longest if best is None else min(best, longest)
     return ((best or 0) // page) * page
+
+
+def resident_tier(match: MatchResult, length: int) -> Tier:
+    """Where ``match`` holds a prefix of ``length`` tokens: ``Tier.GPU`` when every space offers
+    an untainted candidate that long in the pool, else ``Tier.HOST``."""
+    for sp in match.spaces:
+        if not any(
+            c.taint_bits == 0 and c.prefix_len >= length and c.resident_tier == Tier.GPU
+            for c in sp.candidates
+        ):
+            return Tier.HOST
+    return Tier.GPU
 
 
 class WorkerCache:
@@ -422,9 +434,10 @@ class WorkerCache:
             self.index.clear(keep_pinned=True)
         return freed
 
-    async def verified_entries(self, proc: WorkerLike) -> list[IndexEntry]:
-        """The index, each entry checked against ``space_match``: entries the engine no longer
-        serves in full are forgotten. Most recently used first."""
+    async def verified_entries(self, proc: WorkerLike) -> list[tuple[IndexEntry, Tier]]:
+        """The index, each entry checked against ``space_match`` with the tier that holds it
+        (``Tier.GPU``: the engine's KV pool; ``Tier.HOST``: only its host-memory tier): entries
+        the engine no longer serves in full are forgotten. Most recently used first."""
         out = []
         for e in self.index.by_recency():
             ref = proc.feed.write(e.tokens)
@@ -434,7 +447,7 @@ class WorkerCache:
                 continue
             served = best_candidate(match, e.length, self.page)
             if served >= e.length:
-                out.append(e)
+                out.append((e, resident_tier(match, e.length)))
             elif not e.pin_id:
                 self.index.remove(e)
         return out

@@ -14,6 +14,7 @@ import numpy as np
 import structlog
 
 from basertd.schema import control
+from basertd.schema.abi import Tier
 from basertd.schema.client import ErrorCode
 from basertd.server.cache.commands import Command, DropPin, Evict, HoldPin, ListEntries
 from basertd.server.cache.policy import PinHold, WorkerCache
@@ -115,7 +116,7 @@ class PolicyCacheControl:
                 continue
             wc = w.cache
             found = await self._send(w, ListEntries())
-            for e in found:
+            for e, tier in found:
                 row = control.CacheEntryRow(
                     worker_id=w.worker_id,
                     prefix_tokens=e.length,
@@ -124,6 +125,7 @@ class PolicyCacheControl:
                     hits=e.hits,
                     idle_s=max(0.0, now - e.last_used),
                     head=[int(t) for t in e.tokens[:8]],
+                    tier="host" if tier == Tier.HOST else "pool",
                 )
                 rows.append((e.last_used, row))
         rows.sort(key=lambda r: r[0], reverse=True)

@@ -159,10 +159,10 @@ def _timeout(value: float) -> float:
 
 def check_config_text(text: str, source: str, running: Config | None = None) -> control.ConfigCheckResult:
     """Validate configuration ``text`` (TOML) without applying it. Errors: anything
-    ``basertd serve`` would refuse (the key is named). Warnings: model and draft model files that do not exist, a
-    socket open to others, an operator group unknown to this system, a drain timeout that does not
-    fit the unit's TimeoutStopSec, and, against the ``running`` configuration, which changed keys a
-    reload (SIGHUP) applies and which need a restart."""
+    ``basertd serve`` would refuse (the key is named). Warnings: model and draft model files that
+    do not exist, a socket open to others, an operator group unknown to this system, a drain
+    timeout that does not fit the unit's TimeoutStopSec, and, against the ``running``
+    configuration, which changed keys a reload (SIGHUP) applies and which need a restart."""
     try:
         cfg = parse_config(tomllib.loads(text), source=source)
     except tomllib.TOMLDecodeError as exc:
