@@ -72,3 +72,9 @@ def test_compile_spec_imports_llguidance_on_first_use():
         "print(json.dumps({'before': before, 'compiled': bool(grammar)}))\n"
     )
     assert got == {"before": False, "compiled": True}, got
+
+
+def test_the_sandbox_children_start_without_rich():
+    for module in ("basertd.server.request.spec_check", "basertd.server.transport.http.template_render"):
+        got = _modules_after(f"import sys, json\nimport {module}\nprint(json.dumps('rich' in sys.modules))\n")
+        assert got is False, module
