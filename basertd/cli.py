@@ -20,6 +20,7 @@ import sys
 import click
 import msgspec
 
+import basertd.lean_structlog  # noqa: F401  (first: structlog without rich)
 from basertd.server.config import ConfigError, load_config
 
 

@@ -13,16 +13,20 @@ or ``$ref``s at an 8 MiB stack) overflows it and kills the process with SIGSEGV.
 therefore compiles only in a child process (``basertd.server.request.spec_check``) on a thread
 with ``VALIDATE_STACK_BYTES`` of stack, half of ``COMPILE_STACK_BYTES``, the stack the worker
 compiles on: whatever validates cannot overflow the worker.
+
+llguidance (about 0.1 s to import) is imported by ``compile_spec``, on the first compile, not with
+this module: the coordinator imports it for its constants and compiles only in its children.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import llguidance
+from typing import TYPE_CHECKING, Any
 
 from basertd.json_bounds import bound_numbers
+
+if TYPE_CHECKING:
+    import llguidance
 
 GRAMMAR_KINDS = ("json_schema", "lark", "regex")
 """Spec kinds a GRAMMAR_CREATE carries."""
@@ -55,6 +59,8 @@ def compile_spec(kind: str, text: str) -> str:
     ``kind`` is one of ``GRAMMAR_KINDS``; ``text`` the schema (JSON text), Lark grammar or regex.
     Raises GrammarSpecError with llguidance's message for an unknown kind, text that is not JSON
     (json_schema) or a grammar that does not compile."""
+    import llguidance  # here, not at the top (module docstring)
+
     if kind == "json_schema":
         try:
             schema = json.loads(text)
@@ -91,6 +97,8 @@ def _bounded_json_grammar(schema: dict | bool) -> str | None:
     """The grammar of ``bound_numbers(schema)``, or None when the bounded schema does not compile
     (the caller then compiles the schema as given, so the error, if any, is about the user's
     schema)."""
+    import llguidance
+
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_OPTIONS)
     except (ValueError, RecursionError):

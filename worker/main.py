@@ -44,6 +44,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+import basertd.lean_structlog  # noqa: F401  (first: structlog without rich)
 from basertd.schema.abi import RingKind, RingRole
 from basertd.shm import ControlBlock, RingError, Segment, SegmentError, ring_bytes
 from basertd.worker import logging as wlog

@@ -44,6 +44,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -83,11 +84,13 @@ from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.sched.loop import Scheduler
 from basertd.server.states import DaemonState, HealthStatus, SlotState
 from basertd.server.tasks import cancel_and_wait
-from basertd.server.transport.http.app import HttpServer
 from basertd.server.transport.native_api import NativeService
 from basertd.server.transport.peercred import OperatorPolicy
 from basertd.server.transport.socket_server import ApiServer
 from basertd.server.workers.slot import WorkerSlot
+
+if TYPE_CHECKING:
+    from basertd.server.transport.http.app import HttpServer
 
 log = structlog.get_logger("basertd.daemon")
 
@@ -233,6 +236,11 @@ class Daemon:
         await self.api.start()
         http_socks = adopt_named(self._listen_fds, HTTP_FD_NAME)
         if cfg.http.listen or http_socks:
+            # Imported here, not at the top: aiohttp and the dialects (about 0.3 s) load only when
+            # HTTP listens, and then after the workers were spawned (``fleet.build``), while they
+            # load their models.
+            from basertd.server.transport.http.app import HttpServer
+
             self.http = HttpServer(
                 cfg.http,
                 self.frontend,

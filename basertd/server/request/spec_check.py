@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import basertd.lean_structlog  # noqa: F401  (first: this child starts without rich)
 from basertd.grammar_compile import VALIDATE_STACK_BYTES, GrammarSpecError, compile_spec
 from basertd.server.request.sandbox import serve
 
@@ -50,4 +51,8 @@ def check(job: Any) -> int:
 
 
 if __name__ == "__main__":
+    # llguidance now, before the child says it is ready, so the first spec compiles as fast as the
+    # next (``compile_spec`` imports it on first use, which is for the coordinator's sake).
+    import llguidance  # noqa: F401
+
     serve(check)

@@ -25,6 +25,10 @@ model, on its first grammar. Compiled matchers are kept by spec (``COMPILED_SPEC
 used first out): the n choices and many prompts of one HTTP request carry the same spec, and each
 handle after the first is a copy of the compiled matcher (microseconds) instead of a compile (up to
 seconds for a large schema) on the worker's only thread. Each handle is still its own (rule 113).
+
+llguidance itself (about 0.1 s to import) is imported on the first grammar (``_llg``), not with
+this module, so a worker that never sees one does not pay it at start; the first grammar pays it
+beside the tokenizer's build, about ten times as long.
 """
 
 from __future__ import annotations
@@ -33,15 +37,17 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.llamacpp
-import llguidance.numpy
 import numpy as np
 
 from basertd.grammar_compile import GrammarSpecError, compile_spec
 from basertd.schema.abi import Finish, Status
 from basertd.worker.engines.base import EngineError
+
+if TYPE_CHECKING:
+    import llguidance
 
 COMPILED_SPECS = 32
 """Distinct specs whose compiled matcher ``GrammarSet`` keeps for later handles."""
@@ -56,6 +62,16 @@ _BYTE_ADD = np.where(
 _TOKENIZERS: weakref.WeakKeyDictionary[object, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 
 
+def _llg() -> ModuleType:
+    """llguidance, with its ``llamacpp`` and ``numpy`` helpers, imported on first use (module
+    docstring)."""
+    import llguidance
+    import llguidance.llamacpp
+    import llguidance.numpy
+
+    return llguidance
+
+
 def tokenizer_for(model: object) -> llguidance.LLTokenizer:
     """The llguidance tokenizer of a loaded ``LlamaModel`` (its ``vocab``, ``n_vocab`` and
     ``eog_ids``), built on first use and cached for the model's lifetime (it reads the model's
@@ -64,7 +80,7 @@ def tokenizer_for(model: object) -> llguidance.LLTokenizer:
     if tok is None:
         with warnings.catch_warnings():  # it calls llama-cpp-python's deprecated llama_token_get_attr
             warnings.simplefilter("ignore", DeprecationWarning)
-            tok = llguidance.llamacpp.lltokenizer_from_vocab(
+            tok = _llg().llamacpp.lltokenizer_from_vocab(
                 model.vocab,  # type: ignore[attr-defined]
                 n_vocab=model.n_vocab,  # type: ignore[attr-defined]
                 eos_token=list(model.eog_ids),  # type: ignore[attr-defined]
@@ -98,7 +114,7 @@ class GrammarSet:
         self.compiles = 0
         """Specs compiled (not copied from ``_compiled``), for tests."""
         self._next = 1
-        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_vocab)
+        self._bitmask = np.empty((0, 0), np.int32)  # rows allocated by the first ``fill``
 
     # -- handles
 
@@ -116,7 +132,7 @@ class GrammarSet:
             except GrammarSpecError:
                 return 0
             self.compiles += 1
-            base = llguidance.LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
+            base = _llg().LLMatcher(tokenizer_for(self._model), grammar, log_level=0)
             if base.is_error():
                 return 0
             self._compiled[key] = base
@@ -161,6 +177,7 @@ class GrammarSet:
         (its executor), one bitmask row each; each gets its ``mask_index``."""
         if not grammars:
             return
+        llguidance = _llg()
         if self._bitmask.shape[0] < len(grammars):
             self._bitmask = llguidance.numpy.allocate_token_bitmask(len(grammars), self.n_vocab)
         if self._executor is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import basertd.lean_structlog  # noqa: F401  (first: this child starts without rich)
 from basertd.server.request.sandbox import serve
 from basertd.server.transport.http.chat_template import ChatTemplate
 
