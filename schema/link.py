@@ -129,6 +129,7 @@ class MsgType(IntEnum):
     EMBED_RESULT = 101
     SCORE = 102
     SCORE_RESULT = 103
+    EMBED_CANCEL = 104
 
     PING = 112
     PONG = 113
@@ -714,12 +715,32 @@ class Embed(_ArrayMsg):
     """EMBED: the pooled embeddings of ``len(lengths)`` inputs whose token ids (u32) stand one
     after another in ``tokens`` (input i is the next ``lengths[i]`` ids); EMBED_RESULT, or ERROR
     (ERR_OP_UNSUPPORTED: the engine has no embeddings; REJECT_BOUNDS: an input is empty, longer
-    than the context length, or holds an id outside the vocabulary). Served between ticks."""
+    than the context length, or holds an id outside the vocabulary; EBUSY: a chunked input is
+    open). Served between ticks.
+
+    Chunked (``input_id`` != 0): ``tokens`` are chunk ``chunk`` (0, 1, ... in order) of one long
+    input, ``lengths`` holds their count; the worker keeps the input's state between EMBEDs, so
+    its ticks run between the chunks, and answers EMBED_RESULT with no values (``dim`` 0) until
+    the chunk with ``last``, whose reply carries the whole input's vector (equal to the one-pass
+    one up to float noise). One chunked input is open per worker: ERROR EBUSY for chunk 0 while
+    another is (EMBED_CANCEL it), ERR_UNKNOWN_HANDLE for a later chunk of an input not open (the
+    worker restarted: start again), REJECT_BOUNDS for a chunk out of order; a refused chunk
+    changes nothing."""
 
     _arrays: ClassVar[dict[str, str]] = {"tokens": "u4", "lengths": "u4"}
 
     tokens: np.ndarray = _empty("u4")
     lengths: np.ndarray = _empty("u4")
+    input_id: int = 0
+    chunk: int = 0
+    last: bool = True
+
+
+class EmbedCancel(_Msg):
+    """EMBED_CANCEL: drop the open chunked input ``input_id`` (an EMBED's); OK, or ERROR
+    (ERR_UNKNOWN_HANDLE: it is not the one open). Served between ticks."""
+
+    input_id: int
 
 
 class Score(_ArrayMsg):
@@ -836,6 +857,7 @@ MESSAGE_TYPES: dict[MsgType, Any] = {
     MsgType.EMBED_RESULT: EmbedResult,
     MsgType.SCORE: Score,
     MsgType.SCORE_RESULT: ScoreResult,
+    MsgType.EMBED_CANCEL: EmbedCancel,
     MsgType.PING: Ping,
     MsgType.PONG: Pong,
     MsgType.DRAIN: Drain,
@@ -888,6 +910,7 @@ REPLIES: dict[MsgType, frozenset[MsgType]] = {
     MsgType.DETOKENIZE: frozenset({MsgType.DETOKENIZE_RESULT}),
     MsgType.EMBED: frozenset({MsgType.EMBED_RESULT}),
     MsgType.SCORE: frozenset({MsgType.SCORE_RESULT}),
+    MsgType.EMBED_CANCEL: frozenset({MsgType.OK}),
     MsgType.PING: frozenset({MsgType.PONG}),
     MsgType.DRAIN: frozenset({MsgType.DRAINED}),
 }

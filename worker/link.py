@@ -209,6 +209,7 @@ class LinkServer:
             MsgType.TOKENIZE: self._on_tokenize,
             MsgType.DETOKENIZE: self._on_detokenize,
             MsgType.EMBED: self._on_embed,
+            MsgType.EMBED_CANCEL: self._on_embed_cancel,
             MsgType.SCORE: self._on_score,
             MsgType.PING: self._on_ping,
             MsgType.DRAIN: self._on_drain,
@@ -585,9 +586,20 @@ class LinkServer:
     def _on_embed(self, env: link.Envelope, msg: link.Embed) -> Any:
         if int(msg.lengths.sum(dtype=np.uint64)) != len(msg.tokens):
             raise ValueError(f"lengths sum to {int(msg.lengths.sum())} but {len(msg.tokens)} tokens came")
+        if msg.input_id:
+            if len(msg.lengths) != 1:
+                raise ValueError(f"a chunk of input {msg.input_id} holds {len(msg.lengths)} inputs, not 1")
+            vector = self.engine.embed_chunk(msg.input_id, msg.chunk, msg.tokens, msg.last)
+            if vector is None:
+                return link.EmbedResult()
+            return link.EmbedResult(dim=int(vector.shape[0]), values=vector)
         inputs = np.split(msg.tokens, np.cumsum(msg.lengths)[:-1]) if len(msg.lengths) else []
         vectors = self.engine.embed(inputs)
         return link.EmbedResult(dim=int(vectors.shape[1]), values=vectors.reshape(-1))
+
+    def _on_embed_cancel(self, env: link.Envelope, msg: link.EmbedCancel) -> Any:
+        self.engine.embed_cancel(msg.input_id)
+        return link.Ok()
 
     def _on_score(self, env: link.Envelope, msg: link.Score) -> Any:
         s = self.engine.score(msg.tokens, msg.top_k)

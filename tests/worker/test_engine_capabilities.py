@@ -80,6 +80,8 @@ OPTIONAL_CALLS = {
     "logit_bias_free": (1,),
     "attach_control": (object(),),
     "embed": ([],),
+    "embed_chunk": (1, 0, np.array([1], np.uint32), True),
+    "embed_cancel": (1,),
     "score": (np.zeros(2, np.uint32), 0),
     "strategy_register": (object(),),
 }

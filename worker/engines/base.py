@@ -157,7 +157,7 @@ CAPABILITY_METHODS: dict[Capability, tuple[str, ...]] = {
     Capability.GRAMMAR: ("grammar_create", "grammar_free"),
     Capability.LOGIT_BIAS: ("logit_bias_create", "logit_bias_free"),
     Capability.TICK_YIELD: ("attach_control",),
-    Capability.EMBEDDINGS: ("embed",),
+    Capability.EMBEDDINGS: ("embed", "embed_chunk", "embed_cancel"),
     Capability.SCORING: ("score",),
     Capability.SPECULATION: ("strategy_register",),
 }
@@ -406,6 +406,22 @@ class Engine(abc.ABC):
         ``(len(inputs), dim)`` float32 array; called between ticks. EngineError(REJECT_BOUNDS) for
         an empty or over-long input or an id outside the vocabulary."""
         raise unsupported(self, Capability.EMBEDDINGS, "embed")
+
+    def embed_chunk(self, input_id: int, chunk: int, tokens: np.ndarray, last: bool) -> np.ndarray | None:
+        """Chunk ``chunk`` (0, 1, ... in order) of one long input named ``input_id`` (non-zero),
+        ``tokens`` at the positions after the earlier chunks, whose state the engine keeps between
+        calls so that ticks run between them; the input's ``(dim,)`` float32 unit vector when
+        ``last`` (equal to ``embed`` of the whole input up to float noise), else None. One input
+        open at a time. EngineError: EBUSY for chunk 0 while another is open, ERR_UNKNOWN_HANDLE
+        for a later chunk of an input not open (lost with a restart), REJECT_BOUNDS for a chunk out
+        of order, no tokens, an id outside the vocabulary, an input over the context length; a
+        refusal changes nothing (Link W EMBED with ``input_id``)."""
+        raise unsupported(self, Capability.EMBEDDINGS, "embed_chunk")
+
+    def embed_cancel(self, input_id: int) -> None:
+        """Drop the open chunked input ``input_id``; EngineError(ERR_UNKNOWN_HANDLE) when it is
+        not the one open (Link W EMBED_CANCEL)."""
+        raise unsupported(self, Capability.EMBEDDINGS, "embed_cancel")
 
     # -- Capability.SCORING ------------------------------------------------------------------------
 

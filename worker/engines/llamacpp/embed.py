@@ -11,6 +11,17 @@ lane fits here) and ``max_inputs`` sequences, on the engine's batch threads.
 Inputs are packed, in order, into ``llama_decode`` calls of at most ``max_tokens`` tokens and
 ``max_inputs`` sequences, every token an output (llama.cpp pools a sequence's outputs within one
 call); the memory is cleared before each call, so no input sees another.
+
+A long input may instead come in chunks, one ``embed_chunk`` call each, so that the worker's
+generation ticks run between them (Link W EMBED with ``input_id``): chunk 0 clears the memory and
+opens the input on sequence 0, each chunk decodes at the positions after the previous one and
+attends to their KV (kept in this context between calls; causal attention needs nothing later),
+and the last one returns the vector. llama.cpp's MEAN pooling of one call averages only that
+call's outputs of the sequence while attending to its earlier KV, so the input's mean is
+``sum(len_i * mean_i) / sum(len_i)`` over the chunks' pooled outputs ``mean_i`` (accumulated in
+float64), then normalised: the one-pass vector up to float noise of the batch shape (measured on
+the tiny model and on the default model, cosine 1 - 1e-6 or closer). At most one input is open
+at a time; while it is, ``embed`` and a new chunk 0 are refused (EBUSY), so nothing clears its KV.
 """
 
 from __future__ import annotations
@@ -33,8 +44,10 @@ EMBED_INPUTS = 16
 class Embedder:
     """Mean-pooled, L2-normalised embeddings of ``model`` (module docstring). ``dim`` is the
     model's hidden size. ``embed`` raises EngineError(REJECT_BOUNDS) for an empty input or one
-    over ``max_tokens`` tokens or an id outside the vocabulary, EngineError(ERR_FATAL) when
-    llama.cpp cannot make the context or decode."""
+    over ``max_tokens`` tokens or an id outside the vocabulary, EngineError(EBUSY) while a chunked
+    input is open, EngineError(ERR_FATAL) when llama.cpp cannot make the context or decode (which
+    also drops an open input). ``embed_chunk`` and ``embed_cancel``: the chunked input (module
+    docstring), errors in their docstrings; every refusal changes nothing."""
 
     def __init__(self, model: LlamaModel, *, max_tokens: int, max_inputs: int, n_threads: int) -> None:
         self.model = model
@@ -44,6 +57,12 @@ class Embedder:
         self.dim = int(L.llama_model_n_embd(model.ptr))
         self._ctx: L.llama_context_p | None = None
         self._batch: TokenBatch | None = None
+        self._input: _OpenInput | None = None
+
+    @property
+    def open_input(self) -> int:
+        """The id of the chunked input open now, 0 when none."""
+        return 0 if self._input is None else self._input.input_id
 
     def _open(self) -> L.llama_context_p:
         if self._ctx is None:
@@ -66,13 +85,13 @@ class Embedder:
     def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
         """The embeddings of ``inputs`` (token-id arrays) as an ``(len(inputs), dim)`` float32
         array, row i of input i (class docstring for the errors)."""
+        self._refuse_while_open("embed")
         for i, toks in enumerate(inputs):
             if toks.shape[0] == 0 or toks.shape[0] > self.max_tokens:
                 raise EngineError(
                     Status.REJECT_BOUNDS, f"input {i}: {toks.shape[0]} tokens (1 .. {self.max_tokens})"
                 )
-            if int(toks.max()) >= self.model.n_vocab:
-                raise EngineError(Status.REJECT_BOUNDS, f"input {i}: a token id outside the vocabulary")
+            self._check_vocab(toks, f"input {i}")
         ctx = self._open()
         out = np.empty((len(inputs), self.dim), np.float32)
         group: list[int] = []
@@ -104,10 +123,82 @@ class Embedder:
         except BatchDecodeError as exc:
             raise EngineError(Status.ERR_FATAL, f"embeddings: {exc}") from None
         for seq, i in enumerate(group):
-            ptr = L.llama_get_embeddings_seq(ctx, seq)
-            if not ptr:
-                raise EngineError(Status.ERR_FATAL, "llama.cpp returned no pooled embedding")
-            out[i] = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.dim,))
+            out[i] = _pooled(ctx, seq, self.dim)
+
+    def embed_chunk(self, input_id: int, chunk: int, tokens: np.ndarray, last: bool) -> np.ndarray | None:
+        """Chunk ``chunk`` (0, 1, ... in order) of the chunked input ``input_id`` (non-zero, the
+        caller's name for it), ``tokens`` (token ids, at least one) at the positions after the
+        chunks before; returns the input's ``(dim,)`` float32 unit vector when ``last`` (the input
+        is then closed), else None (module docstring). Raises EngineError: EBUSY for chunk 0 while
+        an input is open (``embed_cancel`` it first); ERR_UNKNOWN_HANDLE for a later chunk of an
+        input that is not open (never opened, finished, cancelled, or lost with the worker);
+        REJECT_BOUNDS for input id 0, a chunk out of order, no tokens, an id outside the
+        vocabulary or the input growing past ``max_tokens``; ERR_FATAL when llama.cpp cannot make
+        the context or decode (the input is dropped). A refusal changes nothing: an open input
+        stays open for its next chunk."""
+        if input_id == 0:
+            raise EngineError(Status.REJECT_BOUNDS, "input id 0 names no chunked input")
+        cur = self._input
+        if chunk == 0:
+            self._refuse_while_open(f"chunk 0 of input {input_id}")
+            pos = 0
+        elif cur is None or cur.input_id != input_id:
+            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"input {input_id} is not open (chunk {chunk} came)")
+        elif chunk != cur.next_chunk:
+            raise EngineError(
+                Status.REJECT_BOUNDS, f"input {input_id}: chunk {chunk} came, chunk {cur.next_chunk} expected"
+            )
+        else:
+            pos = cur.tokens
+        n = int(tokens.shape[0])
+        if n == 0 or pos + n > self.max_tokens:
+            raise EngineError(
+                Status.REJECT_BOUNDS,
+                f"input {input_id}: chunk {chunk} of {n} tokens after {pos} (1 .. {self.max_tokens} in all)",
+            )
+        self._check_vocab(tokens, f"input {input_id}")
+        ctx = self._open()
+        batch = self._batch
+        assert batch is not None
+        if chunk == 0:
+            L.llama_memory_clear(L.llama_get_memory(ctx), True)
+            cur = self._input = _OpenInput(input_id, self.dim)
+        assert cur is not None
+        batch.clear()
+        batch.add(tokens.astype(np.int32, copy=False), pos, 0, want_last=True)
+        batch.logits[: batch.n] = 1  # every token an output: the pooled mean of this call's tokens
+        try:
+            batch.decode(ctx, lambda start, end: None)
+            mean = _pooled(ctx, 0, self.dim)
+        except (BatchDecodeError, EngineError) as exc:
+            self._input = None
+            raise EngineError(Status.ERR_FATAL, f"embeddings: {exc}") from None
+        cur.total += n * mean.astype(np.float64)
+        cur.tokens += n
+        cur.next_chunk += 1
+        if not last:
+            return None
+        self._input = None
+        vec = (cur.total / cur.tokens).astype(np.float32)
+        norm = float(np.linalg.norm(vec))
+        return vec / norm if norm > 0 else vec
+
+    def embed_cancel(self, input_id: int) -> None:
+        """Drop the chunked input ``input_id`` (its KV goes with the next chunk 0 or ``embed``).
+        Raises EngineError(ERR_UNKNOWN_HANDLE) when it is not the one open."""
+        if self._input is None or self._input.input_id != input_id:
+            raise EngineError(Status.ERR_UNKNOWN_HANDLE, f"input {input_id} is not open")
+        self._input = None
+
+    def _refuse_while_open(self, what: str) -> None:
+        if self._input is not None:
+            raise EngineError(
+                Status.EBUSY, f"{what}: chunked input {self._input.input_id} is open (one at a time)"
+            )
+
+    def _check_vocab(self, toks: np.ndarray, what: str) -> None:
+        if int(toks.max()) >= self.model.n_vocab:
+            raise EngineError(Status.REJECT_BOUNDS, f"{what}: a token id outside the vocabulary")
 
     def close(self) -> None:
         """Free the embeddings context (idempotent; the model belongs to the engine)."""
@@ -115,3 +206,24 @@ class Embedder:
             L.llama_free(self._ctx)
             self._ctx = None
             self._batch = None
+        self._input = None
+
+
+class _OpenInput:
+    """The chunked input open in an ``Embedder``: its id, the next chunk's index, the tokens
+    decoded so far and ``total``, the ``(dim,)`` float64 sum of ``len_i * mean_i`` over them."""
+
+    def __init__(self, input_id: int, dim: int) -> None:
+        self.input_id = input_id
+        self.next_chunk = 0
+        self.tokens = 0
+        self.total = np.zeros(dim, np.float64)
+
+
+def _pooled(ctx: L.llama_context_p, seq: int, dim: int) -> np.ndarray:
+    """Sequence ``seq``'s pooled output of the last ``llama_decode``, ``(dim,)`` float32, a view
+    of llama.cpp's buffer (valid until the next decode). EngineError(ERR_FATAL) when none."""
+    ptr = L.llama_get_embeddings_seq(ctx, seq)
+    if not ptr:
+        raise EngineError(Status.ERR_FATAL, "llama.cpp returned no pooled embedding")
+    return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (dim,))

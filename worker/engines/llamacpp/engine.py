@@ -337,6 +337,8 @@ class LlamaCppEngine(Engine):
     # Capability.EMBEDDINGS and Capability.SCORING: between ticks, each in a context of its own
     # made on first use (``embed.Embedder``, ``score.Scorer``).
     embed = ServedBy("embedder")
+    embed_chunk = ServedBy("embedder")
+    embed_cancel = ServedBy("embedder")
     score = ServedBy("scorer")
 
     # Capability.SPECULATION: registration and certificates in ``strategies``; drafting and
