@@ -13,6 +13,7 @@ BOS, which models are served, how loaded the workers are, and each worker's engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -144,6 +145,9 @@ class Fleet:
         self._tasks: dict[int, asyncio.Task] = {}
         self.changing = asyncio.Lock()  # one worker change (reload, restart) at a time
         self._bos: dict[int, bool] = {}
+        self._embed_locks: dict[int, asyncio.Lock] = {}  # one EMBED (packed, or a chunked input) at a time
+        self._embed_open: dict[int, tuple[object, int]] = {}  # worker → (process, input id) maybe left open
+        self._embed_ids = itertools.count(1)
 
     # --- construction and lifecycle --------------------------------------------------------------
 
@@ -472,8 +476,64 @@ class Fleet:
             tokens=np.fromiter(itertools.chain.from_iterable(inputs), np.uint32),
             lengths=np.array([len(x) for x in inputs], np.uint32),
         )
-        reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+        async with self._embed_lock(worker_id):
+            await self._close_left_open(worker_id)
+            reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
         return reply.values.reshape(len(inputs), reply.dim)
+
+    async def embed_chunked(self, worker_id: int, tokens: list[int], chunk_tokens: int) -> np.ndarray:
+        """The pooled embedding of one long input ``tokens`` from worker ``worker_id``, sent as
+        chunks of ``chunk_tokens`` tokens, one Link W EMBED each (``input_id`` set), so the
+        worker's ticks run between them; a ``(dim,)`` float32 unit vector equal to the one-pass
+        one up to float noise (``schema.link.Embed``). The worker's embeddings are taken for the
+        whole input (other EMBEDs to it wait), so it holds one open input at a time; an input
+        left open by a cancelled or failed request is cancelled (EMBED_CANCEL) before the next
+        EMBED. Raises ``AdmissionError`` as ``embed`` does, and WORKER_FAILED when the worker
+        restarted between two chunks (the new incarnation has none of the input's state: the
+        client may send the request again)."""
+        chunks = [tokens[i : i + chunk_tokens] for i in range(0, len(tokens), chunk_tokens)]
+        input_id = next(self._embed_ids)
+        async with self._embed_lock(worker_id):
+            await self._close_left_open(worker_id)
+            proc = self.members[worker_id].slot.proc
+            self._embed_open[worker_id] = (proc, input_id)
+            reply: Any = None
+            for k, chunk in enumerate(chunks):
+                if self.members[worker_id].slot.proc is not proc:
+                    raise _lost(worker_id)
+                msg = link.Embed(
+                    tokens=np.array(chunk, np.uint32),
+                    lengths=np.array([len(chunk)], np.uint32),
+                    input_id=input_id,
+                    chunk=k,
+                    last=k == len(chunks) - 1,
+                )
+                try:
+                    reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+                except _StateLost:
+                    raise _lost(worker_id) from None
+            del self._embed_open[worker_id]
+        return reply.values.reshape(reply.dim)
+
+    def _embed_lock(self, worker_id: int) -> asyncio.Lock:
+        lock = self._embed_locks.get(worker_id)
+        if lock is None:
+            lock = self._embed_locks[worker_id] = asyncio.Lock()
+        return lock
+
+    async def _close_left_open(self, worker_id: int) -> None:
+        """EMBED_CANCEL the chunked input a cancelled or failed ``embed_chunked`` may have left
+        open on worker ``worker_id``'s current incarnation (under its embed lock); a worker that
+        has none of it (restarted, or the input never opened) answers ERR_UNKNOWN_HANDLE, which
+        is what was wanted."""
+        left = self._embed_open.pop(worker_id, None)
+        if left is None:
+            return
+        proc, input_id = left
+        if proc is not self.members[worker_id].slot.proc:
+            return
+        with contextlib.suppress(AdmissionError, _StateLost):
+            await self._between_ticks(worker_id, link.EmbedCancel(input_id=input_id), "serves no embeddings")
 
     async def score(self, worker_id: int, tokens: list[int], top_k: int) -> link.ScoreResult:
         """Prompt log-probabilities of ``tokens`` from worker ``worker_id`` (Link W SCORE, between
@@ -493,6 +553,8 @@ class Fleet:
         try:
             return await proc.link.request(msg, timeout=EMBED_TIMEOUT_S)
         except WorkerError as exc:
+            if exc.status in (Status.ERR_UNKNOWN_HANDLE, Status.EBUSY):  # a chunked EMBED's state
+                raise _StateLost(exc.message) from None
             if exc.status == Status.REJECT_BOUNDS:  # what is out of bounds, from the engine's checks
                 raise AdmissionError(ErrorCode.INVALID_REQUEST, exc.message) from None
             why = unsupported if exc.status == Status.ERR_OP_UNSUPPORTED else f"failed {what}"
@@ -516,3 +578,15 @@ class Fleet:
             in_flight=in_flight,
             draining=draining,
         )
+
+
+class _StateLost(Exception):
+    """A chunked EMBED answered ERR_UNKNOWN_HANDLE or EBUSY: the worker has not got the input
+    open (a restarted incarnation), or has another one open."""
+
+
+def _lost(worker_id: int) -> AdmissionError:
+    return AdmissionError(
+        ErrorCode.WORKER_FAILED,
+        f"worker {worker_id} lost the state of a chunked embedding (it restarted); send the request again",
+    )

@@ -3,9 +3,13 @@ ticks (Link W EMBED; the pooling is the engine's, ``worker/engines/llamacpp/embe
 
 An input is a text (tokenized with the worker's vocabulary, BOS as for a prompt) or a list of
 token ids. At most ``MAX_EMBED_INPUTS`` inputs a request, each non-empty and at most the worker's
-context length. Inputs go to the worker in parts of at most ``EMBED_PART_TOKENS`` tokens (an
-input longer than that alone), one EMBED per part, so a large request costs the generation lanes
-on that worker one short pause between two ticks per part rather than one long one.
+context length. Inputs go to the worker in parts of at most ``EMBED_PART_TOKENS`` tokens, one
+EMBED per part, so a large request costs the generation lanes on that worker one short pause
+between two ticks per part rather than one long one. An input longer than a part goes alone, in
+chunks of ``EMBED_PART_TOKENS`` (``Fleet.embed_chunked``: the worker keeps the input's KV between
+the chunks and pools across them, ``schema.link.Embed``), so it too costs the lanes one part's
+pause at a time, and its vector is the one-pass one up to float noise. An engine serves chunks if
+it serves embeddings at all (``Capability.EMBEDDINGS``); the reference engine serves neither.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ generation lanes for its whole forward pass, and a pooled embedding costs about 
 work per token: llama.cpp computes the output layer for every token of an embeddings context, and
 on the default model (262,144-entry vocabulary) that layer outweighs the rest. Measured on the
 default model, one thread: 64 tokens in 0.29 s as a prefill, 0.62 s as an embedding. 128 tokens
-keeps a part's pause near one decode tick; 2,048 stalled the lanes for tens of seconds."""
+keeps a part's pause near one decode tick; 2,048 stalled the lanes for tens of seconds (now a
+long input comes in chunks of this size)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ class EmbedFleet(Protocol):
 
     async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray: ...
 
+    async def embed_chunked(self, worker_id: int, tokens: list[int], chunk_tokens: int) -> np.ndarray: ...
+
 
 async def embed(
     fleet: EmbedFleet,
@@ -64,7 +71,8 @@ async def embed(
     NOT_FOUND (no worker serves the model), INVALID_REQUEST (no input, over ``MAX_EMBED_INPUTS``,
     an empty input, ids outside the vocabulary, an engine without embeddings),
     CONTEXT_LENGTH_EXCEEDED (an input over the context length, unless ``truncate``: then only its
-    first context-length tokens are embedded), WORKER_FAILED, TIMEOUT."""
+    first context-length tokens are embedded), WORKER_FAILED (also: the worker restarted in the
+    middle of a long input), TIMEOUT (one part or chunk took over ``fleet.EMBED_TIMEOUT_S``)."""
     if not inputs:
         raise AdmissionError(ErrorCode.INVALID_REQUEST, "input must hold at least one text or token list")
     if len(inputs) > MAX_EMBED_INPUTS:
@@ -98,6 +106,11 @@ async def embed(
     parts: list[np.ndarray] = []
     start = 0
     while start < len(lists):
+        if len(lists[start]) > EMBED_PART_TOKENS:
+            vector = await fleet.embed_chunked(wid, lists[start], EMBED_PART_TOKENS)
+            parts.append(vector.reshape(1, -1))
+            start += 1
+            continue
         end, used = start + 1, len(lists[start])
         while end < len(lists) and used + len(lists[end]) <= EMBED_PART_TOKENS:
             used += len(lists[end])
