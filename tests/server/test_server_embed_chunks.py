@@ -1,0 +1,115 @@
+"""``Fleet.embed_chunked``'s handling of a worker that loses a chunked input between two chunks
+(a restart: the new incarnation answers ERR_UNKNOWN_HANDLE, or the slot holds another process)
+and of an input left open by a cancelled request. The worker side is a recording stand-in for
+``WorkerLink.request``: a restart cannot be timed between two chunks of a real worker (the chunk
+protocol itself runs on real workers in tests/http/test_http_embeddings_chunks.py and
+tests/llamacpp/test_llamacpp_embed_chunks.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from basertd.schema import link
+from basertd.schema.abi import Status
+from basertd.schema.client import ErrorCode
+from basertd.server.fleet import Fleet
+from basertd.server.request.record import AdmissionError
+from basertd.server.workers.link_errors import WorkerError
+
+
+class FakeLink:
+    """Answers EMBED chunks as a worker with one open input; ``forget_after`` chunks, it loses it."""
+
+    def __init__(self, forget_after: int = 10**9, hang_at: int = -1) -> None:
+        self.alive = True
+        self.sent: list[object] = []
+        self.forget_after = forget_after
+        self.hang_at = hang_at
+        self.open = 0
+
+    async def request(self, msg, timeout):
+        self.sent.append(msg)
+        if isinstance(msg, link.EmbedCancel):
+            if msg.input_id != self.open:
+                raise WorkerError(Status.ERR_UNKNOWN_HANDLE, "not open")
+            self.open = 0
+            return link.Ok()
+        if msg.chunk == self.hang_at:
+            await asyncio.Event().wait()
+        if len(self.sent) > self.forget_after:
+            self.open = 0
+        if msg.chunk == 0:
+            self.open = msg.input_id
+        elif msg.input_id != self.open:
+            raise WorkerError(Status.ERR_UNKNOWN_HANDLE, f"input {msg.input_id} is not open")
+        return (
+            link.EmbedResult(dim=2, values=np.array([0.6, 0.8], np.float32))
+            if msg.last
+            else link.EmbedResult()
+        )
+
+
+def fleet_of(fake: FakeLink) -> Fleet:
+    fleet = Fleet.__new__(Fleet)
+    fleet.members = [SimpleNamespace(slot=SimpleNamespace(proc=SimpleNamespace(link=fake)))]
+    fleet._embed_locks, fleet._embed_open, fleet._embed_ids = {}, {}, itertools.count(1)
+    return fleet
+
+
+def test_chunks_go_in_order_and_the_last_returns_the_vector():
+    fake = FakeLink()
+    vec = asyncio.run(fleet_of(fake).embed_chunked(0, list(range(3, 303)), 128))
+    assert vec.tolist() == pytest.approx([0.6, 0.8])
+    assert [(m.chunk, m.last, len(m.tokens)) for m in fake.sent] == [
+        (0, False, 128),
+        (1, False, 128),
+        (2, True, 44),
+    ]
+    assert len({m.input_id for m in fake.sent}) == 1 and fake.sent[0].input_id != 0
+
+
+def test_a_worker_that_lost_the_input_ends_the_request_with_worker_failed():
+    fake = FakeLink(forget_after=1)  # restarted after chunk 0
+    with pytest.raises(AdmissionError) as err:
+        asyncio.run(fleet_of(fake).embed_chunked(0, list(range(3, 303)), 128))
+    assert err.value.code == ErrorCode.WORKER_FAILED and "lost the state" in str(err.value)
+
+
+def test_a_new_process_between_chunks_ends_the_request_with_worker_failed():
+    fake = FakeLink()
+    fleet = fleet_of(fake)
+
+    async def restart_after_chunk_0(msg, timeout, request=fake.request):
+        reply = await request(msg, timeout)
+        fleet.members[0].slot.proc = SimpleNamespace(link=FakeLink())  # the slot respawned it
+        return reply
+
+    fake.request = restart_after_chunk_0
+    with pytest.raises(AdmissionError) as err:
+        asyncio.run(fleet.embed_chunked(0, list(range(3, 303)), 128))
+    assert err.value.code == ErrorCode.WORKER_FAILED and len(fake.sent) == 1
+
+
+def test_an_input_left_open_by_a_cancelled_request_is_cancelled_before_the_next_embed():
+    fake = FakeLink(hang_at=1)
+    fleet = fleet_of(fake)
+
+    async def run():
+        task = asyncio.create_task(fleet.embed_chunked(0, list(range(3, 303)), 128))
+        while len(fake.sent) < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        fake.hang_at = -1
+        return await fleet.embed(0, [[5, 6]])
+
+    asyncio.run(run())
+    left = fake.sent[0].input_id
+    assert isinstance(fake.sent[2], link.EmbedCancel) and fake.sent[2].input_id == left
+    assert fake.open == 0 and fake.sent[3].input_id == 0  # then the packed EMBED
