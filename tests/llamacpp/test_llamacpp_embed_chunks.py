@@ -5,6 +5,9 @@ protocol gets a typed error, changes nothing and leaves the embedder usable."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -96,3 +99,24 @@ def test_a_cancelled_input_frees_the_embedder(embedder):
         embedder.embed_chunk(9, 1, toks[64:], last=True)
     assert err.value.status == Status.ERR_UNKNOWN_HANDLE
     assert np.allclose(chunked(embedder, toks, 64, input_id=10), embedder.embed([toks])[0], atol=1e-5)
+
+
+def test_a_context_length_off_the_256_cell_grid_embeds(tiny_gguf):
+    """llama.cpp pads the embeddings context to whole 256-cell blocks; a ubatch smaller than that
+    made its mean-pooling graph abort the process (GGML_ASSERT ggml_can_mul_mat). Run in a child
+    so an abort fails this test, not the suite."""
+    code = (
+        "import numpy as np\n"
+        "from basertd.worker.engines.llamacpp.embed import Embedder\n"
+        "from basertd.worker.engines.llamacpp.model import LlamaModel\n"
+        f"m = LlamaModel({str(tiny_gguf)!r})\n"
+        "for n in (250, 300, 100):\n"
+        "    e = Embedder(m, max_tokens=n, max_inputs=4, n_threads=1)\n"
+        "    full = (np.arange(n) % 280 + 3).astype(np.uint32)\n"
+        "    v = e.embed([full, full[:9]])\n"
+        "    assert v.shape[0] == 2 and np.allclose(np.linalg.norm(v, axis=1), 1, atol=1e-5)\n"
+        "    e.close()\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -67,8 +67,10 @@ class Embedder:
     def _open(self) -> L.llama_context_p:
         if self._ctx is None:
             cp = L.llama_context_default_params()
-            cp.n_ctx = -(-self.max_tokens // 256) * 256
-            cp.n_batch = cp.n_ubatch = self.max_tokens
+            # n_batch = n_ubatch = n_ctx: llama.cpp pads n_ctx to 256 cells, and a mean-pooling
+            # graph reserved with a smaller ubatch fails ggml_can_mul_mat (aborting the worker)
+            # for a context length that is not a multiple of 256.
+            cp.n_ctx = cp.n_batch = cp.n_ubatch = -(-self.max_tokens // 256) * 256
             cp.n_seq_max = self.max_inputs
             cp.n_threads = cp.n_threads_batch = self.n_threads
             cp.embeddings = True
