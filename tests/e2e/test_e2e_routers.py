@@ -14,6 +14,7 @@ daemon restarted on the same port is used again. The figures of each run are pri
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import re
 import shutil
 import signal
@@ -231,10 +232,16 @@ def test_router_in_front_of_three_daemons(boxes, kind):
                 return False
 
         wait_until(through, 60, interval=0.5, what=f"{kind} serves a request")
+        probes = itertools.count()
+
+        def spread() -> bool:
+            # fresh prefixes each probe: a cache-aware router sends a prefix it has seen back to
+            # the box that has it, so repeating one probe would only repeat its first placement
+            outs = run(client, model, f"warm{next(probes)}", range(6), 1, 1)
+            return len({k for k, *_ in where(boxes, outs).values()}) == 3
+
         wait_until(  # every daemon registered (SGLang's gateway registers them in the background)
-            lambda: (
-                len({k for k, *_ in where(boxes, run(client, model, "warm", range(6), 1, 1)).values()}) == 3
-            ),
+            spread,
             60,
             interval=0.5,
             what=f"{kind} routes to all three daemons",
