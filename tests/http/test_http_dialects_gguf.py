@@ -13,6 +13,7 @@ import json
 
 import anthropic
 import ollama
+import openai
 import pytest
 from daemon_harness import Daemon
 from proc_testutil import wait_until
@@ -200,3 +201,20 @@ def test_anthropic_cache_read_on_a_repeated_prefix(daemon, claude, prompt_ids):
     assert again.usage.cache_read_input_tokens > 0, (first.usage, again.usage)
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == len(ids)
     assert again.content[0].text == first.content[0].text
+
+
+def test_a_greedy_completion_applies_its_penalties(daemon):
+    """OpenAI's ``frequency_penalty`` at temperature 0 changes the argmax (the penalised row's, as
+    vLLM and llama.cpp's server take it): the random-weight model loops greedily, the penalty
+    breaks the loop, and the same request twice gives the same text."""
+    c = openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def text(**kw) -> list[int]:
+        r = c.completions.create(model="tiny-llama", prompt="abc", max_tokens=32, temperature=0, logprobs=0,
+                                 extra_body={"ignore_eos": True}, **kw)  # fmt: skip
+        return r.choices[0].logprobs.tokens
+
+    plain, pen = text(), text(frequency_penalty=2.0)
+    assert pen != plain and pen == text(frequency_penalty=2.0)
+    most = lambda toks: max(toks.count(t) for t in set(toks))  # noqa: E731
+    assert most(pen) < most(plain), (plain, pen)

@@ -191,6 +191,21 @@ def test_queues_are_fifo_per_class_in_class_order_and_skip_gone_requests():
     assert candidate(reqs["g1"], page_tokens=16).reserve == reservation(2 + 10, 16) == 16
 
 
+def test_a_greedy_request_keeps_its_penalties():
+    """Temperature 0 with a penalty is the argmax of the penalised row (as vLLM and llama.cpp's
+    server): a GUMBEL lane at temperature 0 carrying the penalties; without one, plain GREEDY."""
+    for field, attr in (
+        ("frequency_penalty", "freq_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("repeat_penalty", "repeat_penalty"),
+    ):
+        s = sampler_for(api.Generate(request_id="p", prompt="x", temperature=0.0, **{field: 1.3}))
+        assert s.mode == Sampling.GPU_GUMBEL and s.params.temperature == 0.0, field
+        assert getattr(s.params, attr) == pytest.approx(1.3), field
+    plain = sampler_for(api.Generate(request_id="p", prompt="x", temperature=0.0, repeat_penalty=1.0))
+    assert plain.mode == Sampling.GPU_GREEDY
+
+
 def test_u64_seeds_fold_to_a_32_bit_stream_key_and_big_top_k_is_off():
     assert fold_seed(7) == 7 and fold_seed((1 << 32) - 1) == (1 << 32) - 1
     big = (1 << 64) - 1

@@ -102,15 +102,20 @@ def fold_seed(seed: int) -> int:
 def sampler_for(gen: api.Generate, vocab_size: int | None = None) -> Sampler:
     """The ``Sampler`` of a Generate that passed ``basertd.server.frontend.limits.check_generate``: the
     seed folded to 32 bits (drawn at random when none was given), a ``top_k`` at or above
-    ``vocab_size`` turned off, ``logprobs`` and ``logit_bias`` in the ABI's terms."""
+    ``vocab_size`` turned off, ``logprobs`` and ``logit_bias`` in the ABI's terms. A greedy request
+    (temperature 0) with a penalty keeps it, as vLLM and llama.cpp's server do: GPU_GUMBEL at
+    temperature 0, the argmax of the penalised row."""
     seed = fold_seed(gen.seed) if gen.seed is not None else secrets.randbelow(MAX_SEED + 1)
     flags = SamplingFlag.IGNORE_EOS if gen.ignore_eos else 0
     extra: dict = {
         "want_logprobs": 0 if gen.logprobs is None else 1 + gen.logprobs,
         "logit_bias": tuple(sorted((int(t), float(v)) for t, v in gen.logit_bias.items())),
     }
-    if gen.temperature == 0.0:
+    penalised = gen.frequency_penalty or gen.presence_penalty or gen.repeat_penalty not in (0.0, 1.0)
+    if gen.temperature == 0.0 and not penalised:
         return Sampler(Sampling.GPU_GREEDY, SamplingParams(flags=int(flags)), seed, **extra)
+    # A greedy request with penalties is a GUMBEL lane at temperature 0: the engine takes the
+    # argmax of the penalised row (GPU_GREEDY is the plain argmax, penalties not applied).
     params = SamplingParams(
         temperature=gen.temperature,
         top_p=0.0 if gen.top_p >= 1.0 else gen.top_p,
