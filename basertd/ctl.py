@@ -210,33 +210,25 @@ def generate(
 
     With --json nothing streams: one JSON document with the text, token ids, finish reason,
     usage, timings and seed is printed when the generation ends."""
+    params = dict(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        qos=qos,
+        stop=list(stops),
+        speculation=speculation,
+    )
     if as_json or ctx.obj.get("json"):
         with _connect(ctx) as client:
             try:
-                done = client.generate(
-                    prompt,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    seed=seed,
-                    qos=qos,
-                    stop=list(stops),
-                    speculation=speculation,
-                )
+                done = client.generate(prompt, **params)
             except ClientError as exc:
                 _client_error(ctx, exc)
         click.echo(json.dumps(_plain(done), indent=2, sort_keys=True))
         return
     with _connect(ctx) as client:
         try:
-            stream = client.stream(
-                prompt,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                seed=seed,
-                qos=qos,
-                stop=list(stops),
-                speculation=speculation,
-            )
+            stream = client.stream(prompt, **params)
             for delta in stream:
                 if delta.text:
                     sys.stdout.write(delta.text)

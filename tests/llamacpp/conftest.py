@@ -4,7 +4,7 @@ each with a ``Coordinator`` playing the other side of its rings (lc_harness.py).
 from __future__ import annotations
 
 import pytest
-from lc_harness import Coordinator
+from lc_harness import BareLlama, Coordinator
 
 from basertd.shm import ControlBlock
 from basertd.worker.engines.llamacpp import LlamaCppEngine
@@ -43,3 +43,12 @@ def control():
     block = ControlBlock.create()
     yield block
     block.close()
+
+
+@pytest.fixture
+def bare(lc):
+    """A plain llama.cpp loop with the default engine's model and context parameters."""
+    eng, _ = lc
+    b = BareLlama(eng.model.path, eng.context_params())
+    yield b
+    b.close()

@@ -15,7 +15,7 @@ import llama_cpp as L
 import numpy as np
 import pytest
 import tinymodel
-from lc_harness import BareLlama, admit, first_divergence, ignore_eos, make_prompt
+from lc_harness import admit, first_divergence, ignore_eos, make_prompt
 from test_llamacpp_speculation import MARGIN_TOL, check_ledger, references, run
 from tinymodel import write_tiny_gguf
 
@@ -24,14 +24,6 @@ from basertd.schema.abi import AdmitStatus, ArtifactRole, Exactness, Status
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.draft import DRAFT_MODEL, DraftConfig, draft_registration
-
-
-@pytest.fixture
-def bare(lc):
-    eng, _ = lc
-    b = BareLlama(eng.model.path, eng.context_params())
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,12 @@ chunking differ."""
 from __future__ import annotations
 
 import llama_cpp as L
-import pytest
 from lc_harness import BareLlama, admit, first_divergence, generate, ignore_eos, make_prompt
 
 from basertd.schema.tick import LaneDecode, LanePrefill
 
 MARGIN_TOL = 1e-3
 """A top-2 logit margin below this is a near-tie that floating-point reordering may flip."""
-
-
-@pytest.fixture
-def bare(lc):
-    eng, _ = lc
-    b = BareLlama(eng.model.path, eng.context_params())
-    yield b
-    b.close()
 
 
 def run_engine(coord, prompts, n_new, per_tick=1):

@@ -28,14 +28,6 @@ MARGIN_TOL = 1e-3
 CERT_UNMATCHED_BITS = int(Status.REJECT_CERT_UNMATCHED) & 0xFFFFFFFF
 
 
-@pytest.fixture
-def bare(lc):
-    eng, _ = lc
-    b = BareLlama(eng.model.path, eng.context_params())
-    yield b
-    b.close()
-
-
 def references(bare: BareLlama, prompts: dict[int, list[int]], n_new: int) -> dict[int, tuple[list, list]]:
     """Solo greedy tokens and top-2 margins of each prompt (the uninterrupted reference)."""
     import llama_cpp as L
