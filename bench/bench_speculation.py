@@ -175,6 +175,7 @@ def main() -> int:
             acc, rej = det.get("accepted_prediction_tokens", 0), det.get("rejected_prediction_tokens", 0)
             accept[w] = f"{acc}/{acc + rej}" if acc + rej else "0/0"
         if a.streams:
+            aggregate(d.url, a.streams, 1, {"speculation": "off"})  # warm: every file's prompt cached
             for label in ("off", "auto", "off2", "auto2"):  # alternating, each measured twice
                 rate, acc, drafted = aggregate(d.url, a.streams, a.tokens, {"speculation": label.rstrip("2")})
                 batch[label] = rate
