@@ -22,21 +22,45 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from basertd.schema.client import ErrorCode
+from basertd.server.observe.notify import Heartbeat
 from basertd.server.request.record import AdmissionError, GenerationRequest
+from basertd.server.sched.core import SchedulerCore
 from basertd.server.sched.outcome import Lost
 from basertd.server.sched.watchdog import Phase
 from basertd.server.states import SlotState
 from basertd.server.workers.link_errors import LinkError
 from basertd.server.workers.process import WorkerProcess
+from basertd.server.workers.prompt_feed import WorkerPort
+from basertd.server.workers.slot import WorkerSlot
+from basertd.server.workers.yield_word import YieldWord
 from basertd.shm import YieldReason
 
-if TYPE_CHECKING:
-    from basertd.server.sched.loop import Scheduler
+
+class Loop(Protocol):
+    """What ``HandOver`` uses of its scheduler loop (``basertd.server.sched.loop.Scheduler``) and
+    of a peer's: the core, the worker's slot, the yield word, the wake event, the live worker's
+    port (None between incarnations), the watchdog's stall reason and phase, the heartbeat, and
+    ``adopt`` / ``signal_tick``."""
+
+    worker_id: int
+    core: SchedulerCore
+    slot: WorkerSlot
+    yield_word: YieldWord
+    wake: asyncio.Event
+    port: WorkerPort | None
+    stalled: str | None
+    phase: Phase
+    heartbeat: Heartbeat
+
+    def adopt(self, req: GenerationRequest) -> None: ...
+
+    def signal_tick(self) -> None: ...
+
 
 log = structlog.get_logger("basertd.scheduler")
 
@@ -46,9 +70,9 @@ class HandOver:
     schedulers of the other workers serving the same model with the same vocabulary (set by the
     fleet); ``reason``: why the loop is to park (None: it serves)."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Loop) -> None:
         self.sched = sched
-        self.peers: Callable[[], list[Scheduler]] = list
+        self.peers: Callable[[], list[Loop]] = list
         self.reason: str | None = None
         self._parked = asyncio.Event()
         self._released = asyncio.Event()
@@ -64,9 +88,9 @@ class HandOver:
         self.reason = reason
         self._parked = asyncio.Event()
         self._released = asyncio.Event()
-        s._yield.request(YieldReason.DRAIN)
-        s._wake.set()
-        if s._port is not None:
+        s.yield_word.request(YieldReason.DRAIN)
+        s.wake.set()
+        if s.port is not None:
             await self._parked.wait()
 
     def release(self) -> None:
@@ -74,7 +98,7 @@ class HandOver:
         caller has made the slot drop the old one first, ``WorkerSlot.replace``)."""
         self.reason = None
         self._released.set()
-        self.sched._wake.set()
+        self.sched.wake.set()
 
     def left(self) -> None:
         """The loop stopped serving its incarnation without parking (the worker died during a
@@ -87,7 +111,7 @@ class HandOver:
         for ``release``."""
         s = self.sched
         self.lost(proc, LinkError(f"handed over: {self.reason}"), planned=True)
-        s._phase = Phase.NO_WORKER
+        s.phase = Phase.NO_WORKER
         self._parked.set()
         await s.heartbeat.wait(self._released.wait())
 
@@ -97,8 +121,8 @@ class HandOver:
         loaded live peer that can run it, else back to the head of its class here (the oldest at
         the head)."""
         s = self.sched
-        s._yield.landed()
-        stalled, s._stalled = s._stalled, None
+        s.yield_word.landed()
+        stalled, s.stalled = s.stalled, None
         core = s.core
         out = core.apply(core.flight, Lost(str(exc), stalled, planned), time.monotonic())
         for d in out.deliveries:
@@ -111,8 +135,8 @@ class HandOver:
             else:
                 peer.adopt(req)
                 moved.append(req.key)
-        s._signal_tick()
-        s._wake.set()
+        s.signal_tick()
+        s.wake.set()
         log.warning(
             "worker_lanes_resumed",
             worker_id=s.worker_id,
@@ -126,7 +150,7 @@ class HandOver:
             error=str(exc),
         )
 
-    def hand_off_queued(self, why: str, peers: list[Scheduler] | None = None) -> tuple[int, int]:
+    def hand_off_queued(self, why: str, peers: list[Loop] | None = None) -> tuple[int, int]:
         """Move every queued request to the least loaded live peer that can run it (``peers``,
         default ``self.peers()``; its delivered tokens kept: it resumes there exactly), failing
         with WORKER_FAILED and ``why`` each one no peer can take: this worker leaves, or now
@@ -147,7 +171,7 @@ class HandOver:
                 failed += 1
         return moved, failed
 
-    def peer_for(self, req: GenerationRequest, peers: list[Scheduler] | None = None) -> Scheduler | None:
+    def peer_for(self, req: GenerationRequest, peers: list[Loop] | None = None) -> Loop | None:
         """The least loaded live peer (among ``peers``, default ``self.peers()``) that can run
         ``req`` now, or None."""
         fits = []

@@ -130,27 +130,27 @@ class Scheduler:
         self.handover = HandOver(self)
         """Where this worker's requests go when it stops serving them (``sched.handover``)."""
         self.watchdog = ProgressWatchdog(config.stall_timeout_s)
-        self._yield = YieldWord(slot.worker_id)
-        self._port: WorkerPort | None = None
+        self.yield_word = YieldWord(slot.worker_id)
+        self.port: WorkerPort | None = None
         self._commands: deque[tuple[Command, asyncio.Future]] = deque()
-        self._wake = asyncio.Event()
+        self.wake = asyncio.Event()
         self._ticked = asyncio.Event()  # set (and replaced) after every tick and worker loss
         self._biases = logit_bias.bias_tables(slot.worker_id)  # this incarnation's requests'
         self._warming: set[int] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._stalled: str | None = None
+        self.stalled: str | None = None
         self._curve_at = 0.0
         self._watermark_tick = 0  # core.ticks_run when the pool was last held to the watermarks
-        self._phase = Phase.NO_WORKER
+        self.phase = Phase.NO_WORKER
 
     # --- API side -------------------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue an admitted request (``check_admission`` passed) and wake the loop; the tick in
         flight yields when ``req`` outranks it."""
-        self._yield.request(self.core.submit(req))
+        self.yield_word.request(self.core.submit(req))
         self.slot.poke()
-        self._wake.set()
+        self.wake.set()
 
     def cancel(
         self, req: GenerationRequest, *, code: ErrorCode = ErrorCode.CANCELLED, message: str = ""
@@ -158,14 +158,14 @@ class Scheduler:
         """``SchedulerCore.cancel``; the tick in flight yields when it runs ``req``."""
         why, out = self.core.cancel(req, time.monotonic(), code, message)
         self._deliver(out)
-        self._yield.request(why)
-        self._wake.set()
+        self.yield_word.request(why)
+        self.wake.set()
 
     def adopt(self, req: GenerationRequest) -> None:
         """Take over ``req``, resumed after its worker died (``SchedulerCore.adopt``)."""
         self.core.adopt(req)
         self.slot.poke()
-        self._wake.set()
+        self.wake.set()
 
     def fail_queued(self, code: ErrorCode, message: str) -> int:
         """Fail every queued request with ``code``; returns how many."""
@@ -203,7 +203,7 @@ class Scheduler:
             self.core,
             self.slot,
             self.watchdog.reason,
-            self._yield.requested,
+            self.yield_word.requested,
             time.monotonic(),
         )
 
@@ -219,7 +219,7 @@ class Scheduler:
             self._deliver(self.core.expire(time.monotonic()))
             wd.bound_s = self.core.config.stall_timeout_s  # a reload may have changed it
             live = self.core.live()
-            phase = self._phase
+            phase = self.phase
             reason = wd.check(phase, len(self.core.queues) + live)
             if reason is None:
                 continue
@@ -229,7 +229,7 @@ class Scheduler:
                 if not live:
                     continue
             if self.slot.proc is not None:
-                self._stalled = reason  # its running work is the suspect: failed, not resumed
+                self.stalled = reason  # its running work is the suspect: failed, not resumed
             self.slot.restart(f"scheduler stalled: {reason}")
 
     # --- the loop -------------------------------------------------------------------------------
@@ -247,12 +247,12 @@ class Scheduler:
     async def _run(self) -> None:
         core = self.core
         while True:
-            self._phase = Phase.NO_WORKER
+            self.phase = Phase.NO_WORKER
             proc = await self.heartbeat.wait(self.slot.ready())
             self.watchdog.progress()
-            self._port = WorkerPort.of(proc)
-            self._yield.proc = proc
-            self._stalled = None
+            self.port = WorkerPort.of(proc)
+            self.yield_word.proc = proc
+            self.stalled = None
             core.cache_policy.attach(proc.capabilities)
             core.limits = WorkerLimits.from_worker(proc)
             core.reset_rates()
@@ -274,8 +274,8 @@ class Scheduler:
                 self.slot.restart("scheduler error: engine state and ours may disagree")
             finally:
                 self.handover.left()
-                self._port = None
-                self._yield.proc = None
+                self.port = None
+                self.yield_word.proc = None
                 core.cache_policy.detach()
                 core.detach()  # leases and grammar handles die with the incarnation
                 self._biases.forget()
@@ -283,7 +283,7 @@ class Scheduler:
     async def stop(self, message: str = "the daemon is shutting down") -> None:
         """Refuse new requests and fail everything queued or running with SHUTTING_DOWN."""
         self.core.stopping = True
-        self._yield.request(YieldReason.DRAIN)
+        self.yield_word.request(YieldReason.DRAIN)
         for task in list(self._tasks):
             task.cancel()
         while self._commands:
@@ -291,7 +291,7 @@ class Scheduler:
             if not fut.done():
                 fut.set_exception(LinkError(message))
         self._deliver(self.core.stop(ErrorCode.SHUTTING_DOWN, message, time.monotonic()))
-        self._wake.set()
+        self.wake.set()
 
     async def _serve(self, proc: WorkerProcess) -> None:
         dead = asyncio.ensure_future(proc.link.wait_dead())
@@ -302,19 +302,19 @@ class Scheduler:
                     return
                 if dead.done():
                     raise dead.result()
-                self._wake.clear()
+                self.wake.clear()
                 self.heartbeat.beat()
-                self._phase = Phase.BETWEEN
+                self.phase = Phase.BETWEEN
                 await self._between(proc)
-                self._phase = Phase.PLANNING
+                self.phase = Phase.PLANNING
                 plan = await self._plan(proc)
                 if plan is None or (
                     plan.draft.empty and (self.core.to_release or self.core.grammars.pending_free)
                 ):
                     continue  # release the leases and grammars it did not use before waiting
                 if plan.draft.empty:
-                    self._phase = Phase.IDLE
-                    waiter = asyncio.ensure_future(self._wake.wait())
+                    self.phase = Phase.IDLE
+                    waiter = asyncio.ensure_future(self.wake.wait())
                     try:
                         await asyncio.wait(
                             {waiter, dead},
@@ -335,11 +335,11 @@ class Scheduler:
         its result (so nothing races a tick's prompt-ring writes or seed leases). Raises what the
         command raises, ``LinkError`` when the worker is not running, ``TimeoutError`` when no gap
         between ticks came within ``timeout`` seconds."""
-        if self._port is None or self.core.stopping:
+        if self.port is None or self.core.stopping:
             raise LinkError(f"worker {self.worker_id} is not running")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._commands.append((cmd, fut))
-        self._wake.set()
+        self.wake.set()
         return await asyncio.wait_for(asyncio.shield(fut), timeout)
 
     async def _execute(self, port: WorkerPort, cmd: Command) -> Any:
@@ -357,7 +357,7 @@ class Scheduler:
         raise TypeError(f"not a scheduler command: {cmd!r}")
 
     async def _between(self, proc: WorkerProcess) -> None:
-        port = self._port
+        port = self.port
         assert port is not None
         core, wc = self.core, self.core.cache_policy
         wc.config = core.cache  # a reload (SIGHUP) may have replaced the [cache] knobs
@@ -441,7 +441,7 @@ class Scheduler:
         drafted once, then a grammar handle for each constrained admit. None when a request of it
         ended while it was made (a grammar the worker refused fails INTERNAL, a cancel): the
         loop plans again. Handles made for requests the plan does not admit are freed."""
-        port = self._port
+        port = self.port
         assert port is not None
         core, wc = self.core, self.core.cache_policy
         now = time.monotonic()
@@ -479,7 +479,7 @@ class Scheduler:
     def _stage(self, plan: Plan) -> dict[int, TokenRef] | None:
         """Write into ring 1 each admitted prompt not already there for its seed; the refs by
         request key, or None when one cannot be staged (that request fails INTERNAL)."""
-        port = self._port
+        port = self.port
         assert port is not None
         refs: dict[int, TokenRef] = {}
         for _, cand in plan.draft.admitted:
@@ -512,9 +512,9 @@ class Scheduler:
                 core.grammars.drop(r)
             return
         tick_plan = core.launch(plan, refs, biases, now)
-        self._phase = Phase.TICK
+        self.phase = Phase.TICK
         deadline = (lambda: core.itl_deadline(plan)) if plan.draft.prefills else None
-        self._yield.send(core.urgent_missed(), deadline)
+        self.yield_word.send(core.urgent_missed(), deadline)
         t_tick = time.monotonic()
         try:
             events = await self.heartbeat.wait(
@@ -530,14 +530,14 @@ class Scheduler:
             log.error("emit_callback_failed", worker_id=self.worker_id, error=repr(exc.__cause__))
             events = exc.events
         finally:
-            self._yield.landed()
+            self.yield_word.landed()
         now = time.monotonic()
         self.metrics.tick(self.worker_id, now - t_tick)
         self.watchdog.progress()
         self.slot.progress()
         applied = core.apply(plan, Accepted(events, self._read_emits(proc, events)), now)
         self._deliver(applied.deliveries)
-        self._signal_tick()
+        self.signal_tick()
 
     def _on_emit(self, emit: link.TickEmit) -> None:
         d = self.core.on_emit(emit.lane_tag, emit.tokens.tolist(), time.monotonic())
@@ -564,6 +564,6 @@ class Scheduler:
                 out[emit.lane_tag] = None
         return out
 
-    def _signal_tick(self) -> None:
+    def signal_tick(self) -> None:
         ticked, self._ticked = self._ticked, asyncio.Event()
         ticked.set()
