@@ -20,7 +20,7 @@ from test_llamacpp_speculation import MARGIN_TOL, check_ledger, references, run
 from tinymodel import write_tiny_gguf
 
 from basertd.native.abi import Artifact, StrategyRegistration
-from basertd.schema.abi import AdmitStatus, ArtifactRole, Exactness, Status
+from basertd.schema.abi import AdmitStatus, ArtifactRole, CertDomain, CertMode, Exactness, Status
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.draft import DRAFT_MODEL, DraftConfig, draft_registration
@@ -35,10 +35,20 @@ def small_draft(tmp_path_factory):
 
 
 def register_draft(eng, path, **cfg) -> int:
+    """Register draft-model with ``cfg``: the greedy and the sampled certificate, in that order
+    (prompt lookup's pair), both bound to the one loaded draft model."""
     grant = eng.strategy_register(draft_registration(DraftConfig(**cfg), path))
-    assert len(grant.certificates) == 1
-    cert = grant.certificates[0]
-    assert cert.exactness == Exactness.DISTRIBUTION_EXACT and cert.grammar_allowed == 0
+    greedy, sampled = grant.certificates
+    assert (greedy.sampling_modes, greedy.param_domain) == (
+        CertMode.GREEDY | CertMode.GUMBEL,
+        CertDomain.GREEDY_ONLY,
+    )
+    assert (sampled.sampling_modes, sampled.param_domain) == (CertMode.GUMBEL, CertDomain.ANY)
+    for cert in (greedy, sampled):
+        assert cert.exactness == Exactness.DISTRIBUTION_EXACT and cert.grammar_allowed == 0
+        assert cert.logit_bias_allowed == 1
+    src = eng.drafts.sources
+    assert src[greedy.cert_id] is src[sampled.cert_id]
     assert grant.reserved_bytes == path.stat().st_size  # rule 118: est_state_bytes, the weights
     return grant.strategy_slot
 
@@ -183,7 +193,7 @@ def test_a_draft_with_another_vocabulary_is_refused(lc, tmp_path, monkeypatch):
     assert eng.strategies.slots == {} and eng.stats()["draft_models"] == 0
     # The engine serves on, and a good draft still registers (slot 1: the refusals took none).
     grant = eng.strategy_register(draft_registration(DraftConfig(), eng.model.path))
-    assert grant.strategy_slot == 1 and len(grant.certificates) == 1
+    assert grant.strategy_slot == 1 and len(grant.certificates) == 2
 
 
 def test_a_draft_path_that_does_not_load_is_refused(lc, tmp_path):
@@ -259,8 +269,10 @@ def test_the_worker_flag_parses_and_registers(lc, tmp_path):
     log = Log()
     assert register(eng, [cfg], log) == [] and log.events == ["strategy_refused"]
     assert register(eng, [cfg], log, str(tmp_path / "missing.gguf")) == []
-    (offer,) = register(eng, [cfg], log, str(eng.model.path))
-    assert (
-        offer.strategy_id == DRAFT_MODEL and offer.cert_id and offer.exactness == Exactness.DISTRIBUTION_EXACT
-    )
+    greedy, sampled = register(eng, [cfg], log, str(eng.model.path))  # one offer per certificate
+    for offer in (greedy, sampled):
+        assert offer.strategy_id == DRAFT_MODEL and offer.strategy_slot == greedy.strategy_slot
+        assert offer.cert_id and offer.exactness == Exactness.DISTRIBUTION_EXACT
+    assert greedy.cert_id != sampled.cert_id
+    assert (greedy.param_domain, sampled.param_domain) == (CertDomain.GREEDY_ONLY, CertDomain.ANY)
     assert log.events == ["strategy_refused", "strategy_refused", "strategy_registered"]

@@ -125,17 +125,33 @@ def test_draft_model_requests_are_exact_and_counted(daemon, tiny_gguf):
     )
 
 
+def test_a_sampled_request_drafts_with_the_draft_model(daemon):
+    """A sampled request (temperature > 0, top-k, a penalty) naming draft-model runs under its
+    sampled certificate (the rejection rule): it drafts, and its tokens are a function of its RNG
+    seed (the same seed, the same tokens)."""
+    p = make_prompt(901, 24)
+    sampled = dict(prompt_tokens=p, max_tokens=24, temperature=0.7, top_k=8, repeat_penalty=1.1)
+    with daemon.client() as c:
+        named = c.generate(**sampled, seed=3, ignore_eos=True, speculation="draft-model")
+        again = c.generate(**sampled, seed=3, ignore_eos=True, speculation="draft-model")
+        off = c.generate(**sampled, seed=3, ignore_eos=True, speculation="off")
+    assert named.ids == again.ids and len(named.ids) == len(off.ids) == 24
+    assert named.usage.draft_tokens > 0 and named.usage.accepted_draft_tokens <= named.usage.draft_tokens
+    assert off.usage.draft_tokens == 0
+
+
 def test_naming_draft_model_where_it_cannot_run_is_refused(daemon, tiny_gguf, tmp_path):
     """A request that names draft-model is refused (INVALID_REQUEST, nothing queued) where the
-    strategy cannot run: a sampled request (its certificate covers greedy lanes only), and a
-    worker whose draft model did not load at start (registration refused: the worker serves
-    without it); "auto" serves both, plainly or by another strategy."""
+    strategy cannot run: a request with structured output (no certificate covers grammar lanes),
+    and a worker whose draft model did not load at start (registration refused: the worker serves
+    without it); "auto" serves the others, plainly or by a strategy."""
     p = make_prompt(900, 24)
+    json_out = {"type": "json_object"}
     with daemon.client() as c:
         with pytest.raises(ClientError) as info:
-            c.generate(prompt_tokens=p, max_tokens=4, speculation="draft-model", temperature=0.8, seed=1)
+            c.generate(prompt_tokens=p, max_tokens=4, speculation="draft-model", response_format=json_out)
         assert info.value.code == ErrorCode.INVALID_REQUEST
-        assert "does not cover this sampled request" in str(info.value)
+        assert "does not run with structured output" in str(info.value)
         assert len(c.generate(prompt_tokens=p, max_tokens=4, temperature=0.8, seed=1).ids) == 4
     missing = tmp_path / "no-such-draft.gguf"
     toml = tiny_toml(tiny_gguf, lanes=2, grant=8)

@@ -6,9 +6,10 @@ round greedily and the target verifies them in its own batch
 (``basertd.worker.engines.llamacpp.draft_model``). The registration carries it as one
 DRAFT_WEIGHTS artifact (``load_path``, ``byte_size`` the file's size in bytes) and ``DraftConfig``
 as the one record of its PROPOSAL_LINEAR capability (four little-endian u32); the SHA-256 of that
-record is the ``config_hash`` an engine certifies (rule 117). The certificate does not depend on
-which draft file is loaded: verification commits the target's own argmax chain whatever the drafts
-are, so the draft model only moves the acceptance rate, never the tokens.
+record is the ``config_hash`` an engine certifies (rule 117). The certificates (greedy, and
+sampled by the rejection rule) do not depend on which draft file is loaded: verification commits
+the target's own argmax chain, or on a sampled lane the target's own draw with the lane's uniform,
+whatever the drafts are, so the draft model only moves the acceptance rate, never the tokens' law.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from basertd.schema.abi import ArtifactRole, Exactness, StrategyCap
 DRAFT_MODEL = "draft-model"
 """Speculation with a smaller model of the same vocabulary drafting greedily."""
 
-DRAFT_IMPL_VERSION = "1.0.0"
-DRAFT_IMPL_HASH = hashlib.sha256(b"basertd llamacpp draft-model, linear, greedy verification v1").digest()
+DRAFT_IMPL_VERSION = "1.1.0"
+DRAFT_IMPL_HASH = hashlib.sha256(
+    b"basertd llamacpp draft-model, linear, greedy and sampled (rejection rule) verification v2"
+).digest()
 """The implementation identity certificates are bound to (rule 117): change it with the drafter
 or the verification."""
 

@@ -8,13 +8,15 @@ capabilities (this engine offers none), a NULL ``strategy_id`` / ``impl_version`
 registration with ERR_REGISTRATION_REFUSED and change nothing. A granted strategy gets the next
 slot (1, 2, ...; never reused) and ``reserved_bytes = est_state_bytes`` (rule 118).
 
-Certificates (rule 117) are granted only to the one combination this engine has tested:
+Certificates (rule 117) are granted only to the two combinations this engine has tested:
 ``strategy_id`` "prompt-lookup" with ``impl_hash == LOOKUP_IMPL_HASH`` and ``config_hash`` the
 hash of the ``LookupConfig`` its PROPOSAL_LINEAR capability carries
-(``basertd.worker.engines.lookup.lookup_registration`` builds such a registration). It gets two
-certificates, each saying what the tests show, both of exactness DISTRIBUTION_EXACT, the class a
-plain lane of this engine has (``work.GRANTED_CLASS``; nothing speculative can be more than the
-lane it speeds up), logit bias allowed, no grammar:
+(``basertd.worker.engines.lookup.lookup_registration`` builds such a registration), and
+"draft-model" with ``impl_hash == DRAFT_IMPL_HASH`` and ``config_hash`` the hash of its
+``DraftConfig`` (``basertd.worker.engines.draft.draft_registration``). Each gets two certificates,
+each saying what the tests show, both of exactness DISTRIBUTION_EXACT, the class a plain lane of
+this engine has (``work.GRANTED_CLASS``; nothing speculative can be more than the lane it speeds
+up), logit bias allowed, no grammar:
 
 - greedy: GREEDY (and GUMBEL at temperature <= 0) lanes, domain GREEDY_ONLY. Greedy verification
   commits the argmax chain, equal to a non-speculative run's tokens up to near-ties that batch
@@ -23,17 +25,20 @@ lane it speeds up), logit bias allowed, no grammar:
   Verification is the rejection rule for a one-hot draft (``speculation``: accept ``d`` with
   probability ``p(d)``, else draw from ``p`` without ``d``), so every committed token has the law
   a plain lane's token has: the tests compare the token histograms over fixed RNG seeds with
-  speculation on and off, with and without penalties and a logit bias. Not SEED_PATH_INVARIANT:
-  the rows a verification batch computes differ in the last bits from one-row decoding.
+  speculation on and off, with and without penalties and a logit bias, for both strategies. The
+  rule needs a proposal that is fixed by the lane's history and independent of the verifying
+  uniform: a prompt-lookup continuation is, and so is a draft model's, which drafts greedily (its
+  argmax given the lane's committed tokens, no RNG). Not SEED_PATH_INVARIANT: the rows a
+  verification batch computes differ in the last bits from one-row decoding.
 
 The greedy certificate comes first, so a temperature-0 GUMBEL lane, which both cover, is granted
-it (equal classes: the lower id wins). "draft-model" with ``impl_hash == DRAFT_IMPL_HASH`` and
-``config_hash`` the hash of its ``DraftConfig`` gets the greedy certificate alone (its drafts go
-through the same verification; its sampled lanes are untested, so uncertified); its DRAFT_WEIGHTS
-artifact is loaded after every other check (``draft_model.DraftHost.open``: a file that does not
-load or a vocabulary that differs from the target's is ERR_REGISTRATION_REFUSED) and kept only when
-certified. Any other registration is granted a slot with no certificate and no drafter: lanes
-admitted on it with ``allow_approximate`` run without speculation (rule 122).
+it (equal classes: the lower id wins). A "draft-model" registration's DRAFT_WEIGHTS artifact is
+loaded after every other check (``draft_model.DraftHost.open``: a file that does not load or a
+vocabulary that differs from the target's is ERR_REGISTRATION_REFUSED), kept only when certified,
+and bound as the drafter of both its certificates (``DraftHost.bind``: one draft model, one
+sequence per lane, whichever certificate the lane holds; freed once at ``DraftHost.close``). Any
+other registration is granted a slot with no certificate and no drafter: lanes admitted on it with
+``allow_approximate`` run without speculation (rule 122).
 
 Admission (``admit_grant``) picks, as the reference engine does, the best matching certificate of
 the slot (highest exactness, then lowest id); a match needs ``required_cert_id`` 0 or its id, the
@@ -63,7 +68,7 @@ _KNOWN_CAPS = frozenset(int(k) for k in StrategyCap if k != StrategyCap.UNSPECIF
 @dataclass
 class Registered:
     """A granted strategy: its slot, id, certificates, whether HOST lanes may use it (rule 37),
-    and the prompt-lookup config when it drafts (None: no drafter)."""
+    and the prompt-lookup or draft-model config when it drafts (None: no drafter)."""
 
     slot: int
     strategy_id: str
@@ -136,9 +141,10 @@ class Strategies:
         host = any(c.kind_id == StrategyCap.HOST_COMPATIBLE for c in reg.capabilities)
         certs: list[ExactnessCert] = []
         if lookup is not None and reg.impl_hash == impl_hash and reg.config_hash == lookup.config_hash():
-            kinds = [(CertMode.GREEDY | CertMode.GUMBEL, CertDomain.GREEDY_ONLY)]  # greedy verification
-            if reg.strategy_id == PROMPT_LOOKUP:
-                kinds.append((CertMode.GUMBEL, CertDomain.ANY))  # sampled: the rejection rule
+            kinds = [
+                (CertMode.GREEDY | CertMode.GUMBEL, CertDomain.GREEDY_ONLY),  # greedy verification
+                (CertMode.GUMBEL, CertDomain.ANY),  # sampled: the rejection rule
+            ]
             for modes, domain in kinds:
                 certs.append(
                     ExactnessCert(
@@ -152,8 +158,9 @@ class Strategies:
                     )
                 )
         if drafter is not None and self.drafts is not None:
-            if certs:
-                self.drafts.bind(certs[0].cert_id, drafter)
+            if certs:  # one drafter for every certificate of the slot: its lanes share its sequences
+                for c in certs:
+                    self.drafts.bind(c.cert_id, drafter)
             else:  # an uncertified slot drafts nothing: the draft model is not kept
                 drafter.close()
                 lookup = None
