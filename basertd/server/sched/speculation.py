@@ -9,12 +9,12 @@ APPROXIMATE: its sampling mode (greedy lanes are GREEDY; sampled lanes GUMBEL) a
 (GREEDY_ONLY: temperature 0; PENALTY_FREE: no penalties; ANY), a grammar only when the certificate
 allows grammars, a logit bias only when it allows biases. "auto" takes the first covering offer
 the worker made; a strategy name takes that strategy's first covering offer; "off" none. A
-llama.cpp worker's prompt-lookup has a greedy certificate (GREEDY_ONLY) and a sampled one (GUMBEL,
-ANY: the rejection rule), so greedy and sampled lanes both speculate under "auto"; grammar lanes
-never do. What "auto"
-does after that is the engine's, with the coordinator's ``[speculation]`` knobs (registered at
-load): no drafts in rounds of more than ``max_batch_lanes`` decoding lanes, a lane whose acceptance
-does not pay pauses its drafts (``basertd.worker.engines.llamacpp.speculation``).
+llama.cpp worker's prompt-lookup and draft-model each have a greedy certificate (GREEDY_ONLY) and a
+sampled one (GUMBEL, ANY: the rejection rule), so greedy and sampled lanes both speculate under
+"auto"; grammar lanes never do. What "auto" does after that is the engine's, with the
+coordinator's ``[speculation]`` knobs (registered at load): no drafts in rounds of more than
+``max_batch_lanes`` decoding lanes, a lane whose acceptance does not pay pauses its drafts
+(``basertd.worker.engines.llamacpp.speculation``).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def named_refusal(
     """Why a request naming strategy ``mode`` cannot run it on ``worker`` (a name for messages)
     whose handshake registered ``offers``, or None: the worker registered no strategy of that
     name (its registration was refused at load: a draft model that did not load, say), or none of
-    that strategy's certificates covers the request (``covers``: draft-model certifies greedy
-    lanes only). "auto" and "off" always pass. Call once the worker has handshaken (before, it
-    offers nothing yet)."""
+    that strategy's certificates covers the request (``covers``: an engine whose certificates
+    cover greedy lanes only, say). "auto" and "off" always pass. Call once the worker has
+    handshaken (before, it offers nothing yet)."""
     if mode in (AUTO, OFF):
         return None
     named = [o for o in offers if o.strategy_id == mode]

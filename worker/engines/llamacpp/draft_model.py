@@ -1,6 +1,13 @@
 """Draft-model speculation on the llama.cpp engine: a second GGUF with the target's vocabulary
-drafts tokens greedily for the lanes of a certified "draft-model" slot (tick ABI §2; RULES.md
-section I, rules 114-122; ``basertd.worker.engines.draft`` for the registration).
+drafts tokens greedily for the lanes of a certified "draft-model" slot, greedy and sampled alike
+(tick ABI §2; RULES.md section I, rules 114-122; ``basertd.worker.engines.draft`` for the
+registration).
+
+The drafts are the draft model's argmax chain given a lane's committed tokens: no RNG, so a
+proposal is fixed by the lane's history and never depends on the uniform the target verifies it
+with. That is what the sampled certificate's rejection rule needs (``speculation``: a one-hot
+proposal, accepted with probability ``p(d)``), exactly as for prompt lookup; the slot's greedy and
+sampled certificates are both bound to the one loaded draft model (``DraftHost.bind``).
 
 Registration (``DraftHost.open``) refuses with ERR_REGISTRATION_REFUSED, loading nothing that
 stays, when the registration does not carry exactly one DRAFT_WEIGHTS artifact, its config record
@@ -268,8 +275,10 @@ class DraftModel:
 class DraftHost:
     """The draft models of one engine: ``open`` loads one for a registration, ``bind`` makes it the
     drafter of a certificate (``sources``: cert id -> drafter, what ``speculation.Speculator``
-    reads), ``close`` frees them all. ``target`` is the engine's model; ``lanes``,
-    ``context_length`` and threads size each draft context as the engine's."""
+    reads; a slot's certificates, greedy and sampled, all map to its one drafter, so every reader
+    goes over the distinct drafters, ``set(sources.values())``), ``close`` frees each once.
+    ``target`` is the engine's model; ``lanes``, ``context_length`` and threads size each draft
+    context as the engine's."""
 
     def __init__(
         self,
@@ -309,7 +318,8 @@ class DraftHost:
         return cfg, DraftModel(path, self.target, self._target_vocab, **self.kw)
 
     def bind(self, cert_id: int, drafter: DraftModel) -> None:
-        """``drafter`` drafts for lanes admitted under certificate ``cert_id``."""
+        """``drafter`` drafts for lanes admitted under certificate ``cert_id`` (one drafter may be
+        bound to several certificates: the lanes of all of them share its sequences)."""
         self.sources[cert_id] = drafter
 
     def stats(self) -> dict[str, int]:

@@ -1,6 +1,6 @@
-"""Prompt-lookup speculation on the llama.cpp engine: drafts, their place in a round, their
-verification, greedy or sampled (tick ABI §2; ``LaneDecode.overshoot``; ``SpecStats`` in a lane's
-emit).
+"""Speculation on the llama.cpp engine: prompt-lookup drafts (or a draft model's, below), their
+place in a round, their verification, greedy or sampled (tick ABI §2; ``LaneDecode.overshoot``;
+``SpecStats`` in a lane's emit).
 
 A lane admitted on a certified prompt-lookup slot (``strategies``) carries a ``LaneSpec``. In a
 round where it forwards its pending token at position ``k``, ``Speculator.plan`` may give it ``m``
@@ -43,9 +43,12 @@ engine does not verify: HOST lanes, grammar lanes, lanes in their replay tail (A
 units keep their one-token shape), and on a sliding-window model whose window cache is pruned
 (``swa_full`` False: a draft written past the window could prune keys the next position needs).
 
-Lanes on a draft-model certificate (``Speculator.sources``) take their ``m`` drafts, within the
-same bounds, from a smaller model's greedy decodes instead of lookup (``draft_model``); the
-verification is the same.
+Lanes on a draft-model certificate (``Speculator.sources``, greedy or sampled) take their ``m``
+drafts, within the same bounds, from a smaller model's greedy decodes instead of lookup
+(``draft_model``); the verification is the same. Those drafts are deterministic too (the draft
+model's argmax chain given the lane's committed tokens, computed before the round's uniforms are
+drawn and never from them), so the rejection rule above holds for sampled draft-model lanes as it
+does for prompt lookup.
 
 Strategy faults: a draft this engine cannot verify (a token id outside ``0 .. n_vocab - 1``, a
 proposal that is not one row of integers) is a ``StrategyFault`` (``FaultCode.STRATEGY``). The
@@ -174,7 +177,8 @@ class Speculator:
     model's vocabulary size, the bound of a draft's ids. ``override``, None in production, lets a
     test supply the drafts: ``override(lane, k) -> array of token ids`` (checked like any draft).
     ``sources`` maps a certificate id to the draft model drafting for its lanes (``draft_model``;
-    the lanes of other certificates draft by prompt lookup): the same bounds on ``m``, drafts
+    a slot's greedy and sampled certificates map to the same one, whose lanes are drafted in one
+    batch; the lanes of other certificates draft by prompt lookup): the same bounds on ``m``, drafts
     batched over the round's lanes after the bounds are set."""
 
     def __init__(
