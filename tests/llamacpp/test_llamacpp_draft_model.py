@@ -1,26 +1,41 @@
 """Draft-model speculation on the llama.cpp engine (``draft_model``, ``strategies``; tick ABI §2,
 rules 114-122): a second tiny GGUF with the same vocabulary drafts greedily, the engine's greedy
-verification commits the target's own tokens.
+verification commits the target's own tokens, its sampled verification (the rejection rule) keeps
+the sampling distribution.
 
 Greedy tokens with draft-model speculation must be the solo reference's up to a near-tie (the
 margin rule of test_llamacpp_exact); the target as its own draft must be accepted (almost) always;
-a draft model of another seed and fewer layers is accepted rarely, and still exact. Registration
+a draft model of another seed and fewer layers is accepted rarely, and still exact. Sampled lanes
+are admitted on the sampled certificate and keep the token histograms of plain sampling (prompt
+lookup's statistical test, test_llamacpp_speculation). Registration
 refuses a draft whose file does not load or whose vocabulary differs, registering nothing; a lane's
 draft sequence is released when the lane leaves, so many requests in turn never run out.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import llama_cpp as L
 import numpy as np
 import pytest
 import tinymodel
 from lc_harness import admit, first_divergence, ignore_eos, make_prompt
-from test_llamacpp_speculation import MARGIN_TOL, check_ledger, references, run
+from test_llamacpp_speculation import (
+    CERT_UNMATCHED_BITS,
+    MARGIN_TOL,
+    N_NEW,
+    N_SEEDS,
+    check_ledger,
+    chi2_same_law,
+    references,
+    run,
+    sampled_runs,
+)
 from tinymodel import write_tiny_gguf
 
 from basertd.native.abi import Artifact, StrategyRegistration
-from basertd.schema.abi import AdmitStatus, ArtifactRole, CertDomain, CertMode, Exactness, Status
+from basertd.schema.abi import AdmitStatus, ArtifactRole, CertDomain, CertMode, Exactness, Sampling, Status
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.draft import DRAFT_MODEL, DraftConfig, draft_registration
@@ -164,6 +179,110 @@ def test_draft_sequences_are_reused_over_many_requests(make_engine, tiny_gguf):
         assert all(d > 0 for d, _ in stats.values()), (i, stats)
         assert eng.stats()["draft_sequences"] == 0
     assert len(next(iter(eng.drafts.sources.values())).free_seqs) == 2
+
+
+# --------------------------------------------------------------------------- sampled lanes
+
+SAMPLED = dict(
+    temperature=0.8,
+    top_k=12,
+    top_p=0.95,
+    min_p=0.02,
+    repeat_penalty=1.15,
+    freq_penalty=0.3,
+    presence_penalty=0.2,
+)
+
+
+def count_model_drafts(monkeypatch, eng, slot: int) -> list[int]:
+    """Spy on the slot's draft model: the list gets the number of tokens each ``draft`` call
+    returned, so a test can tell its drafts came from the draft model, not prompt lookup."""
+    (src,) = {eng.drafts.sources[c.cert_id] for c in eng.strategies.slots[slot].certificates}
+    calls: list[int] = []
+    real = src.draft
+
+    def draft(want, live):
+        got = real(want, live)
+        calls.append(sum(int(d.size) for d in got.values()))
+        return got
+
+    monkeypatch.setattr(src, "draft", draft)
+    return calls
+
+
+@pytest.mark.parametrize("draft", ["tiny_gguf", "small_draft"], ids=["self", "smaller"])
+def test_sampled_draft_model_lanes_keep_the_sampling_distribution(lc, request, monkeypatch, draft):
+    """The rejection rule (``speculation``) with the draft model's greedy drafts, as prompt lookup's
+    test checks it (test_llamacpp_speculation's ``sampled_runs``, ``chi2_same_law``): over fixed
+    RNG seeds, sampled lanes (temperature, top-k, top-p, min-p, three penalties, a logit bias the
+    draft model does not see) give each of the first N_NEW positions the same token histogram with
+    speculation on and off (independent seeds), every draft verified came from the draft model,
+    some accepted and more rejected; the same seeds with speculation off give the same tokens for
+    nearly every seed (a check the test can fail: accepting drafts too often changes them)."""
+    eng, coord = lc
+    path = request.getfixturevalue(draft)
+    slot = register_draft(eng, path, max_batch_lanes=8, min_accept_permille=0)
+    calls = count_model_drafts(monkeypatch, eng, slot)
+    bias = eng.logit_bias_create([40, 41], [8.0, 8.0])  # about one token in seven is 40 or 41
+    prompt = make_prompt(123, 24)
+    sp = ignore_eos(**SAMPLED)
+    on, drafted, accepted = sampled_runs(coord, prompt, list(range(N_SEEDS)), sp, slot, bias)
+    off, d_off, _ = sampled_runs(coord, prompt, list(range(N_SEEDS, 2 * N_SEEDS)), sp, 0, bias)
+    same_seeds, _, _ = sampled_runs(coord, prompt, list(range(N_SEEDS)), sp, 0, bias)
+    assert d_off == 0 and eng.stats()["draft_failures_total"] == 0
+    assert sum(calls) == drafted >= N_SEEDS  # speculation ran, every draft the draft model's
+    assert N_SEEDS // 8 <= accepted < 0.9 * drafted, (drafted, accepted)
+    for pos in range(N_NEW):
+        a = [t[pos] for t in on.values()]
+        b = [t[pos] for t in off.values()]
+        stat, crit = chi2_same_law(a, b)
+        assert stat < crit, (pos, stat, crit, Counter(a).most_common(8), Counter(b).most_common(8))
+    same = sum(on[s] == same_seeds[s] for s in on)
+    assert same >= 0.9 * N_SEEDS
+    print(f"{draft}: sampled acceptance {accepted}/{drafted}, same tokens {same}/{N_SEEDS}")
+
+
+def test_sampled_lanes_are_admitted_on_the_sampled_certificate(lc, small_draft):
+    """Greedy and temperature-0 lanes get the greedy certificate (1), sampled lanes, penalised and
+    biased too, the sampled one (2); a sampled lane requiring the greedy certificate and a grammar
+    lane are REJECTED (CERT_UNMATCHED). Lanes of both certificates draft with the one draft model
+    (a draft sequence each), and their emits name their certificate."""
+    eng, coord = lc
+    slot = register_draft(eng, small_draft, min_accept_permille=0)
+    p = make_prompt(7, 10)
+    ref = coord.prompt(p)
+    gumbel = Sampling.GPU_GUMBEL
+    sampled = ignore_eos(temperature=0.8, top_k=12)
+    penalised = ignore_eos(**SAMPLED)
+    bias = eng.logit_bias_create([40], [2.0])
+    admits = [
+        admit(1, ref, strategy_slot=slot, params=ignore_eos()),
+        admit(2, ref, strategy_slot=slot, sampling=gumbel, params=ignore_eos(temperature=0.0)),
+        admit(3, ref, strategy_slot=slot, sampling=gumbel, params=sampled, rng_counter_base=3 << 32),
+        admit(4, ref, strategy_slot=slot, sampling=gumbel, params=penalised, logit_bias_handle=bias),
+        admit(5, ref, strategy_slot=slot, sampling=gumbel, params=sampled, required_cert_id=1),
+        admit(6, ref, strategy_slot=slot, grammar_handle=eng.grammar_create('{"type": "object"}')),
+    ]
+    ev = coord.tick(admits=admits)
+    res = {r.lane_tag: r for r in ev.admit_results}
+    for tag, cert in ((1, 1), (2, 1), (3, 2), (4, 2)):
+        assert (res[tag].status, res[tag].cert_id) == (AdmitStatus.ADMITTED, cert), tag
+        assert res[tag].granted_class == Exactness.DISTRIBUTION_EXACT
+    for tag in (5, 6):
+        assert (res[tag].status, res[tag].reject_code) == (AdmitStatus.REJECTED, CERT_UNMATCHED_BITS), tag
+    live = (1, 2, 3, 4)
+    ev = coord.tick(
+        prefills=[LanePrefill(lane_tag=t, token_offset=0, token_count=len(p)) for t in live],
+        decodes=[LaneDecode(lane_tag=t, max_new_tokens=12) for t in live],
+    )
+    spec = {t: [e.spec for e in ev.emits if e.lane_tag == t] for t in live}
+    for tag, cert in ((1, 1), (2, 1), (3, 2), (4, 2)):
+        assert {s.cert_id_in_effect for s in spec[tag]} == {cert}, tag
+        assert sum(s.proposed for s in spec[tag]) > 0, tag
+    (src,) = set(eng.drafts.sources.values())
+    assert set(src.lanes) == set(live)  # one draft model, a sequence per lane of either certificate
+    check_drafts(eng)
+    coord.tick(retires=[LaneRetire(lane_tag=t) for t in live])
 
 
 # --------------------------------------------------------------------------- registration
