@@ -17,6 +17,7 @@ from serving_harness import assert_same_up_to_near_ties, bare_reference, tiny_to
 
 from basertd.client import ClientError
 from basertd.schema.client import ErrorCode
+from basertd.server.sched.speculation import OVERSHOOT_MAX, overshoot
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "llamacpp"))
 from lc_harness import make_prompt
@@ -66,6 +67,31 @@ def test_greedy_tokens_are_the_reference_with_speculation_on_and_off(daemon, tin
     model = Path(tiny_gguf).stem
     vllm = f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}} {row.accepted_tokens}.0'
     assert ours in metrics and vllm in metrics
+
+
+def test_the_overshoot_is_the_headroom_past_the_grant_of_a_speculating_lane():
+    """``LaneDecode.overshoot``: what the request may still take past this tick's grant, capped at
+    the largest draft_max; none for a plain lane, a replaying lane, or a grant that is the end."""
+    assert overshoot("prompt-lookup", 8, 1000, False) == OVERSHOOT_MAX
+    assert overshoot("prompt-lookup", 8, 20, False) == 12
+    assert overshoot("draft-model", 1, 3, False) == 2
+    assert overshoot("prompt-lookup", 8, 8, False) == 0
+    assert overshoot("", 8, 1000, False) == 0
+    assert overshoot("prompt-lookup", 8, 1000, True) == 0
+
+
+def test_a_decode_grant_of_one_still_drafts_through_the_overshoot(tiny_gguf):
+    """With ``decode_grant = 1`` a round has no room to draft within its grant (it commits its
+    accepted drafts plus one token); the plan's overshoot (the request's headroom) lets the lane's
+    one round draft and commit past it. The request still ends at exactly ``max_tokens`` with the
+    plain reference's tokens, and its usage counts accepted drafts."""
+    prompt = make_prompt(300, 24)[:1] + make_prompt(300, 24)[1:] * 3
+    (ref,) = bare_reference(tiny_gguf, [prompt], N)
+    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=1) + SPEC) as d, d.client() as c:
+        got = c.generate(prompt_tokens=prompt, max_tokens=N, temperature=0.0, ignore_eos=True)
+    assert len(got.ids) == N
+    assert_same_up_to_near_ties(got.ids, ref, "decode_grant 1")
+    assert got.usage.accepted_draft_tokens > 0
 
 
 def test_a_sampled_request_speculates_and_a_bad_value_is_refused(daemon):

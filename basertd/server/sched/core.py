@@ -44,7 +44,7 @@ from basertd.server.sched.lanes import Lane, reservation
 from basertd.server.sched.outcome import Accepted, Applied, Delivery, Lost, Outbox, Outcome, Rejected
 from basertd.server.sched.qos import INTERACTIVE, effective_rank, qos_rank
 from basertd.server.sched.rejects import CLIENT_FIELD, Action, suspect_field, triage
-from basertd.server.sched.speculation import strategy_for
+from basertd.server.sched.speculation import overshoot, strategy_for
 from basertd.server.sched.state import SchedulerState
 from basertd.shm import YieldReason
 
@@ -286,6 +286,17 @@ class SchedulerCore(SchedulerState):
                 )
             )
         self.plan_seq += 1
+        admitted = {tag: requests[cand.key] for tag, cand in draft.admitted}
+
+        def decode(tag: int, grant: int) -> LaneDecode:
+            lane = self.lanes.get(tag)
+            if lane is not None:
+                req, strategy, replaying = lane.request, lane.strategy, lane.replay_left > 0
+            else:  # admitted by this plan, its prefill ending in this tick
+                req, strategy, replaying = admitted[tag], strategies[tag], bool(admitted[tag].generated)
+            extra = overshoot(strategy, grant, req.remaining, replaying)
+            return LaneDecode(lane_tag=tag, max_new_tokens=grant, overshoot=extra)
+
         flags = TickFlag.PARTIAL_EMITS if self.config.partial_emits else 0
         tick_plan = TickPlan(
             plan_seq=self.plan_seq,
@@ -294,7 +305,7 @@ class SchedulerCore(SchedulerState):
             max_decode_lanes=min(len(draft.decodes), self.limits.max_batch_size),
             admits=admits,
             prefills=[LanePrefill(lane_tag=t, token_offset=o, token_count=n) for t, o, n in draft.prefills],
-            decodes=[LaneDecode(lane_tag=t, max_new_tokens=g) for t, g in draft.decodes],
+            decodes=[decode(t, g) for t, g in draft.decodes],
             retires=[LaneRetire(lane_tag=t, publish_to_cache=int(p)) for t, p in draft.retires],
             shed_policy=self.shed_policy(),
         )

@@ -27,6 +27,10 @@ from basertd.server.request.record import Sampler
 
 AUTO = "auto"
 OFF = "off"
+OVERSHOOT_MAX = 64
+"""The most tokens a speculating lane's last round of a tick may commit past its grant: the
+largest ``[speculation] draft_max`` the config accepts (a round commits its accepted drafts and one
+more token, and starts only while the grant lasts)."""
 
 
 def _greedy(sampler: Sampler) -> bool:
@@ -63,6 +67,19 @@ def strategy_for(
         if (mode == AUTO or offer.strategy_id == mode) and covers(offer, sampler, grammar):
             return offer
     return None
+
+
+def overshoot(strategy: str, grant: int, headroom: int, replaying: bool) -> int:
+    """``LaneDecode.overshoot`` of a lane decoding ``grant`` tokens this tick (tick ABI §2: tokens a
+    speculative round may commit past ``max_new_tokens``): the request's ``headroom`` past the
+    grant (``max_tokens`` less the tokens generated, less ``grant``), at most ``OVERSHOOT_MAX``, for
+    a lane on a strategy (``strategy`` not ""); 0 for a plain lane, a lane still replaying
+    delivered tokens (replay units keep their one-token shape, ABI rule 72) and when the grant is
+    the request's end. Without it a round drafts at most ``grant - 1`` tokens, so the decode grant
+    (``[scheduler] decode_grant``), not ``draft_max``, would bound every draft."""
+    if not strategy or replaying:
+        return 0
+    return max(0, min(OVERSHOOT_MAX, headroom - grant))
 
 
 def explicit_refusal(mode: str, enabled: Sequence[str], grammar: bool) -> str | None:
