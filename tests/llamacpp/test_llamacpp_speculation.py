@@ -21,7 +21,7 @@ from basertd.native.abi import StrategyRegistration
 from basertd.schema.abi import AdmitStatus, CertDomain, CertMode, Exactness, Sampling, Status
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, SamplingParams
 from basertd.worker.engines.base import EngineError, PlanRejected
-from basertd.worker.engines.llamacpp.speculation import lookup
+from basertd.worker.engines.llamacpp.speculation import LaneSpec, lookup, pays
 from basertd.worker.engines.lookup import LookupConfig, lookup_registration
 
 MARGIN_TOL = 1e-3
@@ -478,3 +478,27 @@ def test_a_draft_outside_the_vocabulary_is_a_strategy_fault_and_the_lane_goes_on
     assert {s.cert_id_in_effect for _, _, s in per_emit} == {0}
     s = eng.stats()
     assert (s["spec_faults_total"], s["faults_total"], s["spec_rounds_total"]) == (2, 0, 0)
+
+
+def test_drafts_that_do_not_pay_for_their_verification_pause_the_lane():
+    """``pays``: a draft row costs part of a decode step, so below some conditional acceptance no
+    draft length pays; a lane at that acceptance pauses (its share of accepted drafts, 20 %, is
+    above ``min_accept_permille``), one at a copy run's keeps doubling, and ``min_accept_permille``
+    0 never pauses."""
+    assert not pays(0.5, 64) and not pays(0.6, 64)  # 1.6 tokens for 1.645 steps at best
+    assert pays(0.65, 1) and pays(0.8, 64) and pays(0.99, 2)
+    weak = LaneSpec(LookupConfig(min_accept_permille=150), 1)
+    rounds = 0
+    while not weak.pause:
+        weak.note(5, 1)  # each round: 1 of 5 accepted, then a rejection
+        rounds += 1
+        assert rounds <= 4 and weak.k == 1 and weak.risk_seen == 0.0
+    copy = LaneSpec(LookupConfig(draft_max=16), 1)
+    for _ in range(6):
+        copy.note(copy.k, copy.k)
+    copy.note(16, 9)
+    assert not copy.pause and copy.k == 10
+    never = LaneSpec(LookupConfig(min_accept_permille=0), 1)
+    for _ in range(20):
+        never.note(never.k, 0)
+    assert never.pause == 0

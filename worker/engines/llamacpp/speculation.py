@@ -85,7 +85,30 @@ _U64 = (1 << 64) - 1
 _DECAY = 0.8  # weight of the acceptance window's past per drafting round
 _WINDOW_MIN = 8.0  # drafted tokens in the window before a pause is considered
 PAUSE_ROUNDS = 32
-"""Rounds a lane drafts nothing after its acceptance fell below ``min_accept_permille``."""
+"""Rounds a lane drafts nothing after its drafts stopped paying (``LaneSpec.note``)."""
+VERIFY_BASE = 1.27
+VERIFY_PER_DRAFT = 0.375
+"""A round verifying ``m >= 1`` drafts costs about ``VERIFY_BASE + VERIFY_PER_DRAFT * m`` plain
+decode steps: a bare ``llama_decode`` of 1 + m tokens of one sequence at position 1,000, each with
+logits, default model, 2 CPU threads, m = 1 .. 47 (rows past the first are not free on a CPU: each
+carries its share of every matrix product and a 262,144-wide output row)."""
+_PRIOR_ACCEPT = 0.75  # conditional acceptance assumed before a lane has verified anything
+_PRIOR_WEIGHT = 2.0  # ... worth this many drafts
+_RISK_DECAY = 0.9  # weight of the conditional-acceptance estimate's past per drafting round
+
+
+def pays(accept: float, hi: int) -> bool:
+    """Whether some draft length ``m`` in ``1 .. hi`` gives more expected tokens per decode step
+    than no draft, when each draft is accepted with probability ``accept`` given the ones before
+    it: a round commits ``1 + accept + .. + accept**m`` tokens on average and costs
+    ``VERIFY_BASE + VERIFY_PER_DRAFT * m`` steps, a plain round 1 token for 1 step."""
+    tokens, p = 1.0, 1.0
+    for m in range(1, hi + 1):
+        p *= accept
+        tokens += p
+        if tokens > VERIFY_BASE + VERIFY_PER_DRAFT * m:
+            return True
+    return False
 
 
 def lookup(tokens: np.ndarray, n: int, k: int, ngram_min: int, ngram_max: int) -> np.ndarray:
@@ -138,8 +161,11 @@ def checked_drafts(drafts: object, n_vocab: int) -> np.ndarray:
 @dataclass(eq=False)
 class LaneSpec:
     """One lane's speculation state: its config and certificate, the draft length ``k`` it asks
-    for now (``draft_min`` .. ``draft_max``), a pause (rounds left without drafting) and a decaying
-    window of drafted / accepted tokens; ``proposed`` / ``accepted`` count the lane's whole life."""
+    for now (``draft_min`` .. ``draft_max``), a pause (rounds left without drafting), a decaying
+    window of drafted / accepted tokens (the ``min_accept_permille`` rule) and a decaying estimate
+    of the conditional acceptance (accepted drafts over the drafts at risk: the accepted ones and
+    each round's first rejected one; ``pays``); ``proposed`` / ``accepted`` count the lane's whole
+    life."""
 
     cfg: LookupConfig | DraftConfig
     cert_id: int
@@ -147,6 +173,8 @@ class LaneSpec:
     pause: int = 0
     win_drafted: float = 0.0
     win_accepted: float = 0.0
+    risk_accepted: float = 0.0
+    risk_seen: float = 0.0
     proposed: int = 0
     accepted: int = 0
 
@@ -154,22 +182,34 @@ class LaneSpec:
         if not self.k:
             self.k = self.cfg.draft_max
 
+    def acceptance(self) -> float:
+        """The conditional acceptance estimate, with a prior of ``_PRIOR_ACCEPT``."""
+        return (self.risk_accepted + _PRIOR_ACCEPT * _PRIOR_WEIGHT) / (self.risk_seen + _PRIOR_WEIGHT)
+
     def note(self, drafted: int, accepted: int) -> None:
         """After a verified round: adapt ``k`` (full acceptance doubles it, else it becomes the
-        accepted run plus one) and pause the lane when its recent acceptance does not pay."""
+        accepted run plus one) and pause the lane for ``PAUSE_ROUNDS`` when its drafts do not pay:
+        its recent share of accepted drafts is below ``min_accept_permille``, or at its estimated
+        conditional acceptance no draft length beats a plain step (``pays``). A
+        ``min_accept_permille`` of 0 never pauses. A pause forgets the estimates."""
         c = self.cfg
         self.proposed += drafted
         self.accepted += accepted
         self.k = min(c.draft_max, 2 * self.k) if accepted == drafted else max(c.draft_min, accepted + 1)
         self.win_drafted = self.win_drafted * _DECAY + drafted
         self.win_accepted = self.win_accepted * _DECAY + accepted
-        if (
+        self.risk_seen = self.risk_seen * _RISK_DECAY + accepted + (accepted < drafted)
+        self.risk_accepted = self.risk_accepted * _RISK_DECAY + accepted
+        if not c.min_accept_permille:
+            return
+        low = (
             self.win_drafted >= _WINDOW_MIN
             and self.win_accepted * 1000 < c.min_accept_permille * self.win_drafted
-        ):
+        )
+        if low or not pays(self.acceptance(), c.draft_max):
             self.pause = PAUSE_ROUNDS
             self.k = c.draft_min
-            self.win_drafted = self.win_accepted = 0.0
+            self.win_drafted = self.win_accepted = self.risk_seen = self.risk_accepted = 0.0
 
 
 class Speculator:
