@@ -90,8 +90,9 @@ VERIFY_BASE = 1.27
 VERIFY_PER_DRAFT = 0.375
 """A round verifying ``m >= 1`` drafts costs about ``VERIFY_BASE + VERIFY_PER_DRAFT * m`` plain
 decode steps: a bare ``llama_decode`` of 1 + m tokens of one sequence at position 1,000, each with
-logits, default model, 2 CPU threads, m = 1 .. 47 (rows past the first are not free on a CPU: each
-carries its share of every matrix product and a 262,144-wide output row)."""
+logits, default model, 2 CPU threads, m = 3 .. 47 (``bench/bench_verify_cost.py``; rows past the
+first are not free on a CPU: each carries its share of every matrix product and a 262,144-wide
+output row)."""
 _PRIOR_ACCEPT = 0.75  # conditional acceptance assumed before a lane has verified anything
 _PRIOR_WEIGHT = 2.0  # ... worth this many drafts
 _RISK_DECAY = 0.9  # weight of the conditional-acceptance estimate's past per drafting round
