@@ -402,6 +402,25 @@ def chi2_same_law(a: list[int], b: list[int]) -> tuple[float, float]:
     return stat, crit
 
 
+def same_law_on_and_off(coord, prompt, params, slot, bias) -> tuple[int, int, int, int]:
+    """Sampled runs of ``prompt`` over N_SEEDS seeds on ``slot`` and over N_SEEDS other seeds with
+    speculation off: the token at each of the N_NEW positions must have the same histogram
+    (``chi2_same_law``), and the speculative run's seeds rerun off must give the same tokens for
+    at least 90 % of them (a check the test can fail: accepting every draft gives another law than
+    the plain sampler). Returns (drafted, accepted, drafted with speculation off, same seeds)."""
+    on, drafted, accepted = sampled_runs(coord, prompt, list(range(N_SEEDS)), params, slot, bias)
+    off, d_off, _ = sampled_runs(coord, prompt, list(range(N_SEEDS, 2 * N_SEEDS)), params, 0, bias)
+    same_seeds, _, _ = sampled_runs(coord, prompt, list(range(N_SEEDS)), params, 0, bias)
+    for pos in range(N_NEW):
+        a = [t[pos] for t in on.values()]
+        b = [t[pos] for t in off.values()]
+        stat, crit = chi2_same_law(a, b)
+        assert stat < crit, (pos, stat, crit, Counter(a).most_common(8), Counter(b).most_common(8))
+    same = sum(on[s] == same_seeds[s] for s in on)
+    assert same >= 0.9 * N_SEEDS
+    return drafted, accepted, d_off, same
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -425,20 +444,10 @@ def test_sampled_speculation_keeps_the_sampling_distribution(lc, params):
     rng = np.random.default_rng(5)
     prompt = [1, *rng.choice(LIKELY, 40, p=[0.6, 0.4]).tolist()]
     sp = ignore_eos(**params)
-    on, drafted, accepted = sampled_runs(coord, prompt, list(range(N_SEEDS)), sp, slot, bias)
-    off, d_off, _ = sampled_runs(coord, prompt, list(range(N_SEEDS, 2 * N_SEEDS)), sp, 0, bias)
-    same_seeds, _, _ = sampled_runs(coord, prompt, list(range(N_SEEDS)), sp, 0, bias)
+    drafted, accepted, d_off, same = same_law_on_and_off(coord, prompt, sp, slot, bias)
     assert d_off == 0
     # the speculative run really verified drafts, accepting some and rejecting others
     assert drafted >= N_SEEDS and N_SEEDS // 8 <= accepted < 0.9 * drafted, (drafted, accepted)
-    for pos in range(N_NEW):
-        a = [t[pos] for t in on.values()]
-        b = [t[pos] for t in off.values()]
-        stat, crit = chi2_same_law(a, b)
-        assert stat < crit, (pos, stat, crit, Counter(a).most_common(8), Counter(b).most_common(8))
-    # a check the test can fail: accepting every draft gives another law than the plain sampler
-    same = sum(on[s] == same_seeds[s] for s in on)
-    assert same >= 0.9 * N_SEEDS
     print(f"sampled acceptance {accepted}/{drafted} = {accepted / drafted:.3f}, same tokens {same}/{N_SEEDS}")
 
 
