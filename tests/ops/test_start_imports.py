@@ -74,7 +74,12 @@ def test_compile_spec_imports_llguidance_on_first_use():
     assert got == {"before": False, "compiled": True}, got
 
 
-def test_the_sandbox_children_start_without_rich():
+def test_the_sandbox_children_start_without_rich_structlog_or_asyncio():
+    """The children of the sandbox pools start while the daemon does: they import neither the
+    pool's side (asyncio, structlog) nor anything heavier (``sandbox_child``)."""
     for module in ("basertd.server.request.spec_check", "basertd.server.transport.http.template_render"):
-        got = _modules_after(f"import sys, json\nimport {module}\nprint(json.dumps('rich' in sys.modules))\n")
-        assert got is False, module
+        got = _modules_after(
+            f"import sys, json\nimport {module}\n"
+            "print(json.dumps([m for m in ('rich', 'structlog', 'asyncio', 'numpy') if m in sys.modules]))\n"
+        )
+        assert got == [], module
