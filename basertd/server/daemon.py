@@ -205,7 +205,10 @@ class Daemon:
         self.frontend = Frontend(
             fleet, self.metrics, self.drainer, self.public_state, self.durability, limiter
         )
-        self.frontend.start()
+        # One child process per sandbox pool now, so a request right after ready finds one; the
+        # rest once every worker is ready (``_notify_ready``): they are Python processes starting
+        # on the cores the workers load their models on.
+        self.frontend.start(children=1)
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
@@ -244,7 +247,7 @@ class Daemon:
                 metrics=self.metrics,
                 native_connections=cfg.limits.max_connections,
             )
-            await self.http.start()
+            await self.http.start(children=1)
 
         def live() -> LiveState:
             return fleet.live_state(self.drainer.in_flight, self.drainer.draining)
@@ -299,6 +302,10 @@ class Daemon:
         self._status_line = self.status_line()
         self.notifier.ready(self._status_line)
         log.info("daemon_ready", workers=len(self.slots))
+        if self.frontend is not None:  # the sandbox children held back at start
+            self.frontend.start()
+        if self.http is not None:
+            self.http.start_children()
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
             self.publish_status()

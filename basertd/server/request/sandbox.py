@@ -164,6 +164,7 @@ class SandboxPool:
         self._reaping: set[asyncio.Task[int]] = set()
         for _ in range(size):
             self._idle.put_nowait(None)  # a slot; its child starts on first use
+        self._unstarted = size  # slots ``start`` has not warmed yet
         self._children: set[_Child] = set()
         self._pending = 0
         self._closed = False
@@ -175,10 +176,14 @@ class SandboxPool:
         """Jobs waiting or running now."""
         return self._pending
 
-    def start(self) -> None:
-        """Start every child in the background (a job finds it ready instead of waiting for a
-        Python process to start); call with the event loop running."""
-        for _ in range(self.size):
+    def start(self, count: int | None = None) -> None:
+        """Start ``count`` children (default: every one not started yet) in the background, so a
+        job finds one ready instead of waiting for a Python process to start; call with the event
+        loop running. Children come up at the daemon's start, on the cores the workers load their
+        models on: the daemon starts one per pool then and the rest once it is ready."""
+        n = self._unstarted if count is None else min(count, self._unstarted)
+        self._unstarted -= n
+        for _ in range(n):
             self._background(self._warm())
 
     def _background(self, coro: Any) -> None:
