@@ -69,13 +69,21 @@ def serve(config_path: str | None, http: tuple[str, ...], wal_recover: str) -> N
         )
         sys.exit(2)
     from basertd.models import ModelUnavailable
-    from basertd.server.daemon import configure_logging, run
     from basertd.server.durability.wal_format import WalError
+    from basertd.server.launch import configure_logging, launch
     from basertd.server.request.tokenizer import TokenizerError
 
     configure_logging(config.log_level)
     try:
-        code = asyncio.run(run(config, config_path=config_path, wal_recover=wal_recover))
+        # The workers are spawned before the daemon's own modules are imported: their start
+        # (imports, model load) overlaps those imports (basertd.server.launch).
+        launched = launch(config, wal_recover=wal_recover)
+        try:
+            from basertd.server.daemon import run
+        except BaseException:
+            launched.abandon()
+            raise
+        code = asyncio.run(run(config, config_path=config_path, wal_recover=wal_recover, launched=launched))
     except (OSError, ModelUnavailable, ConfigError, TokenizerError, WalError) as exc:
         click.echo(f"basertd: cannot start: {exc}", err=True)
         sys.exit(1)

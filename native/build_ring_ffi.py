@@ -2,7 +2,8 @@
 compiled into an extension module, so that Python stores and loads slot generations with real C11
 release/acquire atomics and reads one span with one foreign call (DESIGN.md "Rings", ABI rules
 123-130); with it ``native/brt_control.c``, the control segment's yield word as an abort callback
-for engines whose steps run inside a C library (``basertd.shm.control``). setup.py picks this
+for engines whose steps run inside a C library (``basertd.shm.control``); and ``native/brt_scan.c``,
+a per-token predicate of an engine library evaluated over a whole vocabulary in one call. setup.py picks this
 file up as ``cffi_modules``; ``make native`` rebuilds it in place."""
 
 from __future__ import annotations
@@ -59,14 +60,18 @@ typedef struct brt_abort_watch {
     uint64_t reasons;
 } brt_abort_watch;
 _Bool brt_abort_check(void *watch);
+
+int32_t brt_token_mask(void *pred, const void *vocab, int32_t n, uint8_t *out);
 """
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "basertd.native._ringc",
-    '#include "brt_ring.h"\n#include "brt_control.h"',
-    sources=[os.path.relpath(os.path.join(_HERE, name)) for name in ("brt_ring.c", "brt_control.c")],
+    '#include "brt_ring.h"\n#include "brt_control.h"\n#include "brt_scan.h"',
+    sources=[
+        os.path.relpath(os.path.join(_HERE, name)) for name in ("brt_ring.c", "brt_control.c", "brt_scan.c")
+    ],
     include_dirs=[os.path.relpath(_HERE)],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
 )

@@ -10,6 +10,11 @@ through its narrow
 ``ControlHost`` protocol), metrics, drain, reload and systemd notification. It keeps only
 lifecycle: start, stop, drain, reload, notify.
 
+The start's first part (the runtime directory, the journal, every worker spawned) is
+``basertd.server.launch``: ``basertd serve`` runs it before importing this module, so the workers
+load their models while the coordinator imports the rest; a ``Daemon`` given no ``Launch`` runs
+it itself at ``start()``.
+
 ``run(config)`` starts it and serves until told to stop and returns the exit status: 0, or
 ``EXIT_JOURNAL_FAILED`` (74) when the write-ahead log failed while serving (the daemon stops at
 once, acknowledging nothing more, so that systemd's ``Restart=on-failure`` restarts it). On
@@ -37,11 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,13 +56,13 @@ from basertd.models import ModelUnavailable
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, load_config
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
-from basertd.server.durability.wal import Journal
 from basertd.server.durability.wal_recover import RecoverMode
 from basertd.server.fleet import Fleet
 from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.drain import Drainer
 from basertd.server.frontend.restart import requeue
 from basertd.server.frontend.resume_limits import ResumeLimiter
+from basertd.server.launch import Launch, configure_logging, launch
 from basertd.server.observe.kv_events import KvEventsHub, start_kv_events
 from basertd.server.observe.metrics import LiveState, Metrics
 from basertd.server.observe.metrics_vllm import bind_vllm
@@ -69,16 +72,14 @@ from basertd.server.observe.notify import (
     Watchdog,
     adopt_listener,
     adopt_named,
-    listen_fds,
     watchdog_interval,
 )
 from basertd.server.observe.tracing import Tracing
 from basertd.server.ops.cache_verbs import PolicyCacheControl
 from basertd.server.ops.control import CacheControl, ControlService
 from basertd.server.ops.reload import apply_reload
-from basertd.server.ops.runtime_files import remove_stale_worker_dirs
 from basertd.server.ops.worker_changes import apply_changes, prepare_changes, worker_changes
-from basertd.server.paths import resolve_runtime_dir, resolve_state_dir, socket_path
+from basertd.server.paths import socket_path
 from basertd.server.request.record import GenerationRequest
 from basertd.server.request.tokenizer import TokenizerError
 from basertd.server.sched.loop import Scheduler
@@ -99,22 +100,6 @@ STATUS_INTERVAL_S = 2.0
 """Seconds between systemd STATUS= updates (sent only when the line changed)."""
 
 
-def configure_logging(level: str = "info") -> None:
-    """structlog JSON lines on stderr at ``level`` (content-free: no prompt text is ever logged); a
-    line logged with ``exc_info`` (``log.exception``) carries the traceback in ``exception``."""
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,  # ``exc_info`` -> an "exception" traceback field
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-
-
 class Daemon:
     """The coordinator (module docstring). ``start()`` then ``stop()``; ``stopped`` is set once
     ``request_stop()`` was called (a signal, or a test). ``config_path`` is the file a reload
@@ -130,8 +115,10 @@ class Daemon:
         *,
         config_path: str | os.PathLike[str] | None = None,
         wal_recover: RecoverMode = "refuse",
+        launched: Launch | None = None,
     ) -> None:
         self.config = config
+        self.launched = launched
         self.wal_recover = wal_recover
         self.durability: Durability | None = None
         self.config_path = config_path
@@ -142,7 +129,7 @@ class Daemon:
         self.control = ControlService(self)
         self.notifier = Notifier.from_env()
         self._watchdog_interval = watchdog_interval()
-        self._listen_fds = listen_fds()
+        self._listen_fds: list[tuple[int, str]] = []  # systemd's, taken by the launch
         self._shutdown: asyncio.Task | None = None
         self._status_line = ""
         self.runtime_dir: Path | None = None
@@ -192,28 +179,36 @@ class Daemon:
 
     async def _start(self) -> None:
         cfg = self.config
-        planned = resolve_runtime_dir(cfg, create=False)
-        existed = planned.is_dir()
-        self.runtime_dir = resolve_runtime_dir(cfg)
+        # The runtime directory, the journal and the spawned workers (``basertd.server.launch``):
+        # made before this module was imported when ``basertd serve`` runs, here otherwise.
+        early = self.launched
+        if early is None:
+            early = self.launched = launch(cfg, wal_recover=self.wal_recover)
+        early.adopted = True  # stop() releases the directories and the journal from now on
+        self.runtime_dir = early.runtime_dir
         # Remove at exit only a directory this daemon created (an empty one, see stop()).
-        self._created_runtime_dir = not existed and self.runtime_dir == planned
+        self._created_runtime_dir = early.created_runtime_dir
+        self.workers_dir = early.workers_dir
+        journal, early.journal = early.journal, None
+        assert journal is not None
+        journal.on_commit = self.metrics.wal_commit
+        self.durability = Durability(journal, self.metrics, on_failed=self._journal_failed)
+        self._listen_fds = early.listen_fds
         self.socket = socket_path(cfg, self.runtime_dir)
         inherited = adopt_listener(self._listen_fds)
         if inherited is not None:
             self.socket = Path(inherited.getsockname())
-        self.workers_dir = self.runtime_dir / f"workers-{os.getpid()}"
-        remove_stale_worker_dirs(self.runtime_dir)  # left by a coordinator killed with SIGKILL
-        self.workers_dir.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self.workers_dir, 0o700)
         self.metrics.tracing = Tracing.start(cfg.tracing)
-        self.durability = self._open_journal()
         fleet = self.fleet = Fleet(cfg, str(self.workers_dir), self.metrics)
-        await fleet.build()
+        await fleet.build(early.spawned)
         limiter = ResumeLimiter(cfg.durability.resumes_per_s, cfg.durability.resume_burst)
         self.frontend = Frontend(
             fleet, self.metrics, self.drainer, self.public_state, self.durability, limiter
         )
-        self.frontend.start()
+        # One child process per sandbox pool now, so a request right after ready finds one; the
+        # rest once every worker is ready (``_notify_ready``): they are Python processes starting
+        # on the cores the workers load their models on.
+        self.frontend.start(children=1)
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
@@ -252,7 +247,7 @@ class Daemon:
                 metrics=self.metrics,
                 native_connections=cfg.limits.max_connections,
             )
-            await self.http.start()
+            await self.http.start(children=1)
 
         def live() -> LiveState:
             return fleet.live_state(self.drainer.in_flight, self.drainer.draining)
@@ -288,25 +283,6 @@ class Daemon:
             resumed=resumed,
         )
 
-    def _open_journal(self) -> Durability:
-        """Open the write-ahead log in ``state_dir`` (mode "off": a ``NullJournal``, no directory
-        touched). Raises ``wal_fence.StateDirLocked``, ``WalCorrupt``, ``ConfigError``, OSError."""
-        cfg = self.config
-        if cfg.durability.mode == "off":
-            journal = Journal.open("", mode="off")
-        else:
-            state_dir = resolve_state_dir(cfg)
-            journal = Journal.open(
-                state_dir,
-                mode="tick",
-                result_ttl_s=cfg.durability.result_ttl_s,
-                recover=self.wal_recover,
-                min_free_bytes=cfg.durability.min_free_bytes,
-                on_commit=self.metrics.wal_commit,
-            )
-            log.info("journal_opened", state_dir=str(state_dir), epoch=journal.epoch)
-        return Durability(journal, self.metrics, on_failed=self._journal_failed)
-
     def _journal_failed(self) -> None:
         """The write-ahead log failed (``Durability.failure``): stop now, exit status
         ``EXIT_JOURNAL_FAILED``."""
@@ -326,6 +302,10 @@ class Daemon:
         self._status_line = self.status_line()
         self.notifier.ready(self._status_line)
         log.info("daemon_ready", workers=len(self.slots))
+        if self.frontend is not None:  # the sandbox children held back at start
+            self.frontend.start()
+        if self.http is not None:
+            self.http.start_children()
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
             self.publish_status()
@@ -469,6 +449,8 @@ class Daemon:
         self._tasks.clear()
         if self.fleet is not None:
             await self.fleet.stop()
+        if self.launched is not None:
+            self.launched.abandon()  # workers spawned but never adopted; a journal never taken
         if self.api is not None:
             await self.api.stop()
         if self.frontend is not None:
@@ -497,13 +479,16 @@ async def run(
     ready: asyncio.Event | None = None,
     config_path: str | os.PathLike[str] | None = None,
     wal_recover: RecoverMode = "refuse",
+    launched: Launch | None = None,
 ) -> int:
     """Run the daemon until it is told to stop; returns the exit status (0, or
     ``EXIT_JOURNAL_FAILED`` after a write-ahead log failure). Signals (DESIGN.md "Operators"):
     SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
     once); SIGINT stops at once; SIGHUP reloads ``config_path``. ``wal_recover``: what to do with a
-    corrupt write-ahead log (``basertd.server.durability.wal.Journal.open``'s ``recover``)."""
-    daemon = Daemon(config, config_path=config_path, wal_recover=wal_recover)
+    corrupt write-ahead log (``basertd.server.durability.wal.Journal.open``'s ``recover``).
+    ``launched``: the start's first part, done already (``basertd.server.launch``; the daemon
+    takes it over, and releases it whatever happens)."""
+    daemon = Daemon(config, config_path=config_path, wal_recover=wal_recover, launched=launched)
     loop = asyncio.get_running_loop()
     installed = []
     handlers = {

@@ -38,9 +38,9 @@ from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
 from basertd.server.tasks import cancel_and_wait
 from basertd.server.workers.link_errors import LinkError, LinkTimeout, WorkerError
-from basertd.server.workers.process import WorkerSpec
+from basertd.server.workers.process import SpawnedWorker, WorkerSpec
 from basertd.server.workers.slot import WorkerSlot
-from basertd.server.workers.specs import prefix_cache_usable, worker_spec
+from basertd.server.workers.specs import daemon_worker_spec, prefix_cache_usable
 
 log = structlog.get_logger("basertd.fleet")
 
@@ -151,19 +151,25 @@ class Fleet:
 
     # --- construction and lifecycle --------------------------------------------------------------
 
-    async def build(self) -> None:
+    async def build(self, spawned: dict[int, SpawnedWorker] | None = None) -> None:
         """Create every worker's spec, supervisor, tokenizer and scheduler. Each worker is spawned
         (its supervisor started) before the coordinator loads the tokenizers, so the worker's
         imports and model load overlap the tokenizer's load (a GGUF vocabulary takes about as long
         to load as the worker's whole start; DESIGN.md "Processes"); ``start()`` then starts the
-        schedulers. Raises what ``prepare`` raises, after stopping the workers already spawned."""
+        schedulers. ``spawned``: workers spawned already (``basertd.server.launch``), by worker
+        id; each is taken out of it and adopted by its slot. Raises what ``prepare`` raises, after
+        stopping the workers already spawned."""
         early: list[tuple[int, WorkerConfig, WorkerSpec, tuple[str, str], str, WorkerSlot, list]] = []
+        spawned = spawned if spawned is not None else {}
         try:
             for worker_id, wcfg in enumerate(self.config.workers):
                 spec, tok_key, name = self._spec(worker_id, wcfg)
+                first = spawned.pop(worker_id, None)
+                if first is not None:
+                    spec = first.spec
                 holder: list[Scheduler] = []
                 slot = self._slot(spec, holder)
-                slot.start()
+                slot.start(first)
                 early.append((worker_id, wcfg, spec, tok_key, name, slot, holder))
             for worker_id, wcfg, spec, tok_key, name, slot, holder in early:
                 tok = await self._tokenizer(worker_id, tok_key)
@@ -177,14 +183,7 @@ class Fleet:
     def _spec(self, worker_id: int, wcfg: WorkerConfig) -> tuple[WorkerSpec, tuple[str, str], str]:
         """Worker ``worker_id``'s spec, tokenizer key and served name for the table ``wcfg``.
         Raises ``basertd.models.ModelUnavailable``."""
-        return worker_spec(
-            worker_id,
-            wcfg,
-            runtime_dir=self.workers_dir,
-            log_level=self.config.log_level,
-            host_bytes=self.config.cache.host_bytes,
-            speculation=self.config.speculation.worker_args(wcfg),
-        )
+        return daemon_worker_spec(self.config, worker_id, wcfg, self.workers_dir)
 
     async def prepare(self, worker_id: int, wcfg: WorkerConfig) -> Prepared:
         """Worker ``worker_id``'s spec, served name and tokenizer for the table ``wcfg`` (a

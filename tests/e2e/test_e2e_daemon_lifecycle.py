@@ -113,3 +113,24 @@ def test_a_clean_stop_logs_no_worker_death():
         events = d.log_events()  # read before the context's stop() checks the release and cleans up
     assert any(e.get("event") == "link_closed" for e in events), [e.get("event") for e in events]
     assert not any(e.get("event") == "link_down" or "WorkerDied" in str(e) for e in events)
+
+
+def test_every_sandbox_child_is_started_once_the_daemon_is_ready():
+    """One child per sandbox pool starts with the daemon and the others once every worker is ready
+    (``Daemon._notify_ready``): ready, the daemon ends up with all of them (2 + 2 by default)."""
+    from proc_testutil import children_of, wait_until
+
+    def sandbox_children(pid: int) -> list[str]:
+        out = []
+        for kid in children_of(pid):
+            try:
+                with open(f"/proc/{kid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            out += [m for m in ("spec_check", "template_render") if m in cmd]
+        return sorted(out)
+
+    with Daemon(REF_WORKER + '[http]\nlisten = ["127.0.0.1:0"]\n') as d:
+        want = ["spec_check"] * 2 + ["template_render"] * 2
+        wait_until(lambda: sandbox_children(d.proc.pid) == want, timeout=30, what="every sandbox child")

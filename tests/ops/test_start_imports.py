@@ -1,13 +1,18 @@
 """What the two processes import at start (``basertd.lean_structlog``, the lazy imports of the HTTP
 app and of llguidance): the heavy optional packages stay out of a start that does not use them,
-and what they served still works. Each check runs in a fresh interpreter, as the daemon and the
-worker start."""
+and what they served still works; and that ``basertd serve`` spawns its workers before importing
+the daemon (``basertd.server.launch``). Each check runs in a fresh interpreter, as the daemon and
+the worker start."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 LAZY = ("rich", "aiohttp", "llguidance")
 
@@ -74,7 +79,55 @@ def test_compile_spec_imports_llguidance_on_first_use():
     assert got == {"before": False, "compiled": True}, got
 
 
-def test_the_sandbox_children_start_without_rich():
+def test_the_sandbox_children_start_without_rich_structlog_or_asyncio():
+    """The children of the sandbox pools start while the daemon does: they import neither the
+    pool's side (asyncio, structlog) nor anything heavier (``sandbox_child``)."""
     for module in ("basertd.server.request.spec_check", "basertd.server.transport.http.template_render"):
-        got = _modules_after(f"import sys, json\nimport {module}\nprint(json.dumps('rich' in sys.modules))\n")
-        assert got is False, module
+        got = _modules_after(
+            f"import sys, json\nimport {module}\n"
+            "print(json.dumps([m for m in ('rich', 'structlog', 'asyncio', 'numpy') if m in sys.modules]))\n"
+        )
+        assert got == [], module
+
+
+def test_serve_spawns_its_workers_before_it_imports_the_daemon():
+    """``basertd serve`` spawns the workers (``basertd.server.launch``) before it imports
+    ``basertd.server.daemon``, so their start overlaps the daemon's imports; a start that fails
+    after the launch (here the daemon's import) kills them and removes what the launch made."""
+    base = Path(tempfile.mkdtemp(prefix="brt-l-", dir="/tmp"))  # short: ipc paths fit sun_path
+    try:
+        cfg = base / "basertd.toml"
+        cfg.write_text(
+            f'runtime_dir = "{base / "rt"}"\nstate_dir = "{base / "state"}"\n'
+            '[[workers]]\nengine = "basert"\nlanes = 1\ncontext_length = 64\n'
+        )
+        code = (
+            "import json, os, sys\n"
+            "class StopAtTheDaemon:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name != 'basertd.server.daemon':\n"
+            "            return None\n"
+            "        me = os.getpid()\n"
+            "        with open(f'/proc/{me}/task/{me}/children') as f:\n"
+            "            kids = [int(k) for k in f.read().split()]\n"
+            "        cmds = {k: open(f'/proc/{k}/cmdline', 'rb').read().decode() for k in kids}\n"
+            "        print(json.dumps({'spawned': cmds, 'loaded': sorted(sys.modules)}), flush=True)\n"
+            "        raise ImportError('the test stops the start here')\n"
+            "sys.meta_path.insert(0, StopAtTheDaemon())\n"
+            "from basertd.cli import main\n"
+            f"sys.argv = ['basertd', 'serve', '--config', {str(cfg)!r}]\n"
+            "main()\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "the test stops the start here" in out.stderr, out.stderr[-2000:]
+        seen = json.loads(out.stdout.splitlines()[0])
+        workers = [int(pid) for pid, cmd in seen["spawned"].items() if "basertd.worker.main" in cmd]
+        assert len(workers) == 1, seen["spawned"]
+        # what the launch imported is light: none of the scheduler, the metrics or the front end
+        heavy = {"basertd.server.sched.loop", "basertd.server.frontend.admission", "prometheus_client"}
+        assert heavy.isdisjoint(seen["loaded"])
+        # released on the way out: the worker killed and reaped, its directories gone
+        assert not os.path.exists(f"/proc/{workers[0]}")
+        assert list((base / "rt").glob("workers-*")) == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

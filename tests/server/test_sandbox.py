@@ -91,3 +91,27 @@ def test_a_caller_cancelled_mid_job_kills_that_child_and_the_next_job_gets_its_o
         assert not children_of(os.getpid())
 
     asyncio.run(main())
+
+
+def test_start_warms_the_children_asked_for_now_and_the_rest_later():
+    """The daemon warms one child per pool while it starts and the others once it is ready
+    (``SandboxPool.start(count)``, then ``start()``); no slot is warmed twice."""
+
+    async def main() -> None:
+        p = pool(size=3)
+        try:
+            p.start(1)
+            (first,) = await wait_until_async(lambda: children_of(os.getpid()))
+            await asyncio.sleep(0.3)
+            assert children_of(os.getpid()) == {first}
+            p.start()
+            await wait_until_async(lambda: len(children_of(os.getpid())) == 3, timeout=30)
+            p.start()  # every slot was warmed: nothing more starts
+            await asyncio.sleep(0.3)
+            assert len(children_of(os.getpid())) == 3
+            assert await p.run([["regex", "a+"]]) == 0
+        finally:
+            await p.close()
+        assert not children_of(os.getpid())
+
+    asyncio.run(main())

@@ -116,9 +116,10 @@ class Frontend:
             memory_bytes=cc.memory_mib << 20,
         )
 
-    def start(self) -> None:
-        """Start the grammar compiler's child processes in the background."""
-        self.specs.pool.start()
+    def start(self, children: int | None = None) -> None:
+        """Start ``children`` of the grammar compiler's child processes in the background (default:
+        every one not started yet)."""
+        self.specs.pool.start(children)
 
     async def close(self) -> None:
         """Stop the tokenizer threads (running jobs finish) and the grammar compiler's children."""

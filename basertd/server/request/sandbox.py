@@ -5,7 +5,8 @@ What a request carries can make a library loop, allocate without end or crash th
 runs it (a Jinja chat template with a long loop; a grammar whose compilation overflows
 llguidance's native stack and dies of SIGSEGV). A thread cannot be stopped and shares the
 coordinator's fate, so such work runs in ``SandboxPool``'s children: ``size`` processes
-(``python -m <module>``, the module calling ``serve(handler)``), started in the background by
+(``python -m <module>``, the module calling ``serve(handler)``, which lives with the frame format in
+``sandbox_child``, a module a child imports without asyncio or structlog), started in the background by
 ``start()`` (or on first use), each with
 ``RLIMIT_AS`` of ``memory_bytes``, a nice value of ``CHILD_NICE`` (a spinning job yields the CPU to
 the coordinator and the engines), ``PR_SET_PDEATHSIG`` (it dies with the coordinator) and its
@@ -27,30 +28,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
-import resource
 import signal
-import struct
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import structlog
 
+from basertd.server.request.sandbox_child import CHILD_NICE, MAX_FRAME_BYTES, serve
+from basertd.server.request.sandbox_child import LEN as _LEN
 from basertd.server.tasks import cancel_and_wait
+
+__all__ = [
+    "CHILD_NICE",
+    "MAX_FRAME_BYTES",
+    "STARTUP_TIMEOUT_S",
+    "SandboxBusy",
+    "SandboxCrashed",
+    "SandboxError",
+    "SandboxJobError",
+    "SandboxPool",
+    "SandboxTimeout",
+    "serve",
+]
 
 log = structlog.get_logger("basertd.sandbox")
 
-_LEN = struct.Struct("<I")
-MAX_FRAME_BYTES = 256 << 20
-"""Largest frame either side accepts (bytes)."""
-CHILD_NICE = 10
-"""Added to each child's nice value."""
 STARTUP_TIMEOUT_S = 60.0
 """Seconds a child may take to start and say it is ready."""
-_PR_SET_PDEATHSIG = 1
 
 
 class SandboxError(Exception):
@@ -158,6 +164,7 @@ class SandboxPool:
         self._reaping: set[asyncio.Task[int]] = set()
         for _ in range(size):
             self._idle.put_nowait(None)  # a slot; its child starts on first use
+        self._unstarted = size  # slots ``start`` has not warmed yet
         self._children: set[_Child] = set()
         self._pending = 0
         self._closed = False
@@ -169,10 +176,14 @@ class SandboxPool:
         """Jobs waiting or running now."""
         return self._pending
 
-    def start(self) -> None:
-        """Start every child in the background (a job finds it ready instead of waiting for a
-        Python process to start); call with the event loop running."""
-        for _ in range(self.size):
+    def start(self, count: int | None = None) -> None:
+        """Start ``count`` children (default: every one not started yet) in the background, so a
+        job finds one ready instead of waiting for a Python process to start; call with the event
+        loop running. Children come up at the daemon's start, on the cores the workers load their
+        models on: the daemon starts one per pool then and the rest once it is ready."""
+        n = self._unstarted if count is None else min(count, self._unstarted)
+        self._unstarted -= n
+        for _ in range(n):
             self._background(self._warm())
 
     def _background(self, coro: Any) -> None:
@@ -291,44 +302,3 @@ class SandboxPool:
             await self._drop(child)
         if self._reaping:
             await asyncio.wait(list(self._reaping), timeout=10.0)
-
-
-# --- the child's side --------------------------------------------------------------------------
-
-
-def _harden(parent: int, memory_bytes: int) -> None:
-    """Die with the parent (PR_SET_PDEATHSIG, then a check that it has not already gone), cap the
-    address space, lower the priority."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(0)
-    if memory_bytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    with contextlib.suppress(OSError):
-        os.nice(CHILD_NICE)
-
-
-def serve(handler: Callable[[Any], Any]) -> None:
-    """The child's loop (``python -m <module> <parent pid> <memory bytes>``): read a job, answer
-    ``[True, handler(job)]`` or ``[False, message]`` when it raised; return at end of input."""
-    _harden(int(sys.argv[1]), int(sys.argv[2]))
-    rd, wr = sys.stdin.buffer, sys.stdout.buffer
-    encode, decode = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-    ready = encode.encode([True, None])
-    wr.write(_LEN.pack(len(ready)) + ready)
-    wr.flush()
-    while True:
-        head = rd.read(_LEN.size)
-        if len(head) < _LEN.size:
-            return
-        (n,) = _LEN.unpack(head)
-        job = decode.decode(rd.read(n))
-        try:
-            reply = encode.encode([True, handler(job)])
-        except MemoryError:
-            reply = encode.encode([False, "out of memory"])
-        except Exception as exc:
-            reply = encode.encode([False, str(exc) or type(exc).__name__])
-        wr.write(_LEN.pack(len(reply)) + reply)
-        wr.flush()

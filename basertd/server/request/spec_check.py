@@ -14,9 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import basertd.lean_structlog  # noqa: F401  (first: this child starts without rich)
 from basertd.grammar_compile import VALIDATE_STACK_BYTES, GrammarSpecError, compile_spec
-from basertd.server.request.sandbox import serve
+from basertd.server.request.sandbox_child import harden, serve
 
 
 def _on_small_stack(kind: str, text: str) -> BaseException | None:
@@ -51,6 +50,7 @@ def check(job: Any) -> int:
 
 
 if __name__ == "__main__":
+    harden()  # first: the import below runs at the child's lowered priority
     # llguidance now, before the child says it is ready, so the first spec compiles as fast as the
     # next (``compile_spec`` imports it on first use, which is for the coordinator's sake).
     import llguidance  # noqa: F401

@@ -20,6 +20,10 @@
 5. ``os.pidfd_open`` of the child, handed to the ``WorkerLink`` so its death is noticed at once;
 6. the Link W handshake and ring attach (``WorkerLink.handshake``).
 
+``WorkerProcess.spawn(spec)`` is steps 1-5 alone, with no event loop needed; its ``SpawnedWorker``
+does step 6 later (``handshake()``) or is undone (``kill()``). The daemon spawns its workers so,
+before it imports most of itself (``basertd.server.launch``), and their start overlaps its own.
+
 ``close()`` sends SHUTDOWN, waits up to ``grace`` seconds for the exit (SIGKILL after that),
 reaps the child, closes the link and socket, unlinks the endpoint, removes the runtime directory
 and closes the rings and segments. It is idempotent and also runs when the worker died on its
@@ -63,6 +67,7 @@ __all__ = [
     "LOGITS_RING_ID",
     "PROMPT_RING_ID",
     "RingGeometry",
+    "SpawnedWorker",
     "WorkerProcess",
     "WorkerSpec",
     "WorkerSpecError",
@@ -354,6 +359,54 @@ class _Resources:
             self.control = None
 
 
+class SpawnedWorker:
+    """A worker spawned by ``WorkerProcess.spawn`` whose handshake is still to come: ``pid``,
+    ``spec``; ``handshake()`` (once) makes it a ``WorkerProcess``; ``kill()`` undoes it when it
+    will never be handshaken (idempotent)."""
+
+    def __init__(self, spec: WorkerSpec, res: _Resources, attach: list[link.RingAttachSpec]) -> None:
+        assert res.proc is not None and res.link is not None
+        self.spec = spec
+        self.pid: int = res.proc.pid
+        self._res: _Resources | None = res
+        self._attach = attach
+
+    async def handshake(self) -> WorkerProcess:
+        """Step 6 of the module docstring, on the running loop. Raises ``WorkerStartError`` (the
+        worker exited, the handshake failed or timed out; everything released and the child
+        reaped) or RuntimeError when called twice or after ``kill``."""
+        res, self._res = self._res, None
+        if res is None:
+            raise RuntimeError(f"worker {self.spec.worker_id}: handshake after handshake or kill")
+        spec = self.spec
+        assert res.link is not None and res.proc is not None
+        try:
+            try:
+                caps = await res.link.handshake(self._attach, timeout=spec.start_timeout)
+            except WorkerDied as exc:
+                code = exc.returncode
+                if code is None:  # the pidfd fired before subprocess reaped it: the exit is there
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        code = res.proc.wait(timeout=1.0)
+                reason = read_error_line(res.rundir)
+                said = f": {reason}" if reason else ""
+                raise WorkerStartError(
+                    f"worker {spec.worker_id} exited during startup: {exc}{said}", code, reason
+                ) from exc
+            except LinkError as exc:
+                raise WorkerStartError(f"worker {spec.worker_id} handshake failed: {exc}") from exc
+            return WorkerProcess(spec, res, caps)
+        except BaseException:
+            res.release()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL, reap and release everything, unless ``handshake`` took it over; idempotent."""
+        res, self._res = self._res, None
+        if res is not None:
+            res.release()
+
+
 class WorkerProcess:
     """One running ``basertd-worker`` with its link, rings and resources.
 
@@ -382,11 +435,20 @@ class WorkerProcess:
 
     @classmethod
     async def start(cls, spec: WorkerSpec, *, context: zmq.Context | None = None) -> WorkerProcess:
-        """Create the resources, spawn the worker and complete the handshake (module docstring).
+        """Create the resources, spawn the worker and complete the handshake (module docstring):
+        ``spawn`` then ``SpawnedWorker.handshake``.
 
         Raises ``WorkerSpecError`` (nothing created), ``WorkerStartError`` (the worker exited, the
         handshake failed or timed out; everything released and the child reaped), and the
         ``basertd.shm`` errors for segments the kernel refuses."""
+        return await cls.spawn(spec, context=context).handshake()
+
+    @classmethod
+    def spawn(cls, spec: WorkerSpec, *, context: zmq.Context | None = None) -> SpawnedWorker:
+        """Steps 1-5 of the module docstring, without a running event loop: the worker runs (its
+        imports and model load begin) and ``SpawnedWorker.handshake`` completes the start later,
+        on the loop's thread (the thread that spawned it must outlive it: ``PR_SET_PDEATHSIG``).
+        Raises ``WorkerSpecError`` and the ``basertd.shm`` errors; nothing is left on a failure."""
         spec.validate()
         res = _Resources()
         try:
@@ -463,24 +525,10 @@ class WorkerProcess:
                 worker_id=spec.worker_id,
             )
             log.info("worker_spawned", worker_id=spec.worker_id, pid=res.proc.pid, engine=spec.engine)
-            try:
-                caps = await res.link.handshake(attach, timeout=spec.start_timeout)
-            except WorkerDied as exc:
-                code = exc.returncode
-                if code is None:  # the pidfd fired before subprocess reaped it: the exit is there
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        code = res.proc.wait(timeout=1.0)
-                reason = read_error_line(res.rundir)
-                said = f": {reason}" if reason else ""
-                raise WorkerStartError(
-                    f"worker {spec.worker_id} exited during startup: {exc}{said}", code, reason
-                ) from exc
-            except LinkError as exc:
-                raise WorkerStartError(f"worker {spec.worker_id} handshake failed: {exc}") from exc
-            return cls(spec, res, caps)
         except BaseException:
             res.release()
             raise
+        return SpawnedWorker(spec, res, attach)
 
     # -- state -----------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 One ``WorkerSlot`` per configured worker runs one supervisor task on the daemon's loop:
 
 - it starts the worker (``basertd.server.workers.process.WorkerProcess.start``: memfd rings, spawn,
-  handshake) and publishes it as ``proc`` once ready;
+  handshake), or handshakes the first one the daemon spawned before its own imports
+  (``start(spawned)``), and publishes it as ``proc`` once ready;
 - it waits for the link to die (process exit noticed through its pidfd, a protocol error, or the
   scheduler asking for a restart), then closes the process (SHUTDOWN, SIGKILL after a grace
   period, reap, release the rings and the ipc endpoint) and starts a new one after a backoff of
@@ -43,7 +44,7 @@ import structlog
 from basertd.server.states import SlotState
 from basertd.server.tasks import RECANCEL_S, cancel_and_wait
 from basertd.server.workers.link_errors import LinkError
-from basertd.server.workers.process import WorkerProcess, WorkerSpec, WorkerStartError
+from basertd.server.workers.process import SpawnedWorker, WorkerProcess, WorkerSpec, WorkerStartError
 
 log = structlog.get_logger("basertd.supervisor")
 
@@ -89,6 +90,7 @@ class WorkerSlot:
         self._stopping = False
         self._next_spec: WorkerSpec | None = None
         self._task: asyncio.Task | None = None
+        self._spawned: SpawnedWorker | None = None
 
     # --- state the scheduler waits on -----------------------------------------------------------
 
@@ -166,8 +168,15 @@ class WorkerSlot:
 
     # --- the supervisor task --------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the supervisor task on the running loop (spawns the first incarnation)."""
+    def start(self, spawned: SpawnedWorker | None = None) -> None:
+        """Start the supervisor task on the running loop. It spawns the first incarnation, or
+        handshakes ``spawned`` (a worker of this slot's spec already spawned,
+        ``basertd.server.launch``), which the slot owns from now on."""
+        if spawned is not None:
+            if self._task is not None or self._spawned is not None:
+                spawned.kill()
+                raise RuntimeError(f"worker {self.worker_id}: its supervisor has already started")
+            self._spawned = spawned
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(
                 self._supervise(), name=f"supervisor-{self.worker_id}"
@@ -213,8 +222,12 @@ class WorkerSlot:
             started = time.monotonic()
             if self._next_spec is not None:
                 self.spec, self._next_spec = self._next_spec, None
+            spawned, self._spawned = self._spawned, None
+            if spawned is not None and spawned.spec != self.spec:
+                spawned.kill()  # a replacement spec arrived first
+                spawned = None
             try:
-                proc = await WorkerProcess.start(self.spec)
+                proc = await (spawned.handshake() if spawned is not None else WorkerProcess.start(self.spec))
             except Exception as exc:  # any start failure is retried, never a dead supervisor task
                 self.start_failures += 1
                 if isinstance(exc, WorkerStartError) and exc.permanent:
@@ -295,6 +308,9 @@ class WorkerSlot:
         self._stopping = True
         task, self._task = self._task, None
         proc = self.proc
+        if self._spawned is not None:  # never handshaken (stopped before the task ran)
+            self._spawned.kill()
+            self._spawned = None
         if task is not None:  # cancelled, it closes the worker itself (up to the grace period)
             await cancel_and_wait([task], recancel_s=self.close_grace_s + RECANCEL_S)
         if proc is not None:

@@ -2,7 +2,8 @@
 
 ``worker_spec`` turns one worker's configuration into the ``WorkerSpec`` its supervisor spawns,
 the key of the tokenizer the coordinator builds for it (workers sharing a key share one
-tokenizer) and the model name clients address it by.
+tokenizer) and the model name clients address it by; ``daemon_worker_spec`` does it with the
+daemon-wide keys of a ``Config`` (the launch's spawn and the fleet use the same).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from basertd.server.config import Config
 from basertd.server.config_sections import WorkerConfig
 from basertd.server.request.tokenizer import basert_tokenizer_key
 from basertd.server.workers.process import WorkerSpec
@@ -97,3 +99,19 @@ def prefix_cache_usable(capabilities) -> tuple[bool, str]:
     if extra.get("prefix_cache", "1") == "0":
         return False, extra.get("prefix_cache_reason") or "the engine reports no prefix cache"
     return True, ""
+
+
+def daemon_worker_spec(
+    config: Config, worker_id: int, w: WorkerConfig, workers_dir: str
+) -> tuple[WorkerSpec, tuple[str, str] | tuple[str, str, int], str]:
+    """``worker_spec`` of the table ``w`` as worker ``worker_id`` of a daemon configured by
+    ``config`` (its log level, ``[cache] host_bytes`` and ``[speculation]``), with its private
+    directory in ``workers_dir``. Raises ``basertd.models.ModelUnavailable``."""
+    return worker_spec(
+        worker_id,
+        w,
+        runtime_dir=workers_dir,
+        log_level=config.log_level,
+        host_bytes=config.cache.host_bytes,
+        speculation=config.speculation.worker_args(w),
+    )

@@ -21,6 +21,8 @@ import numpy as np
 import xxhash
 
 from basertd.model_files import load_failure
+from basertd.native._ringc import ffi as _ffi
+from basertd.native._ringc import lib as _ringc
 from basertd.schema.abi import Status
 from basertd.worker.engines.base import EngineError
 
@@ -80,6 +82,20 @@ def model_digest(path: str | os.PathLike[str]) -> str:
                 f.seek(_HEAD_BYTES + i * step)
                 h.update(f.read(_SAMPLE_BYTES))
     return h.hexdigest()
+
+
+def token_mask(pred: object, vocab: int, n_vocab: int) -> np.ndarray:
+    """bool per token id of ``vocab``: llama.cpp's per-token predicate ``pred`` (a llama-cpp-python
+    function such as ``llama_vocab_is_eog``) called on every id by one C loop
+    (``native/brt_scan.c``): a few milliseconds for a 262,144-token vocabulary, where a Python
+    loop of ctypes calls takes 0.1-0.4 s of the worker's start."""
+    mask = np.zeros(n_vocab, np.uint8)
+    if n_vocab:
+        fn = ctypes.cast(pred, ctypes.c_void_p).value
+        _ringc.brt_token_mask(
+            _ffi.cast("void *", fn), _ffi.cast("void *", vocab), n_vocab, _ffi.from_buffer(mask)
+        )
+    return mask.view(bool)
 
 
 def _meta(model: L.llama_model_p, key: str) -> str | None:
@@ -144,34 +160,10 @@ class LlamaModel:
         desc = ctypes.create_string_buffer(256)
         L.llama_model_desc(m, desc, len(desc))
         self.description = desc.value.decode("utf-8", "replace")
-        # One llama_vocab_is_eog call per token (0.1-0.4 s for a 262,144-token vocabulary): in a
-        # thread, so that it overlaps what the caller does next (the context's creation, in C).
-        self._eog: tuple[tuple[int, ...], np.ndarray] | None = None
-        self._eog_scan = threading.Thread(target=self._scan_eog, name="eog-scan", daemon=True)
-        self._eog_scan.start()
-
-    def _scan_eog(self) -> None:
-        is_eog, vocab = L.llama_vocab_is_eog, self.vocab
-        ids = tuple(t for t in range(self.n_vocab) if is_eog(vocab, t))
-        mask = np.zeros(self.n_vocab, bool)
-        mask[list(ids)] = True
-        self._eog = (ids, mask)
-
-    def _eog_result(self) -> tuple[tuple[int, ...], np.ndarray]:
-        self._eog_scan.join()
-        if self._eog is None:  # the scan raised (its traceback went to the thread's stderr)
-            raise EngineError(Status.ERR_FATAL, f"{self.path}: the end-of-generation scan failed")
-        return self._eog
-
-    @property
-    def eog_ids(self) -> tuple[int, ...]:
-        """Every token id ``llama_vocab_is_eog`` marks, ascending (waits for the scan)."""
-        return self._eog_result()[0]
-
-    @property
-    def eog_mask(self) -> np.ndarray:
-        """bool per token id: ``eog_ids`` as a mask (waits for the scan)."""
-        return self._eog_result()[1]
+        self.eog_mask = token_mask(L.llama_vocab_is_eog, self.vocab, self.n_vocab)
+        """bool per token id: every token ``llama_vocab_is_eog`` marks."""
+        self.eog_ids: tuple[int, ...] = tuple(int(t) for t in np.flatnonzero(self.eog_mask))
+        """``eog_mask``'s ids, ascending."""
 
     def tokenize(self, text: bytes, add_special: bool) -> list[int]:
         """Token ids of ``text`` (UTF-8 bytes); ``add_special`` adds BOS where the model wants it.
@@ -203,11 +195,7 @@ class LlamaModel:
         return bytes(out)
 
     def close(self) -> None:
-        """Free the weights (after the end-of-generation scan, which reads the vocabulary).
-        Idempotent."""
-        scan = getattr(self, "_eog_scan", None)
-        if scan is not None:
-            scan.join()
+        """Free the weights. Idempotent."""
         if getattr(self, "ptr", None):
             L.llama_model_free(self.ptr)
             self.ptr = None

@@ -12,11 +12,12 @@ template that loops past the time limit is killed with its process.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import basertd.lean_structlog  # noqa: F401  (first: this child starts without rich)
-from basertd.server.request.sandbox import serve
-from basertd.server.transport.http.chat_template import ChatTemplate
+from basertd.server.request.sandbox_child import harden, serve
+
+if TYPE_CHECKING:
+    from basertd.server.transport.http.chat_template import ChatTemplate
 
 CACHED_TEMPLATES = 16
 """Compiled templates kept per child."""
@@ -26,6 +27,8 @@ _templates: dict[tuple[str, str, str], ChatTemplate] = {}
 
 def render(job: Any) -> str:
     """The text of one chat (module docstring). Raises ``ChatTemplateError``."""
+    from basertd.server.transport.http.chat_template import ChatTemplate  # loaded before serve()
+
     source, bos, eos, messages, add_generation_prompt, tools, max_chars = job
     key = (source, bos, eos)
     template = _templates.get(key)
@@ -39,4 +42,7 @@ def render(job: Any) -> str:
 
 
 if __name__ == "__main__":
+    harden()  # first: jinja2's import runs at the child's lowered priority
+    import basertd.server.transport.http.chat_template  # noqa: F401  (before the child says ready)
+
     serve(render)
