@@ -59,9 +59,21 @@ WORDS = [
 
 
 def prose(seed: int, n_words: int) -> str:
-    """Deterministic filler text of ``n_words`` words (about 1.3 tokens a word on Gemma)."""
+    """Deterministic filler text of ``n_words`` words (``tokens_per_word`` gives the model's rate)."""
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) + ("." if i % 12 == 11 else "") for i in range(n_words))
+
+
+def tokens_per_word(model: str) -> float:
+    """Tokens per word of ``prose`` on ``model``'s vocabulary (about 2 on Gemma 3), so prompts are
+    sized in tokens: a guess of 1.3 made the agents' prompts 2,700 tokens, past a 2,048-token lane."""
+    from basertd.server.request.tokenizer import GgufTokenizer
+
+    tok = GgufTokenizer(model)
+    try:
+        return len(tok.encode(prose(0, 2000), add_bos=False)) / 2000
+    finally:
+        tok.close()
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -154,7 +166,7 @@ async def rate(http: aiohttp.ClientSession, srv: Server, n: int, tokens: int, no
 async def burst(
     http: aiohttp.ClientSession, srv: Server, a: argparse.Namespace, nonce: str, r: int
 ) -> dict[str, Any]:
-    words = int(a.prompt_tokens / 1.3)
+    words = int(a.prompt_tokens / a.tokens_per_word)
     prompts = [f"{nonce} agent {i}: " + prose(1000 * r + i, words) for i in range(a.agents)]
     t0 = time.perf_counter()
     agents = [asyncio.create_task(stream(http, srv, p, a.agent_tokens)) for p in prompts]
@@ -173,7 +185,7 @@ async def burst(
 async def prefix(
     http: aiohttp.ClientSession, srv: Server, a: argparse.Namespace, nonce: str, r: int
 ) -> dict[str, float]:
-    shared = f"{nonce} shared context: " + prose(r, int(a.prefix_tokens / 1.3))
+    shared = f"{nonce} shared context: " + prose(r, int(a.prefix_tokens / a.tokens_per_word))
     t0 = time.perf_counter()
     out = await asyncio.gather(
         *(stream(http, srv, f"{shared}\nQuestion {i}: why {WORDS[i]}?", 32) for i in range(16))
@@ -189,7 +201,10 @@ async def one_round(srv: Server, a: argparse.Namespace, r: int) -> dict[str, flo
     nonce = f"[{srv.name} round {r} {time.time_ns() % 10**9}]"
     out: dict[str, float] = {}
     timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=64)) as http:
+    # A new connection per request: llama-server drops idle keep-alive connections, which a
+    # pooled client then reuses ("Server disconnected" on the next request).
+    conn = aiohttp.TCPConnector(limit=64, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
         if "1" in a.only:
             out["tps1"] = await rate(http, srv, 1, a.tokens, nonce)
         if "8" in a.only:
@@ -264,6 +279,7 @@ def main() -> int:
     a = p.parse_args()
     a.only = set(a.only.split(","))
     model = a.model or str(default_model_path())
+    a.tokens_per_word = tokens_per_word(model)
     t0 = time.monotonic()
     ours_d = BenchDaemon(
         workers_toml(model=model, lanes=a.lanes, context_length=a.context, threads=a.threads),
