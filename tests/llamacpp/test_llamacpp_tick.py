@@ -26,6 +26,7 @@ from basertd.schema.tick import (
 from basertd.worker.engines.base import PlanRejected
 from basertd.worker.engines.llamacpp import sampling
 from basertd.worker.engines.llamacpp.hooks import LaneTestHooks
+from basertd.worker.engines.llamacpp.rounds import SPLIT_MIN_PREFILL_ROWS
 
 EOS = 2
 
@@ -390,3 +391,22 @@ def test_held_row_across_ticks(lc):
     a = coord.read(emit_of(coord.tick(decodes=[LaneDecode(lane_tag=1, max_new_tokens=3)]), 1).token_ref)
     b = coord.read(emit_of(start(coord, 2, prompt, decode=3), 2).token_ref)
     assert a == b
+
+
+@pytest.mark.parametrize(
+    ("prefill_rows", "parts"), [(40, [1, 40]), (SPLIT_MIN_PREFILL_ROWS - 1, [SPLIT_MIN_PREFILL_ROWS])]
+)
+def test_decode_rows_go_in_their_own_llama_decode_beside_a_prefill(lc, prefill_rows, parts):
+    # A prefill chunk sharing llama.cpp's flash-attention query tiles with other lanes' decode rows
+    # would attend over all their keys (rounds.SPLIT_MIN_PREFILL_ROWS); below the threshold the
+    # round stays one llama_decode.
+    eng, coord = lc
+    start(coord, 2, make_prompt(2, 10), decode=1, params=ignore_eos())
+    ev = coord.tick(
+        admits=[admit(1, coord.prompt(make_prompt(3, prefill_rows)), params=ignore_eos())],
+        prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=prefill_rows)],
+        decodes=[LaneDecode(lane_tag=2, max_new_tokens=1)],
+    )
+    assert [rows for rows, _ in eng.rounds.batch.parts] == parts
+    assert emit_of(ev, 2).n_tokens == 1
+    assert eng.lanes[1].kv_len == prefill_rows and eng.lanes[2].kv_len == 11

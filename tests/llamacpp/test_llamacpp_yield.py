@@ -72,16 +72,17 @@ def test_a_yield_keeps_decode_tokens_and_counts_cut_budget_once(make_engine, con
         decodes=[LaneDecode(lane_tag=2, max_new_tokens=4)],
         prefill_token_budget=60,  # 20 shed by the budget, the rest of the 60 by the yield
     )
-    # Round 0 carried lane 2's token and 15 prefill rows; the yield ended the tick after it.
+    # Round 0 carried lane 2's token (a llama_decode of its own, split off its prefill rows) and
+    # one step of STEP prefill rows; the yield ended the tick after it.
     (e2,) = [e for e in ev.emits if e.lane_tag == 2]
     assert (e2.n_tokens, e2.finish) == (1, Finish.NONE)
     (s,) = ev.shed.entries
-    assert (s.lane_tag, s.tokens) == (1, 80 - (STEP - 1))
+    assert (s.lane_tag, s.tokens) == (1, 80 - STEP)
     assert ev.shed.prefill_chunks_dropped == 1
-    assert eng.lanes[1].prefilled == eng.lanes[1].kv_len == STEP - 1
+    assert eng.lanes[1].prefilled == eng.lanes[1].kv_len == STEP
     control.clear_yield()
     ev = coord.tick(
-        prefills=[LanePrefill(lane_tag=1, token_offset=STEP - 1, token_count=80 - STEP + 1)],
+        prefills=[LanePrefill(lane_tag=1, token_offset=STEP, token_count=80 - STEP)],
         decodes=[LaneDecode(lane_tag=1, max_new_tokens=1), LaneDecode(lane_tag=2, max_new_tokens=1)],
     )
     assert ev.tick_status == TickStatus.OK

@@ -42,6 +42,12 @@ MIN_ROUND_FEED = 64
 in the first (a short prompt's first token is not delayed by rounds of a few rows each). A longer
 one is spread evenly, so the rounds the grants allow are all used and none is decode-only."""
 
+SPLIT_MIN_PREFILL_ROWS = 8
+"""A round whose prefill rows reach this many decodes its decode rows in a ``llama_decode`` of
+their own first (``TokenBatch.decode``'s ``split``: a prefill chunk that shares flash-attention
+query tiles with other lanes' decode rows attends over all their keys). Below it, the extra
+``llama_decode`` (one more pass over the weights) would cost more than the shared tile."""
+
 _U32 = (1 << 32) - 1
 
 
@@ -179,7 +185,9 @@ class Rounds:
         w = self.abort
         if w is None:
             return
-        end = min(self.batch.n, start + self.batch.n_batch)
+        end = self.batch.part_end(start)
+        if start == self.batch.split:  # the rest of a step whose decode rows went first
+            start = 0
         ok = (
             end - start <= self.n_ubatch
             and start >= tick.min_rows
@@ -366,7 +374,8 @@ class Rounds:
             return True
 
         def on_step(start: int, end: int) -> None:
-            tick.steps += 1
+            if end != self.batch.split:  # decode rows split off are not a step of their own
+                tick.steps += 1
             on_part(start, end)
 
         def arm(start: int) -> None:
@@ -374,7 +383,8 @@ class Rounds:
 
         t = time.perf_counter_ns()
         try:
-            done = self.batch.decode(ctx, on_step, stop, arm if self.abort is not None else None)
+            split = n_decode_rows if self.batch.n - n_decode_rows >= SPLIT_MIN_PREFILL_ROWS else 0
+            done = self.batch.decode(ctx, on_step, stop, arm if self.abort is not None else None, split)
         except BatchDecodeError as exc:
             if exc.rc < -1:
                 raise EngineFatal(Status.ERR_FATAL, str(exc)) from exc
@@ -386,7 +396,7 @@ class Rounds:
             tick.yielded = True
             self.first_step_aborted = tick.steps == 0
             stats["yield_aborts_total"] += 1
-            stats["yield_abort_rows_total"] += min(self.batch.n, done + self.batch.n_batch) - done
+            stats["yield_abort_rows_total"] += self.batch.part_end(done) - done
         elif tick.steps:
             self.first_step_aborted = False
         for rows, ns in self.batch.parts:
