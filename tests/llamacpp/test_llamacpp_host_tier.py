@@ -13,6 +13,7 @@ from lc_harness import admit, ignore_eos, make_prompt
 from basertd.schema.abi import Sampling, Status, Tier
 from basertd.schema.tick import ENVELOPE_BYTES, LaneDecode, LanePrefill, LaneRetire, ShedPolicy
 from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.llamacpp.seeds import PROMPT_SNAPSHOT_MIN_TOKENS
 from basertd.worker.engines.llamacpp.state import open_sealed, seal
 
 U64 = (1 << 64) - 1
@@ -172,6 +173,32 @@ def test_a_pruned_entry_is_snapshotted_only_where_its_window_holds(make_engine, 
     st = eng.stats()
     assert st["host_restores_total"] == 1 and st["cold_fallbacks_total"] == 0
     assert np.abs(restored - cold).max() < 0.02  # test_llamacpp_cache.LAYOUT_NOISE on this model
+
+
+def test_a_long_prompt_is_snapshotted_as_its_prefill_passes_its_last_page(gemma):
+    # By the eviction, decoding and other traffic have made llama.cpp reuse the cells of the
+    # prompt boundary's 32-token window (the demotion cannot capture it there); the snapshot taken
+    # when the prefill crossed it serves the same prompt sent again.
+    eng, coord = gemma
+    a = make_prompt(50, 300)  # last page boundary 288 >= PROMPT_SNAPSHOT_MIN_TOKENS
+    assert PROMPT_SNAPSHOT_MIN_TOKENS <= 288
+    decode(coord, 1, a, 100)
+    st = eng.stats()
+    assert st["host_snapshots_total"] == 1 and [h.length for h in eng.host] == [288]
+    (entry,) = eng.cache.entries.values()
+    for i in range(3):  # traffic that makes llama.cpp prune the entry's out-of-window cells
+        host_row(coord, 2, make_prompt(52 + i, 200))  # boundary 192: too short for a snapshot
+    assert eng.cells.pos_range(entry.seq)[0] > 288 - 32 + 1  # the entry's own mark window is gone
+    assert eng.stats()["host_snapshots_total"] == 1
+    evict_all(eng)
+    assert eng.stats()["host_demotions_total"] == 1  # its end only
+    assert (288, Tier.HOST) in match(eng, coord, a)
+    cold = host_row(coord, 2, a)
+    restored = host_row(coord, 3, a, skip=288, seed=eng.seed_acquire(coord.prompt(a), 288, 0))
+    st = eng.stats()
+    assert st["host_restores_total"] == 1 and st["cold_fallbacks_total"] == 0
+    assert np.abs(restored - cold).max() < 0.02  # test_llamacpp_cache.LAYOUT_NOISE on this model
+    assert eng.stats()["host_snapshots_total"] == 1  # a lane seeded at its mark takes none
 
 
 def test_the_tier_stays_within_its_bytes_dropping_the_least_recently_used(make_engine):

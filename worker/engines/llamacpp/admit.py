@@ -86,4 +86,5 @@ def _new_lane(tick: Tick, w: AdmitWork) -> Lane:
         seeded_tokens=0 if cold else w.share_len,
         grammar=tick.grammars.lane_grammar(a.grammar_handle, w.prompt[n - a.grammar_replay :]),
         spec=None if w.lookup is None else LaneSpec(w.lookup, w.cert_id),
+        mark=p.seeds.prompt_mark(w.prefill_end, kv_len),
     )

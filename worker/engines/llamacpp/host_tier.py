@@ -15,7 +15,11 @@ a snapshot can seed a lane at exactly the length it was taken at and at no short
 (``../shared/reference/llamacpp-notes.md`` section 2; ``prefix_cache.window_intact``), and an
 entry is captured at two boundaries: its end, and the page boundary before the end of the prompt
 of the lane that published it (``CacheEntry.mark``; a prompt sent again seeds there and prefills
-its last tokens). Without a window a snapshot serves every page multiple up to its length.
+its last tokens). By the time an entry is evicted its lane may have decoded far enough for
+llama.cpp to have reused the cells of that mark's window, so a long prompt (``seeds.
+PROMPT_SNAPSHOT_MIN_TOKENS``) is also captured at that boundary while its prefill passes it
+(``Tiering.snapshot``: the window of the boundary is intact at the end of the ``llama_decode``
+that crossed it). Without a window a snapshot serves every page multiple up to its length.
 
 **Restore** (``Seeds.seed_acquire``, between ticks): the envelope is opened against this engine
 (``state.open_sealed``: size, magic, space kind, payload length, compat identity, checksum; ABI
@@ -106,7 +110,8 @@ class HostTier:
     (digest, taint). Pure bookkeeping and counters; ``seeds.Seeds`` captures and restores.
 
     Counters (``stats``): ``demotions_total`` (evicted entries captured into the tier; counted by
-    the caller), ``dropped_total`` (entries pushed out
+    the caller), ``snapshots_total`` (prompts captured at their last page boundary as their
+    prefill passed it: ``Tiering.snapshot``), ``dropped_total`` (entries pushed out
     to make room, or too large to keep), ``restores_total`` / ``restored_tokens_total`` /
     ``restore_ns_total`` (restores that served, their tokens and their wall time in ns),
     ``refused_total`` (snapshots refused at restore: corrupt, another model or layout, wrong
@@ -120,6 +125,7 @@ class HostTier:
         self.bytes = 0
         self._clock = 0
         self.demotions_total = 0
+        self.snapshots_total = 0
         self.dropped_total = 0
         self.restores_total = 0
         self.restored_tokens_total = 0
@@ -136,6 +142,10 @@ class HostTier:
 
     def __iter__(self) -> Iterator[HostEntry]:
         return iter(list(self._entries.values()))
+
+    def has(self, digest: bytes, taint: int) -> bool:
+        """Whether an entry of ``digest`` and ``taint`` is kept."""
+        return (digest, taint) in self._entries
 
     def fits(self, nbytes: int) -> bool:
         """Whether a blob of ``nbytes`` can be kept at all."""
@@ -201,6 +211,7 @@ class HostTier:
             "host_bytes": self.bytes,
             "host_capacity_bytes": self.capacity,
             "host_demotions_total": self.demotions_total,
+            "host_snapshots_total": self.snapshots_total,
             "host_dropped_total": self.dropped_total,
             "host_restores_total": self.restores_total,
             "host_restored_tokens_total": self.restored_tokens_total,

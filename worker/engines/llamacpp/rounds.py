@@ -339,6 +339,10 @@ class Rounds:
                 grow(lane.seq, k)
                 lane.kv_len += k
                 lane.content_gen += 1
+                if lane.mark and lane.kv_len >= lane.mark:
+                    # the window of the mark is intact right after the llama_decode that crossed it
+                    tick.parts.seeds.snapshot_prompt(lane.seq, lane.tokens, lane.mark, lane.taint)
+                    lane.mark = 0
                 if first >= n_decode_rows:
                     stats["prefill_tokens_total"] += k
                 if want and lane.kv_len == lane.produced:

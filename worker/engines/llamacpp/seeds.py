@@ -60,6 +60,13 @@ if TYPE_CHECKING:
 KV_SPACE_ID = 0
 """space_id of the engine's one state space (PAGED_TOKEN_KV)."""
 
+PROMPT_SNAPSHOT_MIN_TOKENS = 256
+"""On a sliding-window model with a host tier, a prompt whose last page boundary is at least this
+many tokens in is captured there as its prefill passes it (``Seeds.prompt_mark``), so the same
+prompt sent again restores instead of prefilling. Shorter prompts are left out: they prefill in a
+fraction of a second, and their snapshots would push the long prefixes a restore saves most on
+out of the tier's least-recently-used order."""
+
 
 class Seeds:
     """Published prefixes and seed leases of one engine over ``cells``, for ``model`` (its id,
@@ -251,6 +258,21 @@ class Seeds:
         seq = self.adopted[lease.adopted].seq if lease.adopted else self.cache.entries[lease.entry_id].seq
         pmin, pmax = self.cells.pos_range(seq)
         return seq, self.cells.length(seq), pmin, pmax
+
+    def prompt_mark(self, prefill_end: int, kv_len: int) -> int:
+        """Where a lane admitted with ``kv_len`` tokens of KV and a prompt ending at
+        ``prefill_end`` is snapshotted into the host tier as its prefill passes: the last page
+        boundary before ``prefill_end`` (tokens), or 0 (no host tier, no sliding window, a short
+        prompt, or a seed that already covers it). ``PROMPT_SNAPSHOT_MIN_TOKENS``."""
+        if not self.host.enabled or self.n_swa <= 0:
+            return 0
+        mark = ((prefill_end - 1) // self.page) * self.page
+        return mark if mark >= PROMPT_SNAPSHOT_MIN_TOKENS and mark > kv_len else 0
+
+    def snapshot_prompt(self, seq: int, tokens: np.ndarray, mark: int, taint: int) -> bool:
+        """The lane on ``seq`` holding ``tokens`` has prefilled past its ``mark``: keep a host
+        snapshot of ``tokens[:mark]`` (``Tiering.snapshot``)."""
+        return self.tiering.snapshot(seq, tokens[:mark], taint)
 
     def seat(self, lease: Lease, share_len: int, cold: bool) -> tuple[int, int, bool]:
         """An admit consumes ``lease``: ``(seq id, taint, cold)`` of the lane's sequence holding

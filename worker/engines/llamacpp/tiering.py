@@ -135,6 +135,39 @@ class Tiering:
             return f"restored positions [{pmin}, {pmax}] cannot continue at {h.length}"
         return ""
 
+    def snapshot(self, seq: int, tokens: np.ndarray, taint: int) -> bool:
+        """Capture the first ``tokens.shape[0]`` positions of the live sequence ``seq`` (a lane
+        whose prefill just passed that page boundary; ``tokens`` its tokens there) into the host
+        tier, unless the pool or the tier already holds that prefix or its window is gone.
+        True when a snapshot was kept."""
+        n = tokens.shape[0]
+        digest = prefix_digest(self.model_id, tokens)
+        if self.cache.find_identical(digest, taint) is not None or self.host.has(digest, taint):
+            return False
+        pmin, pmax = self.cells.pos_range(seq)
+        if not prefix_servable(pmin, pmax, n, self.n_swa):
+            return False
+
+        def grab(s: int) -> bytearray | None:
+            return capture(
+                self.cells.ctx,
+                s,
+                identity=self.identity,
+                provenance=digest,
+                taint=taint,
+                n_tokens=n,
+                max_bytes=self.host.capacity,
+            )
+
+        blob = self.cells.with_prefix(seq, n, grab)
+        if blob is None:
+            self.host.dropped_total += 1
+            return False
+        if not self.host.put(HostEntry(tokens.copy(), digest, taint, blob)):
+            return False
+        self.host.snapshots_total += 1
+        return True
+
     def demote(self, entry: CacheEntry) -> int:
         """Capture ``entry`` (resident, about to be evicted) into the host tier at its end and, on
         a sliding-window model, at its ``mark`` too (``host_tier``); returns the snapshots kept (0
