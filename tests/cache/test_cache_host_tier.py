@@ -79,3 +79,30 @@ def test_a_prompt_pushed_out_of_the_pool_is_restored_from_host_memory(daemon, ti
     assert metric(daemon, "basertd_host_tier_refused_total") == 0
     daemon.wait_idle()
     wait_leases(daemon, 0)
+
+
+def test_a_long_prompt_on_a_window_model_comes_back_from_its_prefill_snapshot(tiny_gemma3_gguf):
+    # A sliding-window model keeps only the window of a snapshot's end, so the prompt sent again
+    # needs one taken at its own last page boundary: taken as its prefill passed it
+    # (``basertd_host_tier_snapshots``), before decoding moved the window on.
+    prompt = "the world is a hello of the world and " * 10  # ~300 tokens: boundary >= 256
+    cfg = tiny_toml(tiny_gemma3_gguf, lanes=2, context=512, grant=4, cache="host_bytes = 16777216")
+    with Daemon(cfg) as d:
+        with d.client() as c:
+            ids = c.tokenize(prompt)
+        mark = (len(ids) - 1) // PAGE * PAGE
+        assert mark >= 256
+        first = generate(d, prompt, "g-0")
+        for i, p in enumerate(OTHERS):
+            generate(d, p, f"g-o-{i}")
+        d.wait_idle()
+        assert stats_row(d)["host_restores"] == 0
+        again = generate(d, prompt, "g-1")
+        assert again.usage.cached_tokens == mark
+        (ref,) = bare_reference(tiny_gemma3_gguf, [ids], N_NEW)
+        assert_same_up_to_near_ties(first.ids, ref, "first run")
+        assert_same_up_to_near_ties(again.ids, ref, "restored from its prefill snapshot")
+        assert stats_row(d)["host_restores"] >= 1
+        assert metric(d, "basertd_host_tier_snapshots_total") >= 1
+        d.wait_idle()
+        wait_leases(d, 0)

@@ -249,6 +249,11 @@ def host_tier_series(gauge: Callable[..., Metric], counter: Callable[..., Metric
         "Prefixes evicted from the KV pool and kept in the host tier.",
         lambda ws: _host(ws, "demoted"),
     )
+    yield counter(
+        "host_tier_snapshots",
+        "Long prompts kept in the host tier at their last page boundary as their prefill passed it.",
+        lambda ws: _host(ws, "snapshotted"),
+    )
 
 
 class Metrics:

@@ -54,7 +54,8 @@ class HostTierCounts:
     """A worker's host tier of evicted prefixes (the llama.cpp engine's ``host_tier``) as its
     engine last reported it: ``entries`` and ``bytes`` held, ``capacity_bytes``, ``restores``
     into the pool and their wall time ``restore_s`` (seconds), ``refused`` snapshots, prefixes
-    ``demoted`` into it and ``dropped`` from it. Counts since the worker incarnation started."""
+    ``demoted`` into it, prompts ``snapshotted`` into it as their prefill passed their last page
+    and entries ``dropped`` from it. Counts since the worker incarnation started."""
 
     entries: int = 0
     bytes: int = 0
@@ -63,6 +64,7 @@ class HostTierCounts:
     restore_s: float = 0.0
     refused: int = 0
     demoted: int = 0
+    snapshotted: int = 0
     dropped: int = 0
 
     @classmethod
@@ -79,6 +81,7 @@ class HostTierCounts:
             restore_s=int(stats.get("host_restore_ns_total", 0)) / 1e9,
             refused=int(stats.get("host_refused_total", 0)),
             demoted=int(stats.get("host_demotions_total", 0)),
+            snapshotted=int(stats.get("host_snapshots_total", 0)),
             dropped=int(stats.get("host_dropped_total", 0)),
         )
 

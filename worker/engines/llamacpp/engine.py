@@ -3,7 +3,8 @@
 One ``llama_context`` with a unified KV cache of ``pool_tokens`` cells and ``n_seq_max`` = lanes +
 cache sequences + spare sequences. Each lane owns one sequence id; a tick runs retires, commits,
 admits, prefills, decodes (ABI rule 53) and puts every decoding lane of a round in one
-``llama_decode``, with the tick's prefill chunks packed behind them in the same batch. A grant of
+``llama_decode``, with the tick's prefill chunks behind them in the same batch (a chunk of 8 rows
+or more in a ``llama_decode`` of its own: ``rounds.SPLIT_MIN_PREFILL_ROWS``). A grant of
 k tokens runs k rounds; the tick's prefill is spread evenly over them (``rounds``), so a lane
 decoding beside a long prefill gets a token every round instead of waiting for all of it. Tokens
 are chosen on the host from each lane's logits row (``sampling``); HOST lanes get the row in the
