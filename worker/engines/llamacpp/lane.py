@@ -64,9 +64,8 @@ class Lane:
     seeded_tokens: int = 0
     grammar: LaneGrammar | None = None  # the lane's matcher when admitted with a grammar handle
     spec: LaneSpec | None = None  # prompt-lookup state when admitted on a certified slot (``speculation``)
-    mark: int = (
-        0  # where its prompt is snapshotted into the host tier once prefilled past (``Seeds.prompt_mark``)
-    )
+    # where its prompt is snapshotted into the host tier once prefilled past (``Seeds.prompt_mark``)
+    mark: int = 0
 
     @property
     def is_host(self) -> bool:

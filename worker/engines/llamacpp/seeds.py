@@ -266,8 +266,13 @@ class Seeds:
         prompt, or a seed that already covers it). ``PROMPT_SNAPSHOT_MIN_TOKENS``."""
         if not self.host.enabled or self.n_swa <= 0:
             return 0
-        mark = ((prefill_end - 1) // self.page) * self.page
+        mark = self._last_page_before(prefill_end)
         return mark if mark >= PROMPT_SNAPSHOT_MIN_TOKENS and mark > kv_len else 0
+
+    def _last_page_before(self, prompt_end: int) -> int:
+        """The last page boundary before ``prompt_end`` (tokens; 0 for an unknown end): where the
+        same prompt sent again is seeded, its last token left to prefill."""
+        return ((prompt_end - 1) // self.page) * self.page if prompt_end > 0 else 0
 
     def snapshot_prompt(self, seq: int, tokens: np.ndarray, mark: int, taint: int) -> bool:
         """The lane on ``seq`` holding ``tokens`` has prefilled past its ``mark``: keep a host
@@ -339,7 +344,7 @@ class Seeds:
                 self.cells.free_seq(seq)
                 return False
             self.evict(victim, shed, SHED_REASON_PUBLISH)
-        mark = ((prompt_end - 1) // self.page) * self.page if prompt_end > 0 else 0
+        mark = self._last_page_before(prompt_end)
         self.cache.add(seq, toks, digest, taint, mark=mark if mark < n else 0)
         self.host.discard(digest, taint)  # one copy of a prefix, in one tier
         self._evictable_at = None

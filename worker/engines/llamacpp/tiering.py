@@ -140,30 +140,13 @@ class Tiering:
         whose prefill just passed that page boundary; ``tokens`` its tokens there) into the host
         tier, unless the pool or the tier already holds that prefix or its window is gone.
         True when a snapshot was kept."""
-        n = tokens.shape[0]
         digest = prefix_digest(self.model_id, tokens)
         if self.cache.find_identical(digest, taint) is not None or self.host.has(digest, taint):
             return False
         pmin, pmax = self.cells.pos_range(seq)
-        if not prefix_servable(pmin, pmax, n, self.n_swa):
+        if not prefix_servable(pmin, pmax, tokens.shape[0], self.n_swa):
             return False
-
-        def grab(s: int) -> bytearray | None:
-            return capture(
-                self.cells.ctx,
-                s,
-                identity=self.identity,
-                provenance=digest,
-                taint=taint,
-                n_tokens=n,
-                max_bytes=self.host.capacity,
-            )
-
-        blob = self.cells.with_prefix(seq, n, grab)
-        if blob is None:
-            self.host.dropped_total += 1
-            return False
-        if not self.host.put(HostEntry(tokens.copy(), digest, taint, blob)):
+        if not self._keep(seq, tokens.copy(), digest, taint):
             return False
         self.host.snapshots_total += 1
         return True
@@ -184,22 +167,30 @@ class Tiering:
                 continue
             toks = entry.tokens[:end]
             digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
-
-            def grab(s: int, end: int = end, digest: bytes = digest) -> bytearray | None:
-                return capture(
-                    self.cells.ctx,
-                    s,
-                    identity=self.identity,
-                    provenance=digest,
-                    taint=entry.taint,
-                    n_tokens=end,
-                    max_bytes=self.host.capacity,
-                )
-
-            blob = self.cells.with_prefix(entry.seq, end, grab)
-            if blob is None:
-                self.host.dropped_total += 1
-            elif self.host.put(HostEntry(toks, digest, entry.taint, blob)):
+            if self._keep(entry.seq, toks, digest, entry.taint):
                 self.host.demotions_total += 1
                 kept += 1
         return kept
+
+    def _keep(self, seq: int, tokens: np.ndarray, digest: bytes, taint: int) -> bool:
+        """Seal the first ``tokens.shape[0]`` positions of ``seq`` (their provenance ``digest``)
+        and put them in the host tier; False when llama.cpp wrote nothing or it does not fit
+        (counted as dropped)."""
+        n = tokens.shape[0]
+
+        def grab(s: int) -> bytearray | None:
+            return capture(
+                self.cells.ctx,
+                s,
+                identity=self.identity,
+                provenance=digest,
+                taint=taint,
+                n_tokens=n,
+                max_bytes=self.host.capacity,
+            )
+
+        blob = self.cells.with_prefix(seq, n, grab)
+        if blob is None:
+            self.host.dropped_total += 1
+            return False
+        return self.host.put(HostEntry(tokens, digest, taint, blob))
