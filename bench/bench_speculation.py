@@ -13,8 +13,14 @@ prompt-lookup and backs off where it does not pay): both in the same process and
 ``--streams`` concurrent ``code`` completions (distinct files), aggregate tokens/s, off vs auto.
 Prints tokens/s per workload, the ratios, and the drafts accepted.
 
+The ``same`` column says whether the greedy text with speculation matched the text without it
+(``yes``, or the characters they share before they part: a near-tie flipped by the batch shape).
+``--device cuda`` runs the worker with every layer on the GPU (``device = "cuda:0"``) and
+llama-server with ``-ngl 99``; ``--model`` names another GGUF.
+
     .venv/bin/python bench/bench_speculation.py --threads 2 --tokens 256
         [--streams 8] [--reps 1] [--no-llama-server] [--spec-types ngram-simple,ngram-map-k,ngram-mod]
+        [--device cpu|cuda] [--model PATH]
 """
 
 from __future__ import annotations
@@ -85,8 +91,9 @@ def code_prompt(variant: int) -> str:
     )
 
 
-def completion(url: str, prompt: str, tokens: int, extra: dict) -> tuple[float, int, dict]:
-    """One streamed greedy /v1/completions: (decode tok/s after the first token, tokens, usage)."""
+def completion(url: str, prompt: str, tokens: int, extra: dict) -> tuple[float, int, dict, str]:
+    """One streamed greedy /v1/completions: (decode tok/s after the first token, tokens, usage,
+    text)."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, **extra}  # fmt: skip
     req = urllib.request.Request(
@@ -94,33 +101,44 @@ def completion(url: str, prompt: str, tokens: int, extra: dict) -> tuple[float, 
     )
     times: list[float] = []
     usage: dict = {}
+    text: list[str] = []
     with urllib.request.urlopen(req, timeout=600) as r:
         for raw in r:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             obj = json.loads(line[5:])
-            if any(c.get("text") for c in obj.get("choices") or []):
+            pieces = [c.get("text") or "" for c in obj.get("choices") or []]
+            if any(pieces):
                 times.append(time.perf_counter())
+                text.extend(pieces)
             usage = obj.get("usage") or usage
     n = usage.get("completion_tokens", len(times))
     rate = (n - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else float("nan")
-    return rate, n, usage
+    return rate, n, usage, "".join(text)
 
 
-def best(url: str, prompt: str, tokens: int, extra: dict, reps: int) -> tuple[float, dict]:
-    """The median decode rate of ``reps`` runs and the last run's usage."""
-    rates, usage = [], {}
+def best(url: str, prompt: str, tokens: int, extra: dict, reps: int) -> tuple[float, dict, str]:
+    """The median decode rate of ``reps`` runs, the last run's usage and text."""
+    rates, usage, text = [], {}, ""
     for _ in range(reps):
-        rate, _, usage = completion(url, prompt, tokens, extra)
+        rate, _, usage, text = completion(url, prompt, tokens, extra)
         rates.append(rate)
-    return statistics.median(rates), usage
+    return statistics.median(rates), usage, text
+
+
+def agreement(a: str, b: str) -> str:
+    """``yes`` when the texts are equal, else how many characters they share before they part."""
+    if a == b:
+        return "yes"
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"{n}/{max(len(a), len(b))}"
 
 
 def aggregate(url: str, n: int, tokens: int, extra: dict) -> tuple[float, int, int]:
     """``n`` concurrent ``code`` completions on distinct files: (tokens/s over the wall time from the
     first send to the last token, drafts accepted, drafts proposed)."""
-    out: list[tuple[float, int, dict]] = [(0.0, 0, {})] * n
+    out: list[tuple[float, int, dict, str]] = [(0.0, 0, {}, "")] * n
 
     def one(i: int) -> None:
         out[i] = completion(url, code_prompt(i + 1), tokens, extra)
@@ -132,10 +150,10 @@ def aggregate(url: str, n: int, tokens: int, extra: dict) -> tuple[float, int, i
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    details = [u.get("completion_tokens_details") or {} for *_, u in out]
+    details = [u.get("completion_tokens_details") or {} for _, _, u, _ in out]
     acc = sum(x.get("accepted_prediction_tokens", 0) for x in details)
     rej = sum(x.get("rejected_prediction_tokens", 0) for x in details)
-    return sum(k for _, k, _ in out) / wall, acc, acc + rej
+    return sum(k for _, k, _, _ in out) / wall, acc, acc + rej
 
 
 def main() -> int:
@@ -151,8 +169,11 @@ def main() -> int:
         help="llama-server's n-gram --spec-type values to run; each workload compares with the best",
     )
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the layers run")
+    ap.add_argument("--model", default="", help="a GGUF (default: the default model)")
     a = ap.parse_args()
-    model = str(default_model_path())
+    model = a.model or str(default_model_path())
+    gpu = a.device == "cuda"
     loads = workloads()
     spec = (
         f'[speculation]\nstrategies = ["prompt-lookup"]\ndraft_max = {a.draft_max}\nngram_min = 2\n'
@@ -160,17 +181,21 @@ def main() -> int:
     )
     rows: dict[str, dict[str, float]] = {w: {} for w in loads}
     accept: dict[str, str] = {}
+    same: dict[str, str] = {}
     batch: dict[str, float] = {}
     lanes = max(2, a.streams)
-    workers = workers_toml(model=model, threads=a.threads, lanes=lanes, context_length=4096)
+    workers = workers_toml(
+        model=model, threads=a.threads, lanes=lanes, context_length=4096, device="cuda:0" if gpu else None
+    )
     with BenchDaemon(workers, extra=spec, http=True, prefix="brt-spec-") as d:
         assert d.url is not None
         for w, prompt in loads.items():
             off = {"speculation": "off", **EXTRA.get(w, {})}
             auto = {"speculation": "auto", **EXTRA.get(w, {})}
             completion(d.url, prompt, 8, off)  # warm: the prompt cached, pages hot
-            rows[w]["off"], _ = best(d.url, prompt, a.tokens, off, a.reps)
-            rows[w]["on"], usage = best(d.url, prompt, a.tokens, auto, a.reps)
+            rows[w]["off"], _, text_off = best(d.url, prompt, a.tokens, off, a.reps)
+            rows[w]["on"], usage, text_on = best(d.url, prompt, a.tokens, auto, a.reps)
+            same[w] = agreement(text_off, text_on)
             det = usage.get("completion_tokens_details") or {}
             acc, rej = det.get("accepted_prediction_tokens", 0), det.get("rejected_prediction_tokens", 0)
             accept[w] = f"{acc}/{acc + rej}" if acc + rej else "0/0"
@@ -183,26 +208,27 @@ def main() -> int:
                     batch["accepted"], batch["drafted"] = acc, drafted
     if not a.no_llama_server:
         types = [t for t in a.spec_types.split(",") if t]
+        ngl = ("-ngl", "99" if gpu else "0")
         for label, extra in [("ls", ())] + [(t, ("--spec-type", t)) for t in types]:
-            with LlamaServer(model, ctx=4096, parallel=1, threads=a.threads, extra=extra) as srv:
+            with LlamaServer(model, ctx=4096, parallel=1, threads=a.threads, extra=(*ngl, *extra)) as srv:
                 for w, prompt in loads.items():
                     completion(srv.url, prompt, 8, EXTRA.get(w, {}))
-                    rows[w][label], _ = best(srv.url, prompt, a.tokens, EXTRA.get(w, {}), a.reps)
+                    rows[w][label], _, _ = best(srv.url, prompt, a.tokens, EXTRA.get(w, {}), a.reps)
         for r in rows.values():  # llama-server's best n-gram type per workload
             r["ls_spec"], r["ls_type"] = max((r[t], i) for i, t in enumerate(types))
             r["ls_type"] = float(r["ls_type"])
     print(
-        f"single stream, {a.tokens} tokens, {a.threads} threads, greedy; decode tok/s after the first token;"
-        " basertd's speculation 'auto' (prompt-lookup) against 'off'"
+        f"single stream, {a.tokens} tokens, {a.threads} threads, {a.device}, greedy; decode tok/s after the"
+        " first token; basertd's speculation 'auto' (prompt-lookup) against 'off'"
     )
     types = [t for t in a.spec_types.split(",") if t]
     head = f"{'workload':8} {'off':>7} {'auto':>7} {'x off':>6} {'ls':>7}"
-    print(f"{head} {'ls best n-gram':>27} {'x ls+':>6} accepted")
+    print(f"{head} {'ls best n-gram':>27} {'x ls+':>6} accepted  same")
     for w, r in rows.items():
         ls, lss = r.get("ls", float("nan")), r.get("ls_spec", float("nan"))
         kind = types[int(r["ls_type"])] if "ls_type" in r else "-"
         print(f"{w:8} {r['off']:7.1f} {r['on']:7.1f} {r['on'] / r['off']:6.2f} {ls:7.1f} {lss:7.1f} "
-              f"({kind:>17}) {r['on'] / lss:6.2f} {accept[w]}")  # fmt: skip
+              f"({kind:>17}) {r['on'] / lss:6.2f} {accept[w]:>9} {same[w]}")  # fmt: skip
     if batch:
         off = statistics.mean((batch["off"], batch["off2"]))
         auto = statistics.mean((batch["auto"], batch["auto2"]))

@@ -6,8 +6,10 @@ times (median of 6 decodes each; the drafted KV is removed after each). The cons
 ``VERIFY_BASE`` / ``VERIFY_PER_DRAFT`` of ``basertd.worker.engines.llamacpp.speculation`` are a
 line fitted to the all-rows ratios for m >= 3 on the default model with 2 threads.
 
+``--device cuda`` offloads every layer (a CUDA build of llama.cpp), where draft rows cost far less.
+
     .venv/bin/python bench/bench_verify_cost.py [--model PATH] [--threads 2] [--position 1000]
-        [--drafts 1,3,7,11,15,23,31,47] [--reps 3]
+        [--drafts 1,3,7,11,15,23,31,47] [--reps 3] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ def main() -> int:
     ap.add_argument("--position", type=int, default=1000)
     ap.add_argument("--drafts", default="1,3,7,11,15,23,31,47")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
     drafts = [int(x) for x in a.drafts.split(",")]
     L.llama_backend_init()
-    model = LlamaModel(a.model or str(default_model_path()))
+    model = LlamaModel(a.model or str(default_model_path()), n_gpu_layers=-1 if a.device == "cuda" else 0)
     (toks,) = prompts(model, 1, a.position + max(drafts) + 1)
     c = Ctx(
         model,

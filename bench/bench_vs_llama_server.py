@@ -26,7 +26,11 @@ Targets (ratios to llama-server in the same run): agents' wall <= 0.9x, 1 stream
 8 streams >= 1.05x, returning TTFT <= 1.0x, RSS <= 1.0x, start <= 1.5x; absolute: interactive TTFT
 <= 0.3 s, no stall over 1 s, shared-prefix prefills <= 1.1. Exit status 1 when a target is missed.
 
+``--device cuda`` puts every layer on the GPU for both (basertd ``device = "cuda:0"``, llama-server
+``-ngl 99``; a CUDA build of each).
+
     .venv/bin/python bench/bench_vs_llama_server.py [--rounds 3] [--threads 2] [--only 1,8,burst,prefix]
+        [--device cpu|cuda] [--model PATH]
 """
 
 from __future__ import annotations
@@ -276,17 +280,21 @@ def main() -> int:
     p.add_argument("--prefix-tokens", type=int, default=1798)
     p.add_argument("--delay", type=float, default=2.0)
     p.add_argument("--only", default="1,8,burst,prefix")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args()
+    gpu = a.device == "cuda"
     a.only = set(a.only.split(","))
     model = a.model or str(default_model_path())
     a.tokens_per_word = tokens_per_word(model)
     t0 = time.monotonic()
     ours_d = BenchDaemon(
-        workers_toml(model=model, lanes=a.lanes, context_length=a.context, threads=a.threads),
+        workers_toml(model=model, lanes=a.lanes, context_length=a.context, threads=a.threads,
+                     device="cuda:0" if gpu else None),
         prefix="brt-vs-", http=True,
     )  # fmt: skip
     ours_ready = time.monotonic() - t0
-    theirs_s = LlamaServer(model, ctx=a.lanes * a.context, parallel=a.lanes, threads=a.threads)
+    theirs_s = LlamaServer(model, ctx=a.lanes * a.context, parallel=a.lanes, threads=a.threads,
+                           extra=("-ngl", "99" if gpu else "0"))  # fmt: skip
     try:
         ours = Server("basertd", ours_d.url or "", lambda: [ours_d.proc.pid], True, ours_ready)
         theirs = Server("llama-server", theirs_s.url, lambda: theirs_s.pids, False, theirs_s.ready_s)
@@ -308,7 +316,7 @@ def main() -> int:
         ours_d.close()
         theirs_s.close()
     print(f"\nmedians of {a.rounds} rounds; model {Path(model).name}, {a.lanes} lanes x {a.context}, "
-          f"{a.threads} threads; {load()}")  # fmt: skip
+          f"{a.threads} threads, {a.device}; {load()}")  # fmt: skip
     return 0 if table(med["basertd"], med["llama-server"]) else 1
 
 
