@@ -115,7 +115,11 @@ class TokenBatch:
         returns 2; llama.cpp drops that ubatch's cells, and a part is one ubatch when ``n_batch``
         <= n_ubatch) ends the call with ``aborted`` set. Returns the rows decoded (``n`` unless
         stopped or aborted); ``parts`` then holds ``(rows, ns)`` of every successful llama_decode.
-        Raises BatchDecodeError on any other nonzero return code.
+        Raises BatchDecodeError on any other nonzero return code. A part with logits rows is timed
+        to ``llama_synchronize``: on a GPU backend ``llama_decode`` returns once its work is queued
+        (the logits read in ``on_part`` would wait for it anyway), and the time of a decode step is
+        what ``rates`` and ``verify_cost`` measure; a part without logits (a prefill chunk's middle)
+        is left asynchronous, timed to its return.
 
         ``split`` (0 < split < n): rows ``[0, split)`` go in a ``llama_decode`` of their own and
         the rest from ``split`` on. The engine puts its decode rows there: llama.cpp's CPU flash
@@ -146,6 +150,8 @@ class TokenBatch:
                 return start
             if rc != 0:
                 raise BatchDecodeError(int(rc), start, end)
+            if self.logits[start:end].any():  # its logits are read next anyway: wait here
+                L.llama_synchronize(ctx)
             self.parts.append((end - start, time.perf_counter_ns() - t))
             on_part(start, end)
             start = end
