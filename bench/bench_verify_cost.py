@@ -3,8 +3,9 @@
 logits, as a verification batch has; and, for comparison, only the last row), against a one-token
 step, for m in ``--drafts``. Prints milliseconds and the ratio to the one-token step, ``--reps``
 times (median of 6 decodes each; the drafted KV is removed after each). The constants
-``VERIFY_BASE`` / ``VERIFY_PER_DRAFT`` of ``basertd.worker.engines.llamacpp.speculation`` are a
-line fitted to the all-rows ratios for m >= 3 on the default model with 2 threads.
+``VERIFY_BASE`` / ``VERIFY_PER_DRAFT`` of ``basertd.worker.engines.llamacpp.verify_cost`` are a
+line fitted to the all-rows ratios for m >= 3 on the default model with 2 threads: the cost the
+engine assumes until it has measured its own (``VerifyCost``).
 
 ``--device cuda`` offloads every layer (a CUDA build of llama.cpp), where draft rows cost far less.
 

@@ -103,7 +103,10 @@ class Report:
         cold_fallbacks_total (seeds whose sliding window was lost), yields_total (ticks ended early
         by the yield word), spec_rounds_total / spec_drafted_total / spec_accepted_total
         (speculative rounds verified, tokens drafted and accepted), spec_faults_total (drafts
-        refused as strategy faults, ``speculation.StrategyFault``), the host tier's ``host_*``
+        refused as strategy faults, ``speculation.StrategyFault``), the verify cost the ``auto``
+        policy judges drafts by (``verify_cost.VerifyCost.stats``: ``spec_verify_base_permille`` /
+        ``spec_verify_per_draft_permille`` in thousandths of a plain decode step,
+        ``spec_verify_measured`` 0 while the defaults, ``spec_verify_samples``), the host tier's ``host_*``
         gauges and counters (``HostTier.stats``: entries, bytes, capacity, demotions, drops,
         restores, restored tokens, restore ns, refused snapshots), the draft models'
         ``draft_models`` / ``draft_bytes`` / ``draft_sequences`` (``DraftHost.stats``), and the
@@ -114,6 +117,7 @@ class Report:
         out.update(e.rates.stats())
         out.update(e.host.stats())
         out.update(e.drafts.stats())
+        out.update(e.rounds.speculator.cost.stats())
         out.update(
             last_plan_seq=e.last_plan_seq or 0,
             bare_sequences=len(e.sequences.bare) + len(e.seeds.adopted),

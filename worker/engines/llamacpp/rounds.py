@@ -15,6 +15,10 @@ planned prefill that did not run is reported exactly as a budget-shed chunk (one
 entry per lane, tokens = planned - done; ABI rules 56, 57). An urgent yield does not wait for the
 step boundary: llama.cpp's abort callback (``abort.AbortWatch``) ends the step in flight, whose KV
 llama.cpp drops (``arm_abort`` says which steps may be cut so every two ticks make progress).
+
+Each round's decode-only ``llama_decode`` (its decode rows alone: no prefill in the round, or the
+decode part of a split round) is timed into the speculator's verify cost (``verify_cost``), with
+how many of its rows were drafts.
 """
 
 from __future__ import annotations
@@ -405,6 +409,10 @@ class Rounds:
             self.first_step_aborted = False
         for rows, ns in self.batch.parts:
             self.rates.note(rows, ns)
+        parts = self.batch.parts
+        if n_decode_rows and parts and parts[0][0] == n_decode_rows:  # decode rows alone (``verify_cost``)
+            m = sum(int(d.shape[0]) for _, _, d in spec)
+            self.speculator.cost.note(n_decode_rows - m, m, parts[0][1])
         if self.batch.n > n_decode_rows:
             tick.prefill_ns += dt
         else:

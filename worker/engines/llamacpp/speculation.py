@@ -38,6 +38,14 @@ lane's context; and the batch: every decode row of a round sits in the round's f
 ``llama_decode`` part, so a yield or abort takes a speculative run whole or not at all. A round
 with more than ``max_batch_lanes`` decoding lanes drafts nothing.
 
+Whether a lane's drafts pay (``LaneSpec.note``, ``pays``): at the lane's estimated conditional
+acceptance some draft length must commit more tokens per plain decode step than no draft, where a
+round verifying ``m`` drafts costs ``base + per_draft * m`` plain steps as this engine measures
+them (``verify_cost.VerifyCost``: its own decode-only ``llama_decode`` calls timed; the CPU
+defaults ``VERIFY_BASE`` / ``VERIFY_PER_DRAFT`` until enough are). A lane whose drafts do not pay
+pauses for ``PAUSE_ROUNDS`` rounds, then drafts again: the same drafts may pay on a GPU, where
+draft rows are nearly free, and not on a CPU.
+
 Speculation is off (the lane decodes plainly) on lanes the certificates do not cover or this
 engine does not verify: HOST lanes, grammar lanes, lanes in their replay tail (ABI rule 72: replay
 units keep their one-token shape), and on a sliding-window model whose window cache is pruned
@@ -69,6 +77,7 @@ import numpy as np
 
 from basertd.schema.abi import FaultCode
 from basertd.worker.engines.llamacpp import sampling
+from basertd.worker.engines.llamacpp.verify_cost import DEFAULT_COST, Cost, VerifyCost
 from basertd.worker.engines.lookup import LookupConfig
 
 if TYPE_CHECKING:
@@ -86,28 +95,22 @@ _DECAY = 0.8  # weight of the acceptance window's past per drafting round
 _WINDOW_MIN = 8.0  # drafted tokens in the window before a pause is considered
 PAUSE_ROUNDS = 32
 """Rounds a lane drafts nothing after its drafts stopped paying (``LaneSpec.note``)."""
-VERIFY_BASE = 1.27
-VERIFY_PER_DRAFT = 0.375
-"""A round verifying ``m >= 1`` drafts costs about ``VERIFY_BASE + VERIFY_PER_DRAFT * m`` plain
-decode steps: a bare ``llama_decode`` of 1 + m tokens of one sequence at position 1,000, each with
-logits, default model, 2 CPU threads, m = 3 .. 47 (``bench/bench_verify_cost.py``; rows past the
-first are not free on a CPU: each carries its share of every matrix product and a 262,144-wide
-output row)."""
 _PRIOR_ACCEPT = 0.75  # conditional acceptance assumed before a lane has verified anything
 _PRIOR_WEIGHT = 2.0  # ... worth this many drafts
 _RISK_DECAY = 0.9  # weight of the conditional-acceptance estimate's past per drafting round
 
 
-def pays(accept: float, hi: int) -> bool:
+def pays(accept: float, hi: int, cost: Cost = DEFAULT_COST) -> bool:
     """Whether some draft length ``m`` in ``1 .. hi`` gives more expected tokens per decode step
     than no draft, when each draft is accepted with probability ``accept`` given the ones before
     it: a round commits ``1 + accept + .. + accept**m`` tokens on average and costs
-    ``VERIFY_BASE + VERIFY_PER_DRAFT * m`` steps, a plain round 1 token for 1 step."""
+    ``cost.round(m)`` plain steps (``verify_cost``: the engine's measured cost, or the default
+    ``VERIFY_BASE + VERIFY_PER_DRAFT * m``), a plain round 1 token for 1 step."""
     tokens, p = 1.0, 1.0
     for m in range(1, hi + 1):
         p *= accept
         tokens += p
-        if tokens > VERIFY_BASE + VERIFY_PER_DRAFT * m:
+        if tokens > cost.round(m):
             return True
     return False
 
@@ -187,12 +190,13 @@ class LaneSpec:
         """The conditional acceptance estimate, with a prior of ``_PRIOR_ACCEPT``."""
         return (self.risk_accepted + _PRIOR_ACCEPT * _PRIOR_WEIGHT) / (self.risk_seen + _PRIOR_WEIGHT)
 
-    def note(self, drafted: int, accepted: int) -> None:
+    def note(self, drafted: int, accepted: int, cost: Cost = DEFAULT_COST) -> None:
         """After a verified round: adapt ``k`` (full acceptance doubles it, else it becomes the
         accepted run plus one) and pause the lane for ``PAUSE_ROUNDS`` when its drafts do not pay:
         its recent share of accepted drafts is below ``min_accept_permille``, or at its estimated
-        conditional acceptance no draft length beats a plain step (``pays``). A
-        ``min_accept_permille`` of 0 never pauses. A pause forgets the estimates."""
+        conditional acceptance no draft length beats a plain step at ``cost`` (``pays``; the
+        engine passes its measured ``VerifyCost.current()``). A ``min_accept_permille`` of 0
+        never pauses. A pause forgets the estimates."""
         c = self.cfg
         self.proposed += drafted
         self.accepted += accepted
@@ -207,7 +211,7 @@ class LaneSpec:
             self.win_drafted >= _WINDOW_MIN
             and self.win_accepted * 1000 < c.min_accept_permille * self.win_drafted
         )
-        if low or not pays(self.acceptance(), c.draft_max):
+        if low or not pays(self.acceptance(), c.draft_max, cost):
             self.pause = PAUSE_ROUNDS
             self.k = c.draft_min
             self.win_drafted = self.win_accepted = self.risk_seen = self.risk_accepted = 0.0
@@ -220,7 +224,9 @@ class Speculator:
     ``sources`` maps a certificate id to the draft model drafting for its lanes (``draft_model``;
     a slot's greedy and sampled certificates map to the same one, whose lanes are drafted in one
     batch; the lanes of other certificates draft by prompt lookup): the same bounds on ``m``, drafts
-    batched over the round's lanes after the bounds are set."""
+    batched over the round's lanes after the bounds are set. ``cost`` measures what verification
+    costs on this engine (``verify_cost``; ``rounds`` notes each decode-only ``llama_decode``): the
+    cost ``verify`` judges each lane's drafts by."""
 
     def __init__(
         self,
@@ -234,6 +240,7 @@ class Speculator:
         self.n_vocab = n_vocab
         self.override: Callable[[Lane, int], np.ndarray] | None = None
         self.sources: Mapping[int, DraftModel] = {} if sources is None else sources
+        self.cost = VerifyCost()
 
     def forget_gone(self, lanes: Mapping[int, Lane]) -> None:
         """Release the draft-model state of lanes no longer in ``lanes`` (the engine's live lanes)."""
@@ -336,5 +343,5 @@ class Speculator:
                 lane.kv_len = keep
         drafted = int(drafts.shape[0])
         if lane.spec is not None:
-            lane.spec.note(drafted, accepted)
+            lane.spec.note(drafted, accepted, self.cost.current())
         tick.note_spec(tag, drafted, accepted)
