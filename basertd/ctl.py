@@ -273,6 +273,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
                 f"speculation {row['strategy']}: drafted {row['drafted_tokens']}  "
                 f"accepted {row['accepted_tokens']}  acceptance {row['acceptance_rate']:.1%}"
             )
+        for w in d["workers"] if d.get("speculation") else ():
+            line = _verify_cost(w.get("engine_stats") or {})
+            if line:
+                click.echo(f"speculation verify cost, worker {w['worker_id']}: {line}")
         click.echo("")
         _workers_table(d["workers"])
         click.echo("")
@@ -281,6 +285,17 @@ def status(ctx: click.Context, as_json: bool) -> None:
         _cache_table(d["cache"])
 
     _output(ctx, as_json, data, human)
+
+
+def _verify_cost(stats: dict[str, int]) -> str:
+    """A worker engine's verify cost of a speculative round (its ``spec_verify_*`` stats, in
+    thousandths of a plain decode step), or "" when it does not report one."""
+    if "spec_verify_base_permille" not in stats:
+        return ""
+    base = stats["spec_verify_base_permille"] / 1000
+    per = stats.get("spec_verify_per_draft_permille", 0) / 1000
+    how = "measured" if stats.get("spec_verify_measured") else "default"
+    return f"{base:.2f} + {per:.3f} x drafts plain steps ({how})"
 
 
 def _workers_table(rows: list[dict]) -> None:

@@ -12,7 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from basertd.schema.tick import MemCounters
 from basertd.server.observe.metrics import LiveState, Metrics
 from basertd.server.observe.metrics_vllm import bind_vllm
-from basertd.server.observe.snapshot import FleetTotals, LaneSnapshot, QueueSnapshot, WorkerSnapshot
+from basertd.server.observe.snapshot import (
+    FleetTotals,
+    LaneSnapshot,
+    QueueSnapshot,
+    SpecVerifyCost,
+    WorkerSnapshot,
+)
 from basertd.server.request.record import QOS_CLASSES
 from basertd.server.states import SlotState
 from basertd.server.workers.limits import WorkerLimits
@@ -94,7 +100,13 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 def test_both_collectors_read_one_live_state():
     mem = MemCounters(pool_blocks_used=5, pool_blocks_total=128, pool_bytes_evictable=4096)
-    a = _snap(0, SlotState.READY, (_lane(1, 100), _lane(2, 28)), {"interactive": 2}, mem=mem)
+    verify = SpecVerifyCost.of(
+        {"spec_verify_base_permille": 1040, "spec_verify_per_draft_permille": 12, "spec_verify_measured": 1}
+    )
+    assert SpecVerifyCost.of({"pool_bytes_used": 1}) is None  # an engine that does not measure it
+    a = _snap(
+        0, SlotState.READY, (_lane(1, 100), _lane(2, 28)), {"interactive": 2}, mem=mem, spec_verify=verify
+    )
     b = _snap(1, SlotState.READY, (), {"batch": 1})
     state = LiveState(workers=[a, b], model_names={0: "m", 1: "m"}, in_flight=5, draining=False)
 
@@ -118,6 +130,9 @@ def test_both_collectors_read_one_live_state():
         and got[("basertd_engine_pool_blocks_used", w1)] == 0
     )
     assert got[("basertd_engine_pool_evictable_bytes", w0)] == 4096
+    assert got[("basertd_spec_verify_base", w0)] == 1.04 and got[("basertd_spec_verify_measured", w0)] == 1
+    assert got[("basertd_spec_verify_per_draft", w0)] == 0.012
+    assert ("basertd_spec_verify_base", w1) not in got  # no cost reported: no series
     assert got[("basertd_ticks_total", w0)] == 7 and got[("basertd_worker_respawns_total", w1)] == 1
     assert got[("basertd_queue_depth", (("qos", "interactive"),))] == 2
     assert got[("basertd_queue_depth", (("qos", "batch"),))] == 1

@@ -67,6 +67,18 @@ def test_greedy_tokens_are_the_reference_with_speculation_on_and_off(daemon, tin
     model = Path(tiny_gguf).stem
     vllm = f'vllm:spec_decode_num_accepted_tokens_total{{model_name="{model}"}} {row.accepted_tokens}.0'
     assert ours in metrics and vllm in metrics
+    # The verify cost the engine measured from its own rounds (dozens of them above) reaches the
+    # status and, from the scheduler's periodic read, the metrics.
+    (worker,) = json.loads(daemon.ctl("status", "--json").stdout)["workers"]
+    stats = worker["engine_stats"]
+    assert stats["spec_verify_measured"] == 1
+    base, per = stats["spec_verify_base_permille"] / 1000, stats["spec_verify_per_draft_permille"] / 1000
+    again = daemon.ctl("status").stdout
+    assert (
+        f"speculation verify cost, worker 0: {base:.2f} + {per:.3f} x drafts plain steps (measured)" in again
+    )
+    for name in ("base", "per_draft", "measured"):
+        assert f'basertd_spec_verify_{name}{{worker="0"}} ' in metrics
 
 
 def test_the_overshoot_is_the_headroom_past_the_grant_of_a_speculating_lane():

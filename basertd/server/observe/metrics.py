@@ -204,6 +204,7 @@ class _LiveCollector(Collector):
                 accepted.add_metric([label, name], float(a))
         yield drafted
         yield accepted
+        yield from spec_verify_series(rows)
         yield counter(
             "plans_rejected",
             "Tick plans the engine rejected (nothing changed).",
@@ -212,6 +213,27 @@ class _LiveCollector(Collector):
         yield counter(
             "worker_respawns", "Worker incarnations started after the first.", lambda ws: ws.respawns
         )
+
+
+def spec_verify_series(rows: list[tuple[str, WorkerSnapshot]]) -> Iterator[Metric]:
+    """Each worker's verify cost of a speculative round (``SpecVerifyCost``, from the engine's
+    stats read every few seconds by the scheduler loop), in plain decode steps: a round verifying
+    m drafts costs ``base + per_draft * m``; ``measured`` 0 while the engine assumes its defaults.
+    Only workers whose engine reports it appear."""
+    series = (
+        ("base", "Plain decode steps a speculative round costs before its drafts (measured by the engine)."),
+        (
+            "per_draft",
+            "Plain decode steps each draft row adds to a speculative round (measured by the engine).",
+        ),
+        ("measured", "1 once the engine has timed enough rounds, 0 while it assumes its default costs."),
+    )
+    for attr, doc in series:
+        g = GaugeMetricFamily(f"{NAMESPACE}_spec_verify_{attr}", doc, labels=["worker"])
+        for label, ws in rows:
+            if ws.spec_verify is not None:
+                g.add_metric([label], float(getattr(ws.spec_verify, attr)))
+        yield g
 
 
 def _host(ws: WorkerSnapshot, attr: str) -> float:

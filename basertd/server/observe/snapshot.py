@@ -87,6 +87,31 @@ class HostTierCounts:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecVerifyCost:
+    """What a speculative round's verification costs on a worker's engine, as it last reported
+    it (the llama.cpp engine's ``verify_cost``): a round verifying m drafts costs ``base +
+    per_draft * m`` plain decode steps; ``measured`` is False while the engine still assumes its
+    defaults (too few rounds timed yet). Its ``auto`` speculation pauses a lane whose drafts do not
+    pay at this cost."""
+
+    base: float
+    per_draft: float
+    measured: bool
+
+    @classmethod
+    def of(cls, stats: Mapping[str, int]) -> SpecVerifyCost | None:
+        """From an engine's ``stats()`` (a PONG's ``spec_verify_*`` keys, in thousandths of a
+        step); None for an engine that does not measure it."""
+        if "spec_verify_base_permille" not in stats:
+            return None
+        return cls(
+            base=int(stats["spec_verify_base_permille"]) / 1000,
+            per_draft=int(stats.get("spec_verify_per_draft_permille", 0)) / 1000,
+            measured=bool(stats.get("spec_verify_measured", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     """One worker and its scheduler at ``taken_at`` (monotonic seconds); module docstring.
 
@@ -102,7 +127,8 @@ class WorkerSnapshot:
     ``crash_resumes`` (lanes requeued), ``yields_requested`` (yields asked of ticks in
     flight), and ``speculation``: per strategy, (strategy id, tokens drafted, drafts accepted).
     ``host_tier``: the engine's host tier as last read (``HostTierCounts``; None for an engine
-    without one, or before the worker first reported it)."""
+    without one, or before the worker first reported it); ``spec_verify``: its verify cost as last
+    read (``SpecVerifyCost``; None likewise)."""
 
     worker_id: int
     taken_at: float
@@ -127,6 +153,7 @@ class WorkerSnapshot:
     yields_requested: int
     host_tier: HostTierCounts | None = None
     speculation: tuple[tuple[str, int, int], ...] = ()
+    spec_verify: SpecVerifyCost | None = None
 
     @property
     def ready(self) -> bool:

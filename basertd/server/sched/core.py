@@ -554,9 +554,10 @@ class SchedulerCore(SchedulerState):
             res.resume.append(req)
 
     def detach(self) -> None:
-        """The incarnation is gone: its leases, grammar handles, plan caps and memory counters go
-        with it."""
+        """The incarnation is gone: its leases, grammar handles, plan caps, memory counters and
+        measured verify cost go with it."""
         self.to_release.clear()
         self.last_mem = None
+        self.spec_verify = None
         self.grammars.forget()
         self.flight = None

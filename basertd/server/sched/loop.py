@@ -51,7 +51,7 @@ from basertd.server.cache.policy import WorkerCache
 from basertd.server.config_sections import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import Metrics
 from basertd.server.observe.notify import Heartbeat
-from basertd.server.observe.snapshot import WorkerSnapshot
+from basertd.server.observe.snapshot import SpecVerifyCost, WorkerSnapshot
 from basertd.server.request.record import GenerationRequest
 from basertd.server.request.tokenizer import Tokenizer
 from basertd.server.sched import grammar_handles, logit_bias
@@ -420,8 +420,9 @@ class Scheduler:
 
     async def _read_curve(self, proc: WorkerProcess) -> None:
         """Every ``CURVE_EVERY_S`` seconds, read the engine's measured prefill-rate curve from a
-        PONG (``plan.rate_curve``) into ``rates``, and its host-tier counts into the cache policy
-        (``WorkerCache.engine_reported``, for the metrics); a slow or refused PING is skipped."""
+        PONG (``plan.rate_curve``) into ``rates``, its host-tier counts into the cache policy
+        (``WorkerCache.engine_reported``) and its speculation's verify cost into ``spec_verify``
+        (both for the metrics); a slow or refused PING is skipped."""
         now = time.monotonic()
         if now - self._curve_at < CURVE_EVERY_S or not self.core.ticks_run:
             return
@@ -433,6 +434,7 @@ class Scheduler:
             return
         self.core.rates.set_curve(rate_curve(pong.stats))
         self.core.cache_policy.engine_reported(pong.stats)
+        self.core.spec_verify = SpecVerifyCost.of(pong.stats)
 
     # --- planning ---------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.config_sections import CacheConfig, SchedulerConfig
 from basertd.server.observe.metrics import NULL_METRICS, Metrics
+from basertd.server.observe.snapshot import SpecVerifyCost
 from basertd.server.request.record import GenerationRequest, RequestState
 from basertd.server.sched.grammar_handles import grammar_handles
 from basertd.server.sched.lanes import Lane, RequestQueues, on_probation
@@ -35,7 +36,9 @@ class SchedulerState:
     counters ``ticks_run``, ``plans_rejected``, ``requests_done``, ``prefill_tokens_total``,
     ``decode_tokens_total`` (tokens), ``preemptions``, ``checkpoints``, ``crash_resumes``, ``handovers``
     (lanes handed over by a planned replacement, not charged as crashes), ``spec_tokens``
-    (per speculation strategy, tokens drafted and accepted).
+    (per speculation strategy, tokens drafted and accepted), ``spec_verify`` (the engine's
+    measured verify cost of a speculative round as last read from a PONG, ``SpecVerifyCost``; None
+    before, or for an engine that does not measure it).
     ``last_mem``: the engine's memory counters of the last accepted tick of this incarnation
     (None before its first; the snapshot's ``mem`` and the ``engine_pool_*`` gauges). ``to_release``: seed
     lease handles the loop releases between ticks (ABI rule 81). ``can_yield`` / ``step_tokens``:
@@ -71,6 +74,7 @@ class SchedulerState:
         self.crash_resumes = 0
         self.handovers = 0  # lanes moved off a live worker that a reload or an operator replaced
         self.spec_tokens: dict[str, list[int]] = {}  # strategy -> [drafted, accepted] tokens
+        self.spec_verify: SpecVerifyCost | None = None
         self.last_mem: link.MemCounters | None = None
         self.to_release: list[int] = []
         self.can_yield = False

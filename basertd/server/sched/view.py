@@ -59,4 +59,5 @@ def worker_snapshot(
         yields_requested=yields_requested,
         host_tier=core.cache_policy.host,
         speculation=tuple((name, d, a) for name, (d, a) in sorted(core.spec_tokens.items())),
+        spec_verify=core.spec_verify,
     )
