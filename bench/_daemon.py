@@ -76,11 +76,18 @@ class BenchDaemon:
                 if ev.get("event") == "http_listening":
                     self.url = "http://" + ev["addresses"][0]
 
+    WORKER_FAILED = frozenset({"worker_start_failed", "worker_crash", "worker_error", "worker_given_up"})
+    """Log events that end the wait at once: a worker that cannot start is retried by the daemon,
+    so waiting out ``ready_s`` would only hide why (the log's tail goes with the error)."""
+
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"basertd exited ({self.proc.returncode}): {self.tail()}")
+            failed = [ev for ev in self.events() if ev.get("event") in self.WORKER_FAILED]
+            if failed:
+                raise RuntimeError(f"basertd's worker failed to start ({failed[0]}): {self.tail(6000)}")
             try:
                 with Client(self.sock, timeout=5) as c:
                     if c.health().status == "ok":

@@ -199,6 +199,8 @@ def main() -> int:
             det = usage.get("completion_tokens_details") or {}
             acc, rej = det.get("accepted_prediction_tokens", 0), det.get("rejected_prediction_tokens", 0)
             accept[w] = f"{acc}/{acc + rej}" if acc + rej else "0/0"
+            print(f"basertd {w}: off {rows[w]['off']:.1f} auto {rows[w]['on']:.1f} tok/s, accepted "
+                  f"{accept[w]}, same {same[w]}", file=sys.stderr, flush=True)  # fmt: skip
         if a.streams:
             aggregate(d.url, a.streams, 1, {"speculation": "off"})  # warm: every file's prompt cached
             for label in ("off", "auto", "off2", "auto2"):  # alternating, each measured twice
@@ -214,6 +216,8 @@ def main() -> int:
                 for w, prompt in loads.items():
                     completion(srv.url, prompt, 8, EXTRA.get(w, {}))
                     rows[w][label], _, _ = best(srv.url, prompt, a.tokens, EXTRA.get(w, {}), a.reps)
+                    got = rows[w][label]
+                    print(f"llama-server {label} {w}: {got:.1f} tok/s", file=sys.stderr, flush=True)
         for r in rows.values():  # llama-server's best n-gram type per workload
             r["ls_spec"], r["ls_type"] = max((r[t], i) for i, t in enumerate(types))
             r["ls_type"] = float(r["ls_type"])
