@@ -201,6 +201,37 @@ def test_a_long_prompt_is_snapshotted_as_its_prefill_passes_its_last_page(gemma)
     assert eng.stats()["host_snapshots_total"] == 1  # a lane seeded at its mark takes none
 
 
+def test_a_prompt_one_page_past_a_held_prefix_is_not_kept_again(make_engine, tiny_gemma3_gguf):
+    # Many requests on one long prefix with short tails: the prefix held once serves each of them
+    # sent again with a page or two to prefill, so their own snapshots (each the whole prefix's
+    # KV) are not kept (Tiering.near_duplicate: within 1/32 of the prompt).
+    eng, coord = make_engine(
+        tiny_gemma3_gguf, lanes=2, context_length=1024, n_ubatch=64, swa_full=False, host_bytes=16 << 20
+    )
+    assert eng.page == 16
+    a = make_prompt(60, 520)  # last page boundary 512
+    decode(coord, 1, a, 1)  # snapshotted at 512, then published at 512 (the snapshot leaves the tier)
+    assert [e.length for e in eng.cache.entries.values()] == [512] and not list(eng.host)
+    b = a[:512] + make_prompt(61, 20)  # boundary 528: 512 is within 528 // 32 = 16 of it
+    decode(coord, 2, b, 1)  # its snapshot at 528 is not kept: the resident 512 nearly covers it
+    st = eng.stats()
+    assert st["host_snapshots_total"] == 1 and st["host_near_duplicates_total"] == 1
+    evict_all(eng)  # 512 is demoted first (least recently used); 528 then nearly repeats it
+    st = eng.stats()
+    assert [h.length for h in eng.host] == [512]
+    assert st["host_demotions_total"] == 1 and st["host_near_duplicates_total"] == 2
+    assert match(eng, coord, b) == [(512, Tier.HOST)]
+    cold = host_row(coord, 3, b)
+    restored = host_row(coord, 4, b, skip=512, seed=eng.seed_acquire(coord.prompt(b), 512, 0))
+    assert np.abs(restored - cold).max() < 0.02  # test_llamacpp_cache.LAYOUT_NOISE on this model
+    near = eng.stats()["host_near_duplicates_total"]  # the two lanes on b skipped theirs too
+    assert near == 4
+    c = a[:512] + make_prompt(62, 60)  # boundary 560: 48 tokens past 512, more than 560 // 32
+    decode(coord, 5, c, 1)  # kept (then published at 560, which takes it out of the tier)
+    st = eng.stats()
+    assert (st["host_snapshots_total"], st["host_near_duplicates_total"]) == (2, near)
+
+
 def test_the_tier_stays_within_its_bytes_dropping_the_least_recently_used(make_engine):
     probe, pc = make_engine(host_bytes=1 << 30)
     publish(pc, 1, make_prompt(50, 64))

@@ -111,7 +111,8 @@ class HostTier:
 
     Counters (``stats``): ``demotions_total`` (evicted entries captured into the tier; counted by
     the caller), ``snapshots_total`` (prompts captured at their last page boundary as their
-    prefill passed it: ``Tiering.snapshot``), ``dropped_total`` (entries pushed out
+    prefill passed it: ``Tiering.snapshot``), ``near_duplicates_total`` (captures skipped because
+    a held prefix nearly covers them: ``Tiering.near_duplicate``), ``dropped_total`` (entries pushed out
     to make room, or too large to keep), ``restores_total`` / ``restored_tokens_total`` /
     ``restore_ns_total`` (restores that served, their tokens and their wall time in ns),
     ``refused_total`` (snapshots refused at restore: corrupt, another model or layout, wrong
@@ -126,6 +127,7 @@ class HostTier:
         self._clock = 0
         self.demotions_total = 0
         self.snapshots_total = 0
+        self.near_duplicates_total = 0
         self.dropped_total = 0
         self.restores_total = 0
         self.restored_tokens_total = 0
@@ -212,6 +214,7 @@ class HostTier:
             "host_capacity_bytes": self.capacity,
             "host_demotions_total": self.demotions_total,
             "host_snapshots_total": self.snapshots_total,
+            "host_near_duplicates_total": self.near_duplicates_total,
             "host_dropped_total": self.dropped_total,
             "host_restores_total": self.restores_total,
             "host_restored_tokens_total": self.restored_tokens_total,

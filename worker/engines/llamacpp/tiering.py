@@ -7,6 +7,10 @@ provenance, llama.cpp's load, the restored window); a refused snapshot is droppe
 
 A restore keeps only the window of its end on a sliding-window model, so there a demoted entry
 serves exactly its own length (``servable_len``); without a window any page multiple up to it.
+
+A capture that would only repeat a held prefix is skipped (``near_duplicate``): requests that share
+a long prefix and differ in a short tail (one system prompt, many questions) would otherwise each
+keep a snapshot of the whole prefix for the sake of its last few pages.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.model import LlamaModel
 
 log = structlog.get_logger("basertd.worker.host_tier")
+
+NEAR_DUPLICATE_SHARE = 32
+"""A capture of ``n`` tokens is skipped when the pool or the tier already holds, with its taint, a
+prefix of it of at least ``n - n // NEAR_DUPLICATE_SHARE`` tokens that can seed a lane at its own
+length: that prefix serves the same prompt sent again with at most 1/32 of it (about 3 %) left to
+prefill, while a snapshot of its own would cost the bytes of the whole prefix's KV (about 7 KiB a
+token on the default model)."""
 
 
 class Tiering:
@@ -143,6 +154,8 @@ class Tiering:
         digest = prefix_digest(self.model_id, tokens)
         if self.cache.find_identical(digest, taint) is not None or self.host.has(digest, taint):
             return False
+        if self.near_duplicate(tokens, taint):
+            return False
         pmin, pmax = self.cells.pos_range(seq)
         if not prefix_servable(pmin, pmax, tokens.shape[0], self.n_swa):
             return False
@@ -166,11 +179,31 @@ class Tiering:
             if not prefix_servable(pmin, pmax, end, self.n_swa):
                 continue
             toks = entry.tokens[:end]
+            if self.near_duplicate(toks, entry.taint, besides=entry):
+                continue
             digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
             if self._keep(entry.seq, toks, digest, entry.taint):
                 self.host.demotions_total += 1
                 kept += 1
         return kept
+
+    def near_duplicate(self, tokens: np.ndarray, taint: int, besides: CacheEntry | None = None) -> bool:
+        """Whether a resident entry (other than ``besides``, the one being demoted) or a demoted
+        one holds, with ``taint``, a page-aligned prefix of ``tokens`` short of it by at most
+        ``1 / NEAR_DUPLICATE_SHARE`` of its length (module docstring); counted in the tier's
+        ``near_duplicates_total`` when it does."""
+        n = tokens.shape[0]
+        floor = n - n // NEAR_DUPLICATE_SHARE
+        held = [(h.tokens, h.taint) for h in self.host]
+        held += [(e.tokens, e.taint) for e in self.cache.entries.values() if e is not besides]
+        for toks, t in held:
+            length = toks.shape[0]
+            if t != taint or not floor <= length < n or length % self.page:
+                continue
+            if common_prefix(toks, tokens) >= length:
+                self.host.near_duplicates_total += 1
+                return True
+        return False
 
     def _keep(self, seq: int, tokens: np.ndarray, digest: bytes, taint: int) -> bool:
         """Seal the first ``tokens.shape[0]`` positions of ``seq`` (their provenance ``digest``)
