@@ -44,7 +44,7 @@ round verifying ``m`` drafts costs ``base + per_draft * m`` plain steps as this 
 them (``verify_cost.VerifyCost``: its own decode-only ``llama_decode`` calls timed; the CPU
 defaults ``VERIFY_BASE`` / ``VERIFY_PER_DRAFT`` until enough are). A lane whose drafts do not pay
 pauses for ``PAUSE_ROUNDS`` rounds, then drafts again: the same drafts may pay on a GPU, where
-draft rows are nearly free, and not on a CPU.
+a draft row costs a fraction of what it costs on a CPU (``verify_cost``), and not on a CPU.
 
 Speculation is off (the lane decodes plainly) on lanes the certificates do not cover or this
 engine does not verify: HOST lanes, grammar lanes, lanes in their replay tail (ABI rule 72: replay
