@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import signal
 import socket
 import tempfile
@@ -157,6 +158,7 @@ def test_sigterm_hands_over_and_the_next_start_finishes_the_streams(expected):
         raise
     finally:
         sock.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -208,3 +210,4 @@ def test_coordinator_sigkill_at_random_moments_loses_and_repeats_nothing(expecte
         raise
     finally:
         sock.close()
+        shutil.rmtree(base, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -77,5 +78,7 @@ def test_recovered_requests_that_no_longer_fit_fail_typed_and_the_rest_run_on():
         assert resumed == [resume_ids["fits"]], resumed  # the two others never reached a worker
     except BaseException:
         e.kill()
+        shutil.rmtree(state.parent, ignore_errors=True)
         raise
     e.stop()
+    shutil.rmtree(state.parent, ignore_errors=True)
