@@ -44,7 +44,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+# isort: off
 import basertd.lean_structlog  # noqa: F401  (first: structlog without rich)
+from basertd.worker import preload  # noqa: F401  (then, before numpy: llama.cpp for a CUDA build)
+
+# isort: on
 from basertd.schema.abi import RingKind, RingRole
 from basertd.shm import ControlBlock, RingError, Segment, SegmentError, ring_bytes
 from basertd.worker import logging as wlog

@@ -131,3 +131,22 @@ def test_serve_spawns_its_workers_before_it_imports_the_daemon():
         assert list((base / "rt").glob("workers-*")) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_llamacpp_worker_loads_llama_cpp_before_numpy_and_no_other_worker_does():
+    """``basertd.worker.preload``: with a CUDA build, numpy imported before libllama loads made
+    every model load on the GPU die with SIGSEGV; the llamacpp worker loads libllama first, a
+    worker of another engine does not load it at all."""
+    order = (
+        "import sys, json\n"
+        "sys.argv = ['basertd-worker'] + {argv!r}\n"
+        "import basertd.worker.main\n"
+        "m = list(sys.modules)\n"
+        "lib = m.index('llama_cpp.llama_cpp') if 'llama_cpp.llama_cpp' in m else -1\n"
+        "print(json.dumps({{'lib': lib, 'numpy': m.index('numpy')}}))\n"
+    )
+    for argv in (["--engine", "llamacpp", "--model", "x.gguf"], ["--engine=llamacpp"]):
+        got = _modules_after(order.format(argv=argv))
+        assert 0 <= got["lib"] < got["numpy"], (argv, got)
+    got = _modules_after(order.format(argv=["--engine", "basert"]))
+    assert got["lib"] == -1, got
