@@ -4,10 +4,10 @@
 A round that verifies ``m >= 1`` draft rows costs about ``base + per_draft * m`` plain decode
 steps. Both numbers depend on the machine: on a CPU each row carries its share of every matrix
 product and a vocabulary-wide output row (``VERIFY_BASE`` / ``VERIFY_PER_DRAFT``, measured once on
-a 2-core CPU, ``bench/bench_verify_cost.py``), while on a GPU rows cost far less (a first reading
-on an H200, the default model, every layer offloaded: 1.10, 1.28, 1.56, 2.6 and 3.1 steps for
-m = 1, 3, 7, 15, 31, timed to ``llama_decode``'s return before the clock waited for the device).
-So the engine times its own calls.
+a 2-core CPU, ``bench/bench_verify_cost.py``), while on a GPU rows cost far less (an H200, the
+default model, every layer offloaded, each call synchronized with the device: 1.09-1.22,
+1.23-1.25, 1.51-1.56 and 2.55-2.57 steps of 1.1 ms for m = 1, 3, 7, 15). So the engine times its
+own calls.
 
 What is measured: the decode-only ``llama_decode`` of each round (``rounds``): one row per
 forwarding lane (``lanes``, n) and the draft rows of its speculative lanes (``drafts``, m, summed
