@@ -283,7 +283,11 @@ class Durability:
             return
         while not self._settled.is_set() and not self._task.done():
             self._kick.set()
-            await asyncio.wait({asyncio.ensure_future(self._settled.wait()), self._task}, timeout=5.0)
+            settled = asyncio.ensure_future(self._settled.wait())
+            try:  # the first of the two: the committer runs on after the replies are out
+                await asyncio.wait({settled, self._task}, timeout=5.0, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                settled.cancel()
 
     async def close(self) -> None:
         """Flush, stop the committer and close the journal (commits what is buffered, releases the
