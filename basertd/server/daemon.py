@@ -24,9 +24,10 @@ files it created.
 
 Durability (``basertd.server.durability.durable``): the write-ahead log in ``state_dir`` is opened (locked,
 recovered) before any worker starts; every unfinished request it holds is queued again and runs
-on from its durable tokens; it is closed last, after the schedulers stopped. With ``[durability]
-mode = "tick"`` a stop hands over: what it ends with SHUTTING_DOWN stays unfinished in the log and
-the next start runs it on (clients ``Resume``).
+on from its durable tokens; it is closed last (its last commit and fdatasync), after the
+schedulers stopped. With the log on (``[durability] mode = "write"``, the default, or ``"tick"``) a
+stop hands over: what it ends with SHUTTING_DOWN stays unfinished in the log and the next start
+runs it on (clients ``Resume``).
 
 Operators (DESIGN.md "Operators"): SIGTERM drains first (``basertd.server.frontend.drain``: new requests
 refused, in-flight ones finish within ``[operators] drain_timeout_s``, the rest are cancelled
@@ -191,8 +192,13 @@ class Daemon:
         self.workers_dir = early.workers_dir
         journal, early.journal = early.journal, None
         assert journal is not None
-        journal.on_commit = self.metrics.wal_commit
-        self.durability = Durability(journal, self.metrics, on_failed=self._journal_failed)
+        journal.on_commit, journal.on_sync = self.metrics.wal_commit, self.metrics.wal_fsync
+        self.durability = Durability(
+            journal,
+            self.metrics,
+            on_failed=self._journal_failed,
+            sync_interval_s=cfg.durability.sync_interval_ms / 1000,
+        )
         self._listen_fds = early.listen_fds
         self.socket = socket_path(cfg, self.runtime_dir)
         inherited = adopt_listener(self._listen_fds)

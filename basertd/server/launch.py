@@ -129,13 +129,13 @@ def launch(config: Config, *, wal_recover: RecoverMode = "refuse") -> Launch:
 
 def _open_journal(config: Config, wal_recover: RecoverMode) -> Journal:
     """The write-ahead log in ``state_dir`` (mode "off": a ``NullJournal``, no directory touched);
-    its ``on_commit`` hook is set by the daemon once its metrics exist."""
+    its ``on_commit`` and ``on_sync`` hooks are set by the daemon once its metrics exist."""
     if config.durability.mode == "off":
         return Journal.open("", mode="off")
     state_dir = resolve_state_dir(config)
     journal = Journal.open(
         state_dir,
-        mode="tick",
+        mode=config.durability.mode,
         result_ttl_s=config.durability.result_ttl_s,
         recover=wal_recover,
         min_free_bytes=config.durability.min_free_bytes,

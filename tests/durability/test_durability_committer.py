@@ -2,12 +2,15 @@
 exception of a group commit, not only ``JournalFailed``, stops acknowledging (the held reply is
 never released), records why and calls ``on_failed`` (the daemon then exits 74,
 ``EXIT_JOURNAL_FAILED``). The fault is real: the journal's own ``on_commit`` hook (the metrics
-histogram in the daemon) raises inside a real commit on a real state directory."""
+histogram in the daemon) raises inside a real commit on a real state directory, in mode "tick"
+(the commit in a thread) and "write" (the commit on the event loop)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+
+import pytest
 
 from basertd.schema import client as api
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
@@ -26,12 +29,13 @@ class Sink:
         self.sent.append(msg)
 
 
-def test_a_committer_that_dies_of_any_exception_fails_closed_and_says_so(tmp_path: Path) -> None:
-    def broken_hook(nbytes: int, fsync_s: float) -> None:
+@pytest.mark.parametrize("mode", ["write", "tick"])
+def test_a_committer_that_dies_of_any_exception_fails_closed_and_says_so(tmp_path: Path, mode: str) -> None:
+    def broken_hook(nbytes: int, fsync_s: float | None) -> None:
         raise RuntimeError("histogram exploded")
 
     async def scenario():
-        journal = Journal.open(tmp_path, on_commit=broken_hook)
+        journal = Journal.open(tmp_path, mode=mode, on_commit=broken_hook)
         failed = asyncio.Event()
         dur = Durability(journal, Metrics(), on_failed=failed.set)
         dur.start()

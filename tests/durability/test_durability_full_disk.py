@@ -1,11 +1,12 @@
 """The journal fails loud (DESIGN.md "Crash = preemption; acceptance is durable"): a real
 ``basertd serve`` on the reference engine whose ``state_dir`` is a real, small tmpfs.
 
-Filled to the last byte while the daemon serves, the next group commit fails with ENOSPC: nothing
-is acknowledged, and the daemon exits with status 74 (``EXIT_JOURNAL_FAILED``) so that systemd's
-``Restart=on-failure`` restarts it, never 0. A start on that state directory while it has less
-than ``[durability] min_free_bytes`` free refuses to become ready (exit 1, saying why); and one on
-a read-only state directory likewise. Mounting needs root (as here and in CI); where ``mount`` is
+Filled to the last byte while the daemon serves, the next group commit's write fails with ENOSPC
+(mode "tick", and "write", the default, whose commits do not fsync): nothing is acknowledged, and
+the daemon exits with status 74 (``EXIT_JOURNAL_FAILED``) so that systemd's ``Restart=on-failure``
+restarts it, never 0. A start on that state directory while it has less than ``[durability]
+min_free_bytes`` free refuses to become ready (exit 1, saying why); and one on a read-only state
+directory likewise. Mounting needs root (as here and in CI); where ``mount`` is
 not permitted the test skips."""
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ def serve(config: Path, timeout: float = 120.0) -> subprocess.CompletedProcess:
     )
 
 
-def config() -> str:
-    return ref_toml(lanes=2, context=256) + f'[durability]\nmode = "tick"\nmin_free_bytes = {MIN_FREE}\n'
+def config(mode: str = "tick") -> str:
+    return ref_toml(lanes=2, context=256) + f'[durability]\nmode = "{mode}"\nmin_free_bytes = {MIN_FREE}\n'
 
 
-def test_a_full_state_dir_exits_74_and_a_start_on_it_refuses_to_become_ready():
+@pytest.mark.parametrize("mode", ["write", "tick"])
+def test_a_full_state_dir_exits_74_and_a_start_on_it_refuses_to_become_ready(mode):
     with tmpfs("4m") as state:
-        d = Daemon(config(), state_dir=state)
+        d = Daemon(config(mode), state_dir=state)
         try:
             with d.client() as c:
                 assert len(c.generate("before", max_tokens=4, temperature=0).ids) == 4

@@ -1,6 +1,7 @@
 """Durable acceptance end to end (DESIGN.md "Crash = preemption; acceptance is durable"): a real
-``basertd serve`` on the reference engine with ``[durability] mode = "tick"``, a real state
-directory, real SIGKILLs of the coordinator, and the real clients resuming.
+``basertd serve`` on the reference engine with ``[durability] mode = "tick"`` and with ``"write"``
+(the default: no fsync before delivery, what a client saw is in the page cache), a real state
+directory, real SIGTERMs and SIGKILLs of the coordinator, and the real clients resuming.
 
 The socket is the test's own listening socket handed over as ``LISTEN_FDS`` (as systemd's socket
 activation does), so it outlives every daemon: a client that reconnects while no daemon runs waits
@@ -116,13 +117,14 @@ def test_mode_off_gives_no_resume_id_and_resume_is_not_found():
         assert not d.state_dir.exists()  # mode off touches no state directory
 
 
-def test_sigterm_hands_over_and_the_next_start_finishes_the_streams(expected):
+@pytest.mark.parametrize("mode", ["write", "tick"])
+def test_sigterm_hands_over_and_the_next_start_finishes_the_streams(expected, mode):
     """SIGTERM with a short drain timeout: running streams are not cancelled, they stay in the log;
     the next start on the same state directory runs them on and the clients resume exactly."""
     base = Path(tempfile.mkdtemp(prefix="brt-dur-", dir="/tmp"))
     state = base / "state"
     sock = listener(base)
-    cfg = config() + "[operators]\ndrain_timeout_s = 0.1\n"
+    cfg = config(mode) + "[operators]\ndrain_timeout_s = 0.1\n"
     d = Daemon(cfg, listen=sock, state_dir=state)
     try:
 
@@ -163,16 +165,18 @@ def test_sigterm_hands_over_and_the_next_start_finishes_the_streams(expected):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_coordinator_sigkill_at_random_moments_loses_and_repeats_nothing(expected):
+@pytest.mark.parametrize("mode", ["write", "tick"])
+def test_coordinator_sigkill_at_random_moments_loses_and_repeats_nothing(expected, mode):
     """ROUNDS x KILLS_PER_ROUND coordinator SIGKILLs at random moments while STREAMS streams (greedy
     and sampled) run; each restart on the same state_dir: every stream ends token-exact against
-    the uninterrupted run, no orphan worker, nothing left in /dev/shm."""
+    the uninterrupted run, no orphan worker, nothing left in /dev/shm. Mode "write" (the default)
+    has no fsync before delivery: the page cache alone must hold every token a client saw."""
     rng = random.Random(15)
     base = Path(tempfile.mkdtemp(prefix="brt-dur-", dir="/tmp"))
     state = base / "state"
     sock = listener(base)
     shm_before = devshm_listing()
-    d = Daemon(config(), listen=sock, state_dir=state)
+    d = Daemon(config(mode), listen=sock, state_dir=state)
     kills = 0
     try:
         for _ in range(ROUNDS):
@@ -192,7 +196,7 @@ def test_coordinator_sigkill_at_random_moments_loses_and_repeats_nothing(expecte
                     await asyncio.sleep(rng.uniform(0.0, 0.35))
                     await asyncio.to_thread(sigkill, d)
                     kills += 1
-                    d = await asyncio.to_thread(Daemon, config(), listen=sock, state_dir=state)
+                    d = await asyncio.to_thread(Daemon, config(mode), listen=sock, state_dir=state)
                 await asyncio.wait_for(readers, 120)
                 for c in clients:
                     await c.close()

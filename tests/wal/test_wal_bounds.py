@@ -3,7 +3,8 @@ not keep writing (``basertd.server.durability.wal``): frames cut by bytes, a lar
 does not rotate at every commit, results gone from disk within about twice ``result_ttl_s`` or a
 minute (an idle journal too, through ``maintain``), quarantined ``*.corrupt`` segments bounded, a state
 directory short of ``min_free_bytes`` or not writable refused, and a finished result read
-without waiting for an fsync in flight."""
+without waiting for an fsync in flight (mode "tick": a commit's; mode "write": a ``sync()``'s,
+which a commit does not wait for either)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_frames_are_cut_by_bytes_and_the_log_reads_back(
     with Journal.open(tmp_path, segment_bytes=1 << 30) as j:
         for i in range(40):
             j.accepted(_rec(f"r{i}", prompt_len=1000))  # ~2-3 KiB of msgpack each
-        j.commit()  # one group commit of ~100 KiB: several frames, one write, one fsync
+        j.commit()  # one group commit of ~100 KiB: several frames, one write
         j.compact()  # and a checkpoint of the same size
         (seq, seg) = list_segments(tmp_path / WAL_DIR)[-1]
         bounds = [0] + [end for _, end in read_segment(seg, seq).batches]
@@ -137,7 +138,7 @@ def test_a_state_dir_that_cannot_take_a_write_is_refused_typed(tmp_path: Path) -
 def test_a_result_is_read_without_waiting_for_the_fsync_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    j = Journal.open(tmp_path)
+    j = Journal.open(tmp_path, mode="tick")
     j.accepted(_rec("done"))
     j.finished("done", "stop")
     j.commit()
@@ -165,3 +166,46 @@ def test_a_result_is_read_without_waiting_for_the_fsync_in_flight(
         committer.join(30)
         monkeypatch.undo()
         j.close()
+
+
+def test_write_mode_commits_and_results_never_wait_for_the_sync_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mode "write": while ``sync()`` sits in its fdatasync, commits (the event loop's) and result
+    reads go through; the sync covers what was written before it began, the rest stays unsynced."""
+    j = Journal.open(tmp_path, mode="write")
+    j.accepted(_rec("done"))
+    j.finished("done", "stop")
+    j.commit()
+    entered, release = threading.Event(), threading.Event()
+    real = os.fdatasync
+
+    def slow_fsync(fd: int) -> None:
+        entered.set()
+        release.wait(30)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow_fsync)
+    syncer = threading.Thread(target=j.sync)
+    syncer.start()
+    try:
+        assert entered.wait(10)  # the syncer is inside its fdatasync
+        got: list = []
+
+        def loop_side() -> None:
+            j.accepted(_rec("next"))
+            got.append(j.commit())
+            got.append(j.result("done"))
+
+        other = threading.Thread(target=loop_side)
+        other.start()
+        other.join(5)
+        assert not other.is_alive() and got[0] > 0 and got[1].finish_reason == "stop"
+        assert j.unsynced_bytes > 0  # in flight when written: not covered by this sync
+    finally:
+        release.set()
+        syncer.join(30)
+        monkeypatch.undo()
+    assert j.unsynced_bytes == got[0] and j.stats.syncs == 1
+    j.close()
+    assert j.unsynced_bytes == 0

@@ -93,8 +93,19 @@ def test_durability_config() -> None:
     cfg = parse_config({"state_dir": "/x", "durability": {"mode": "off", "result_ttl_s": 5}})
     assert (cfg.state_dir, cfg.durability.mode, cfg.durability.result_ttl_s) == ("/x", "off", 5.0)
     default = parse_config({})
-    assert (default.durability.mode, default.durability.result_ttl_s) == ("tick", 600.0)
-    for bad in ({"mode": "fsync"}, {"result_ttl_s": -1}, {"ttl": 3}):
+    assert (default.durability.mode, default.durability.result_ttl_s) == ("write", 600.0)
+    assert default.durability.sync_interval_ms == 100
+    for mode in ("write", "tick"):
+        assert parse_config({"durability": {"mode": mode}}).durability.mode == mode
+    assert parse_config({"durability": {"sync_interval_ms": 250}}).durability.sync_interval_ms == 250
+    for bad in (
+        {"mode": "fsync"},
+        {"result_ttl_s": -1},
+        {"ttl": 3},
+        {"sync_interval_ms": 0},
+        {"sync_interval_ms": 60_001},
+        {"sync_interval_ms": 0.5},
+    ):
         with pytest.raises(ConfigError, match="durability"):
             parse_config({"durability": bad})
 

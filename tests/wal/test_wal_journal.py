@@ -1,9 +1,12 @@
 """The journal on a real state directory: reopen, result expiry, group commit, rotation and
 compaction, the lock and the epoch across real processes, SIGKILL, refuse / truncate, off mode
-(``basertd.server.durability.wal``)."""
+(``basertd.server.durability.wal``). Mode "tick" (a write and an fdatasync per commit) and mode
+"write" (a write per commit, one ``sync()`` fdatasync for every commit before it) each: what
+their commits do, a failed fdatasync, close and rotation making the log durable, SIGKILL."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -84,10 +87,17 @@ def test_results_expire_after_result_ttl(tmp_path: Path) -> None:
     assert plan_recovery(tmp_path).report.results == 0  # dropped from the checkpoint on disk too
 
 
+def _count_io(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """Note every ``os.write`` and ``os.fdatasync`` (still done) in ``calls``."""
+    real_write, real_fdatasync = os.write, os.fdatasync
+    monkeypatch.setattr(os, "write", lambda fd, b: calls.append("write") or real_write(fd, b))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("fsync") or real_fdatasync(fd))
+
+
 def test_commit_is_one_write_and_one_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     real_write, real_fdatasync = os.write, os.fdatasync
-    with Journal.open(tmp_path) as j:
+    with Journal.open(tmp_path, mode="tick") as j:
         monkeypatch.setattr(os, "write", lambda fd, b: calls.append("write") or real_write(fd, b))
         monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("fsync") or real_fdatasync(fd))
         for i in range(16):
@@ -97,7 +107,44 @@ def test_commit_is_one_write_and_one_fsync(tmp_path: Path, monkeypatch: pytest.M
         assert calls == ["write", "fsync"] and n > 0
         assert j.commit() == 0 and calls == ["write", "fsync"]  # nothing buffered: no I/O
         assert j.stats.commits == 1 and j.stats.records_written == 32
+        assert j.sync() is None and calls == ["write", "fsync"]  # mode "tick": nothing left to sync
         monkeypatch.undo()
+
+
+def test_write_mode_commits_write_once_and_one_sync_covers_them_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    synced: list[float] = []
+    with Journal.open(tmp_path, mode="write", on_sync=synced.append) as j:
+        assert j.mode == "write"
+        _count_io(monkeypatch, calls)
+        for i in range(16):
+            j.accepted(_rec(f"r{i}"))
+            j.tokens(f"r{i}", 0, list(range(8)))
+        n = j.commit()
+        assert calls == ["write"] and n > 0 and j.unsynced_bytes == n  # no fsync on the commit
+        assert j.stats.fsyncs == 1  # the checkpoint's, at open
+        for i in range(3):
+            j.tokens("r0", 8 + i, [i])
+            j.commit()
+        assert calls == ["write"] * 4
+        dt = j.sync()  # one fdatasync for the four commits
+        assert dt is not None and dt >= 0 and synced == [dt]
+        assert calls == ["write"] * 4 + ["fsync"] and j.unsynced_bytes == 0
+        assert j.sync() is None and calls == ["write"] * 4 + ["fsync"]  # nothing new: no system call
+        assert j.stats.commits == 4 and j.stats.syncs == 1 and j.stats.fsyncs == 2
+        j.finished("r1", "stop")
+        j.commit()
+        assert j.result("r1") is not None  # the mirror advances at the write (process-death durable)
+        assert calls[-1] == "write" and j.unsynced_bytes > 0
+        j.accepted(_rec("at-close"))
+        j.close()  # the last commit, then its fdatasync
+        assert calls[-2:] == ["write", "fsync"] and j.unsynced_bytes == 0
+        monkeypatch.undo()
+    with Journal.open(tmp_path) as j:
+        assert {u.record.request_id for u in j.recovered.unfinished} >= {"r0", "at-close"}
+        assert j.result("r1") is not None
 
 
 def test_bad_calls_are_refused_and_buffer_nothing(tmp_path: Path) -> None:
@@ -117,7 +164,7 @@ def test_bad_calls_are_refused_and_buffer_nothing(tmp_path: Path) -> None:
 
 
 def test_failed_fsync_closes_the_journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    j = Journal.open(tmp_path)
+    j = Journal.open(tmp_path, mode="tick")
     j.accepted(_rec("a"))
 
     def eio(fd: int) -> None:
@@ -130,6 +177,81 @@ def test_failed_fsync_closes_the_journal(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(JournalFailed):
         j.accepted(_rec("b"))
     j.close()
+
+
+def test_write_mode_failed_fsync_is_never_retried_and_closes_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    j = Journal.open(tmp_path, mode="write")
+    j.accepted(_rec("a"))
+    j.commit()  # written, not synced
+    tries: list[int] = []
+
+    def eio(fd: int) -> None:
+        tries.append(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", eio)
+    with pytest.raises(JournalFailed, match="fdatasync failed"):
+        j.sync()
+    assert len(tries) == 1
+    with pytest.raises(JournalFailed):
+        j.sync()  # fsyncgate: the kernel may have marked the lost pages clean, never ask again
+    assert len(tries) == 1
+    monkeypatch.undo()
+    with pytest.raises(JournalFailed):
+        j.tokens("a", 0, [1])
+    assert not j.rotation_due()
+    with pytest.raises(JournalFailed):
+        j.compact()
+    j.close()  # no commit, no fsync, the lock released
+    Journal.open(tmp_path).close()
+
+
+def test_write_mode_a_commit_after_a_failed_sync_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit buffered before the fdatasync failed is not released: ``commit`` raises."""
+    j = Journal.open(tmp_path, mode="write")
+    j.accepted(_rec("a"))
+    j.commit()
+    j.tokens("a", 0, [1, 2])  # buffered before the failure
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    with pytest.raises(JournalFailed):
+        j.sync()
+    monkeypatch.undo()
+    with pytest.raises(JournalFailed):
+        j.commit()
+    j.close()
+
+
+def test_write_mode_rotation_and_compaction_make_everything_durable_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    with Journal.open(tmp_path, mode="write", segment_bytes=4096) as j:
+        _count_io(monkeypatch, calls)
+        j.accepted(_rec("a"))
+        n = 0
+        while not j.rotation_due():
+            j.tokens("a", n, list(range(n, n + 50)))
+            n += 50
+            j.commit(rotate=False)  # the caller rotates: off the event loop
+        assert set(calls) == {"write"} and j.unsynced_bytes > 0
+        old = list_segments(tmp_path / WAL_DIR)
+        assert j.maintain() and j.stats.rotations == 1
+        assert "fsync" in calls and j.unsynced_bytes == 0 and not j.rotation_due()
+        assert list_segments(tmp_path / WAL_DIR)[0][0] > old[-1][0]  # the old segment is gone
+        calls.clear()
+        assert j.sync() is None and calls == []  # the checkpoint covered every commit
+        j.tokens("a", n, [1])
+        j.commit()
+        assert j.unsynced_bytes > 0
+        j.compact()
+        assert j.unsynced_bytes == 0 and "fsync" in calls
+        monkeypatch.undo()
+    with Journal.open(tmp_path) as j:
+        assert j.recovered.unfinished[0].tokens == [i for i in range(n)] + [1]
 
 
 def test_rotation_compacts_into_one_segment(tmp_path: Path) -> None:
@@ -168,7 +290,7 @@ _CHILD = """
 import sys
 from basertd.server.durability.wal import Journal
 from basertd.server.durability.wal_format import RequestRecord
-j = Journal.open(sys.argv[1])
+j = Journal.open(sys.argv[1], mode=sys.argv[2])
 j.accepted(RequestRecord(request_id="x", prompt=[1], max_tokens=10**6, seed=1))
 j.commit()
 print("ready", flush=True)
@@ -181,8 +303,11 @@ while True:
 """
 
 
-def _child(state_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(state_dir)], stdout=subprocess.PIPE, text=True)
+def _child(state_dir: Path, mode: str = "write") -> subprocess.Popen:
+    """A process committing one token at a time, printing each count after its commit returned
+    (in mode "write" it never syncs: only the page cache holds its tokens)."""
+    argv = [sys.executable, "-c", _CHILD, str(state_dir), mode]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -200,11 +325,12 @@ def test_one_daemon_per_state_dir_across_processes(tmp_path: Path) -> None:
         assert j.recovered.unfinished[0].record.request_id == "x"
 
 
-def test_sigkill_loses_no_acknowledged_token(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["write", "tick"])
+def test_sigkill_loses_no_acknowledged_token(tmp_path: Path, mode: str) -> None:
     rng = random.Random(5)
     for trial in range(4):
         state_dir = tmp_path / f"t{trial}"
-        proc = _child(state_dir)
+        proc = _child(state_dir, mode)
         acked = -1
         for _ in range(rng.randint(1, 60)):
             acked = int(proc.stdout.readline())

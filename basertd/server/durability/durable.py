@@ -8,13 +8,23 @@ ends, durability, ...": "Crash = preemption; acceptance is durable").
   ``resume_id``), ``Tokens`` journal their ids, ``Done`` / ``Error`` journal the end. Each reply is
   then *held* until the group commit that holds its record has returned, and only then passed on
   (in order) to the transport's sink and to every ``Resume`` subscriber. So nothing a client sees
-  can be lost by a crash.
-- **Group commit.** One committer task runs ``journal.commit()`` in a thread
-  (``asyncio.to_thread``: the fsync never stalls the event loop, so the schedulers plan and tick
-  on while it runs) whenever replies are held; what is buffered while a commit runs goes out in
-  the next one. With one tick in flight per worker that is one write + one fsync per tick (more
-  with partial emits, fewer when the workers' ticks coincide), and a tick's tokens are delivered
-  right after their commit returns.
+  can be lost by a crash of the process.
+- **Group commit.** One committer task commits whenever replies are held; what is buffered while
+  a commit runs goes out in the next one. With one tick in flight per worker that is one commit
+  per tick (more with partial emits, fewer when the workers' ticks coincide), and a tick's tokens
+  are delivered right after their commit returns. By ``[durability] mode``
+  (``basertd.server.config_sections.DurabilityConfig``):
+
+  - ``"write"`` (the default): the commit is one ``os.write`` on the event loop (an append to the
+    page cache, microseconds: no thread hop), then the replies go out. The records are in the
+    kernel, so a SIGKILL or crash of the coordinator loses none of them. A second task, the
+    syncer, runs ``journal.sync()`` (one fdatasync) in a thread at most every
+    ``sync_interval_ms``, one at a time, covering every commit written before it; a power loss or
+    kernel crash may lose the tokens delivered in the last ``sync_interval_ms`` or so. A commit
+    whose rotation is due runs in a thread instead (a rotation blocks for its fsyncs).
+  - ``"tick"``: the commit is one write + one fdatasync in a thread (``asyncio.to_thread``: the
+    fsync never stalls the event loop, so the schedulers plan and tick on while it runs); what a
+    client saw survives a power loss too.
 - **Restart.** ``unfinished()`` lists every unfinished request of the recovered log and
   ``restore`` attaches each, as the restart admission (``basertd.server.frontend.restart``) makes
   it, to its journal entry with its durable tokens already delivered (``GenerationRequest.restore``):
@@ -33,10 +43,11 @@ their end; after a restart they are generated again from their seed (the same to
 reference engine).
 
 Errors: ``Durability.resume`` raises ``AdmissionError`` (NOT_FOUND, INVALID_REQUEST). A failed
-commit (``JournalFailed``), or any other exception of the committer, stops acknowledging: held
-replies are dropped, ``failure`` says why and ``on_failed`` is called (the daemon stops with exit
-status ``EXIT_JOURNAL_FAILED``, so systemd's ``Restart=on-failure`` restarts it). The committer
-never ends silently.
+commit or sync (``JournalFailed``: a write, an fdatasync, a rotation), or any other exception of
+the committer or the syncer, stops acknowledging: held replies are dropped and nothing is released
+any more (a failed fdatasync is never retried), ``failure`` says why and ``on_failed`` is called
+(the daemon stops with exit status ``EXIT_JOURNAL_FAILED``, so systemd's ``Restart=on-failure``
+restarts it). Neither task ever ends silently.
 """
 
 from __future__ import annotations
@@ -71,6 +82,9 @@ EXIT_JOURNAL_FAILED = 74
 """The daemon's exit status after the write-ahead log failed while serving (a write, an fsync, a
 rotation, or the committer itself): ``EX_IOERR`` of sysexits.h, distinct from 1 (cannot start)
 and 2 (bad configuration)."""
+DEFAULT_SYNC_INTERVAL_S = 0.1
+"""Mode "write": least seconds between the starts of two background fdatasyncs
+(``[durability] sync_interval_ms``)."""
 MAINTAIN_EVERY_S = 60.0
 """Most seconds between two ``Journal.maintain`` calls while no commit happens (expired results
 leave the disk on an idle daemon too)."""
@@ -180,7 +194,8 @@ def _extra(gen: api.Generate, req: GenerationRequest) -> dict[str, Any]:
 
 class Durability:
     """The journal on the event loop (module docstring). ``enabled`` is False for mode "off".
-    ``live``: resume id -> sink of every journaled request not yet ended (as clients see it)."""
+    ``live``: resume id -> sink of every journaled request not yet ended (as clients see it).
+    ``sync_interval_s``: mode "write"'s least seconds between two background fdatasyncs."""
 
     def __init__(
         self,
@@ -188,10 +203,14 @@ class Durability:
         metrics: Metrics,
         *,
         on_failed: Callable[[], None] | None = None,
+        sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
     ) -> None:
         self.journal = journal
         self.metrics = metrics
         self.enabled = journal.mode != "off"
+        self.inline = journal.mode == "write"
+        """Commits run on the event loop (mode "write"), a background task syncs."""
+        self.sync_interval_s = sync_interval_s
         self.on_failed = on_failed
         self.live: dict[str, DurableSink] = {}
         self.handed_over: set[str] = set()
@@ -202,26 +221,34 @@ class Durability:
         self._settled = asyncio.Event()
         self._settled.set()
         self._task: asyncio.Task | None = None
+        self._written = asyncio.Event()  # mode "write": a commit wrote what no sync covers yet
+        self._syncer: asyncio.Task | None = None
         self._failed = False
         self._closing = False
         self.failure: str | None = None
         """Why the journal stopped acknowledging (None while it works)."""
         self.commits = 0
+        self.syncs = 0
 
     # --- the committer ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the committer task (on the running loop)."""
+        """Start the committer task, and in mode "write" the syncer (on the running loop)."""
         if self.enabled and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="wal-commit")
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name="wal-commit")
             self._task.add_done_callback(self._ended)
+            if self.inline:
+                self._syncer = loop.create_task(self._sync_loop(), name="wal-sync")
+                self._syncer.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task) -> None:
-        """The committer ended: unless the daemon closes it, that is a failure (never silent)."""
+        """The committer or the syncer ended: unless the daemon closes it, that is a failure
+        (never silent)."""
         if self._closing or self._failed:
             return
         exc = None if task.cancelled() else task.exception()
-        self._fail(exc if exc is not None else RuntimeError("the committer task ended"))
+        self._fail(exc if exc is not None else RuntimeError(f"the task {task.get_name()} ended"))
 
     def hold(self, sink: DurableSink, msg: object) -> None:
         """Hold ``msg`` (its record is buffered in the journal) until the next commit returns."""
@@ -232,12 +259,13 @@ class Durability:
         self._kick.set()
 
     async def _run(self) -> None:
-        while True:
+        journal = self.journal
+        while not self._failed:
             try:
                 await asyncio.wait_for(self._kick.wait(), MAINTAIN_EVERY_S)
             except TimeoutError:
                 try:
-                    await asyncio.to_thread(self.journal.maintain)
+                    await asyncio.to_thread(journal.maintain)
                 except Exception as exc:  # any failure of the log stops acknowledging
                     self._fail(exc)
                     return
@@ -249,9 +277,15 @@ class Durability:
                 continue
             try:
                 # every record of ``batch`` was buffered before this point: this commit holds it
-                await asyncio.to_thread(self.journal.commit)
+                if self.inline and not journal.rotation_due():
+                    journal.commit(rotate=False)  # one os.write, on the loop
+                    self._written.set()
+                else:  # mode "tick" (the fsync), or a rotation: off the loop
+                    await asyncio.to_thread(journal.commit)
             except Exception as exc:  # JournalFailed or a bug: never a silent end
                 self._fail(exc)
+                return
+            if self._failed:  # the syncer failed while this commit ran: release nothing
                 return
             self.commits += 1
             for sink, msg in batch:
@@ -261,6 +295,26 @@ class Durability:
                     log.error("release_failed", resume_id=sink.resume_id, error=repr(exc))
             if not self._held:
                 self._settled.set()
+
+    async def _sync_loop(self) -> None:
+        """Mode "write": after a commit wrote, wait until ``sync_interval_s`` has passed since the
+        last fdatasync began, then one ``journal.sync()`` in a thread, covering every commit
+        written before it (the ones written meanwhile wait for the next)."""
+        loop = asyncio.get_running_loop()
+        last = -self.sync_interval_s
+        while not self._failed:
+            await self._written.wait()
+            delay = last + self.sync_interval_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._written.clear()
+            last = loop.time()
+            try:
+                if await asyncio.to_thread(self.journal.sync) is not None:
+                    self.syncs += 1
+            except Exception as exc:  # JournalFailed (a failed fdatasync: never retried) or a bug
+                self._fail(exc)
+                return
 
     def _fail(self, exc: BaseException) -> None:
         self._failed = True
@@ -295,11 +349,12 @@ class Durability:
         self._closing = True
         with contextlib.suppress(Exception):
             await self.flush()
-        if self._task is not None:
-            await cancel_and_wait([self._task])
-            self._task = None
+        tasks = [t for t in (self._task, self._syncer) if t is not None]
+        if tasks:
+            await cancel_and_wait(tasks)
+            self._task = self._syncer = None
         try:
-            self.journal.close()
+            self.journal.close()  # the last commit, and in mode "write" the last fdatasync
         except WalError as exc:
             log.error("journal_close_failed", error=str(exc))
 

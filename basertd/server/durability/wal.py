@@ -4,7 +4,7 @@ durability, ...": "Crash = preemption; acceptance is durable"). Format and recov
 
 How the daemon uses it (one ``Journal`` per daemon, opened before the socket accepts)::
 
-    journal = Journal.open(state_dir, mode="tick", result_ttl_s=600, recover="refuse")
+    journal = Journal.open(state_dir, mode="write", result_ttl_s=600, recover="refuse")
     for req in journal.recovered.unfinished:   # requeue: prompt + req.tokens, decode_replay
         ...
     for res in journal.recovered.results:      # answer Resume for these until they expire
@@ -13,19 +13,35 @@ How the daemon uses it (one ``Journal`` per daemon, opened before the socket acc
     # per tick, per lane with new tokens:               journal.tokens(request_id, start, ids)
     # per finished / failed / cancelled request:        journal.finished(request_id, reason, ...)
     # once per tick, BEFORE that tick's tokens are delivered:  journal.commit()
+    # mode "write", in a thread, at most every sync_interval_ms while commits were written:
+    #                                                   journal.sync()
     journal.close()
 
 ``commit()`` is group commit: everything buffered since the last commit goes out as ONE frame in
-ONE ``os.write`` followed by ONE ``os.fdatasync`` (the file only grows, so fdatasync covers its
-size). It blocks for the fsync (milliseconds on an SSD): call it from a thread
-(``await asyncio.to_thread(journal.commit)``) when the event loop must not stall; the journal is
-thread-safe for one committing thread plus callers buffering the next tick meanwhile. Only
-committed records are durable; a request or token never committed may be lost by a crash, so
-nothing may be sent to a client before the commit that holds it has returned.
+ONE ``os.write`` (the file only grows, so one fdatasync covers every write before it). What then
+depends on the mode (DESIGN.md "Front ends, durability, ...": "Crash = preemption"):
+
+- ``"write"`` (the daemon's default): the commit returns once the write did, microseconds (an
+  append to the page cache), so the event loop may call it. The records are then in the kernel:
+  a SIGKILL or a crash of the process loses none of them. ``sync()`` makes them durable on stable
+  storage, ONE ``os.fdatasync`` for every commit written before it (call it from a thread, at most
+  every ``sync_interval_ms``); it never holds the lock a commit takes while it waits, so a commit
+  never waits for an fsync. A power loss or kernel crash may lose the commits written since the
+  last ``sync()``. The journal's durable mirror (what ``result`` and a checkpoint read) advances
+  at the write.
+- ``"tick"``: the commit writes, then fdatasyncs before it returns (milliseconds on an SSD): call
+  it from a thread (``await asyncio.to_thread(journal.commit)``) when the event loop must not
+  stall. What a client saw then survives a power loss too. ``sync()`` has nothing to do.
+
+Either way the journal is thread-safe for one committing thread, one syncing thread and callers
+buffering the next tick meanwhile. Only committed records survive a crash; a request or token
+never committed may be lost, so nothing may be sent to a client before the commit that holds it
+has returned. Before anything relies on the log being on stable storage (a rotation's checkpoint
+replacing a segment, ``close``) everything written is fdatasynced, in both modes.
 
 ``mode="off"`` gives a ``NullJournal``: no file, no lock, no fsync, nothing recovered, every call
-a no-op (epoch 0); a log left in ``state_dir`` by an earlier ``"tick"`` run stays untouched and is
-recovered by the next ``"tick"`` start.
+a no-op (epoch 0); a log left in ``state_dir`` by an earlier run stays untouched and is recovered by
+the next start with the log on (``"write"`` and ``"tick"`` write the same log).
 
 Epoch: every open bumps ``epoch`` past every earlier one (the ``epoch`` file and the log) and
 makes it durable before returning; every frame carries it. The daemon fences with it: anything
@@ -38,7 +54,10 @@ checkpoint larger than ``segment_bytes`` does not rotate at every commit), or on
 finished result leaves the disk within about twice its TTL, or a minute, even when little is
 written; ``maintain()`` checks it between commits), ``commit`` writes a checkpoint of the
 durable state into a new segment (finished requests older than ``result_ttl_s`` left out), makes
-it durable, then deletes the old segments; ``compact()`` does the same on demand. Frames, the
+it durable (fdatasync of the new segment, fsync of the directory), then deletes the old segments;
+``compact()`` does the same on demand. ``commit(rotate=False)`` leaves a due rotation to the caller
+(``rotation_due()``, then ``maintain()`` or a ``commit()`` off the event loop: a rotation blocks
+for its fsyncs). Frames, the
 checkpoint's included, are cut by bytes (``wal_format.FRAME_BYTES``), far under what the reader accepts
 (``wal_format.MAX_FRAME_BYTES``, 256 MiB). Segments that ``--wal-recover=truncate`` quarantined
 (``*.corrupt``) are kept for inspection, the newest ``KEEP_CORRUPT`` only.
@@ -51,7 +70,8 @@ Errors: ``wal_fence.StateDirLocked`` (another daemon holds ``state_dir``), ``Sta
 ``StateDirUnwritable``, ``WalCorrupt`` (recovery refuses;
 the message says what to do), ``JournalUsageError`` (a call that contradicts the journal; nothing
 changes), ``JournalFailed`` (a write or fsync failed: the journal is closed for good, as after a
-failed fsync the kernel may have dropped the pages; the daemon must stop acknowledging).
+failed fsync the kernel may have dropped the pages and marked them clean, so an fsync is never
+retried; the daemon must stop acknowledging).
 """
 
 from __future__ import annotations
@@ -128,14 +148,17 @@ class Recovered(msgspec.Struct, kw_only=True):
 
 @dataclass
 class JournalStats:
-    """Counters for the metrics: bytes written (frames, checkpoints included), commits, records
-    written, fsyncs and their total and last latency (seconds), segments rotated, and what
-    recovery found at open (records replayed, unfinished requests, results, torn bytes dropped)."""
+    """Counters for the metrics: bytes written (frames, checkpoints included), commits (one write
+    each), records written, fsyncs (every fdatasync of a segment: a commit's in mode "tick", a
+    ``sync()``'s in mode "write", a rotation's checkpoint) and their total and last latency
+    (seconds), ``syncs`` (the fdatasyncs of ``sync()``), segments rotated, and what recovery found
+    at open (records replayed, unfinished requests, results, torn bytes dropped)."""
 
     bytes_written: int = 0
     commits: int = 0
     records_written: int = 0
     fsyncs: int = 0
+    syncs: int = 0
     fsync_seconds_total: float = 0.0
     last_fsync_s: float = 0.0
     rotations: int = 0
@@ -145,45 +168,57 @@ class JournalStats:
     bytes_truncated: int = 0
 
 
-CommitHook = Callable[[int, float], None]
-"""Called after each durable write with (bytes written, fsync seconds): feed a histogram."""
+CommitHook = Callable[[int, float | None], None]
+"""Called after each group commit with (bytes written, seconds of its fdatasync; None in mode
+"write", whose commits do not fsync): feed a counter and a histogram."""
+SyncHook = Callable[[float], None]
+"""Called after each ``sync()`` fdatasync (mode "write") with its seconds: feed a histogram."""
+
+Mode = Literal["write", "tick", "off"]
+"""``[durability] mode``: "write" (one write per commit, an fdatasync at most every
+``sync_interval_ms`` off the delivery path), "tick" (one write + one fdatasync per commit, before
+delivery), "off" (no log)."""
+MODES: tuple[str, ...] = ("write", "tick", "off")
 
 
 class Journal:
     """The write-ahead log of one daemon; build it with ``Journal.open``."""
 
-    mode: str = "tick"
+    mode: str = "write"
 
     def __init__(self) -> None:
         self.epoch = 0
         self.recovered = Recovered()
         self.stats = JournalStats()
         self.on_commit: CommitHook | None = None
+        self.on_sync: SyncHook | None = None
 
     @staticmethod
     def open(
         state_dir: str | os.PathLike[str],
-        mode: Literal["tick", "off"] = "tick",
+        mode: Mode = "write",
         result_ttl_s: float = 600.0,
         recover: RecoverMode = "refuse",
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
         on_commit: CommitHook | None = None,
+        on_sync: SyncHook | None = None,
         clock: Callable[[], float] = time.time,
     ) -> Journal:
         """Lock ``state_dir`` (created 0700 if missing), check it has ``min_free_bytes`` free,
-        recover its log, bump the epoch and write a fresh checkpoint. ``recover``: "refuse" raises
+        recover its log, bump the epoch and write a fresh checkpoint. ``mode``: "write", "tick"
+        (module docstring) or "off" (a ``NullJournal``). ``recover``: "refuse" raises
         ``WalCorrupt`` on corruption, "truncate" keeps the log up to it and renames the dropped
         segments ``*.corrupt``. ``clock`` gives wall-clock seconds (result expiry). Raises
         ``StateDirLocked``, ``StateDirFull``, ``StateDirUnwritable``, ``WalCorrupt``."""
         if mode == "off":
             return NullJournal()
-        if mode != "tick":
-            raise JournalUsageError(f"durability mode must be 'tick' or 'off', got {mode!r}")
+        if mode not in MODES:
+            raise JournalUsageError(f"durability mode must be one of {', '.join(MODES)}, got {mode!r}")
         if recover not in ("refuse", "truncate"):
             raise JournalUsageError(f"recover must be 'refuse' or 'truncate', got {recover!r}")
-        j = _FileJournal(Path(state_dir), result_ttl_s, segment_bytes, clock)
+        j = _FileJournal(Path(state_dir), mode, result_ttl_s, segment_bytes, clock)
         try:
             j._open(recover, min_free_bytes)
         except OSError as exc:
@@ -195,7 +230,7 @@ class Journal:
         except BaseException:
             j._release()
             raise
-        j.on_commit = on_commit
+        j.on_commit, j.on_sync = on_commit, on_sync
         return j
 
     # The buffering and commit surface (``_FileJournal`` and ``NullJournal`` implement it).
@@ -225,10 +260,30 @@ class Journal:
         unknown request."""
         raise NotImplementedError
 
-    def commit(self) -> int:
-        """Make everything buffered durable: one write, one fdatasync. Returns bytes written (0
-        when nothing was buffered: no write, no fsync). Raises ``JournalFailed``."""
+    def commit(self, *, rotate: bool = True) -> int:
+        """Group commit: everything buffered goes out in one write; mode "tick" then fdatasyncs
+        it, mode "write" leaves that to ``sync()`` (module docstring). Rotates when due unless
+        ``rotate`` is False. Returns bytes written (0 when nothing was buffered: no write, no
+        fsync). Raises ``JournalFailed`` (a write, fsync or rotation failed, now or earlier)."""
         raise NotImplementedError
+
+    def sync(self) -> float | None:
+        """Mode "write": one fdatasync covering every commit written so far. Returns its seconds,
+        or None when nothing was written since the last one (no system call). Blocks for the
+        fsync: call it from a thread; a commit never waits for it. Raises ``JournalFailed`` (the
+        fsync failed: never retried, the journal accepts nothing more)."""
+        raise NotImplementedError
+
+    def rotation_due(self) -> bool:
+        """Whether the next ``commit()`` or ``maintain()`` would rotate (no I/O, no wait on a
+        write or an fsync)."""
+        raise NotImplementedError
+
+    @property
+    def unsynced_bytes(self) -> int:
+        """Bytes of commits written but not yet on stable storage (mode "write" until its next
+        ``sync()``; always 0 in modes "tick" and "off")."""
+        return 0
 
     def compact(self) -> None:
         """Rotate now: checkpoint the durable state into a new segment, drop the old ones."""
@@ -269,8 +324,14 @@ class NullJournal(Journal):
     def finished(self, request_id: str, reason: str, **kw: object) -> None:  # type: ignore[override]
         pass
 
-    def commit(self) -> int:
+    def commit(self, *, rotate: bool = True) -> int:
         return 0
+
+    def sync(self) -> float | None:
+        return None
+
+    def rotation_due(self) -> bool:
+        return False
 
     def compact(self) -> None:
         pass
@@ -286,10 +347,21 @@ class NullJournal(Journal):
 
 
 class _FileJournal(Journal):
-    """``mode = "tick"``: the log on disk."""
+    """``mode = "write"`` or ``"tick"``: the log on disk.
 
-    def __init__(self, state_dir: Path, ttl_s: float, segment_bytes: int, clock: Callable[[], float]):
+    Locks: ``_buf_lock`` guards the buffer and the view (held by the buffering calls, never over
+    I/O); ``_io_lock`` makes one writer (commit, rotation; held over a commit's write, and in mode
+    "tick" its fdatasync, and over a rotation); ``_state_lock`` guards the durable mirror, held
+    only while it changes (``result`` takes only it); ``_sync_lock`` makes one ``sync()`` at a
+    time and is held over its fdatasync, which runs on a duplicate of the segment's descriptor,
+    never under ``_io_lock``. Order: ``_sync_lock`` before ``_io_lock`` before ``_buf_lock`` /
+    ``_state_lock``."""
+
+    def __init__(
+        self, state_dir: Path, mode: str, ttl_s: float, segment_bytes: int, clock: Callable[[], float]
+    ):
         super().__init__()
+        self.mode = mode
         self.state_dir = state_dir
         self.wal_dir = state_dir / WAL_DIR
         self.ttl_s = ttl_s
@@ -307,6 +379,9 @@ class _FileJournal(Journal):
         self._buf_lock = threading.Lock()
         self._io_lock = threading.Lock()  # one writer: commit, rotation
         self._state_lock = threading.Lock()  # the durable mirror, held only while it changes
+        self._sync_lock = threading.Lock()  # one sync() at a time, held over its fdatasync
+        self._written = 0  # bytes of commits written since open, in every segment
+        self._synced = 0  # ... of which on stable storage (fdatasynced, or in a synced checkpoint)
         self._failed: str | None = None
         self._closed = False
 
@@ -385,6 +460,7 @@ class _FileJournal(Journal):
             os.close(fd)
             raise
         old_fd, old_seq = self._fd, self._seq
+        self._synced = self._written  # the durable checkpoint holds every commit written so far
         self._fd, self._seq, self._seg_size = fd, seq, size
         self._checkpoint_size, self._seg_started = size, self.clock()
         self.stats.bytes_written += size
@@ -466,7 +542,7 @@ class _FileJournal(Journal):
                 )
             )
 
-    def commit(self) -> int:
+    def commit(self, *, rotate: bool = True) -> int:
         with self._io_lock:
             with self._buf_lock:
                 self._check_open()
@@ -474,26 +550,73 @@ class _FileJournal(Journal):
             if not records:
                 return 0
             state = self._durable
+            fsync_s: float | None = None
             try:
                 batches, data = encode_frames(self.epoch, state.seq + 1, records, self._seq)
                 write_all(self._fd, data)
-                fsync_s = self._timed_fsync(self._fd)
+                if self.mode == "tick":
+                    fsync_s = self._timed_fsync(self._fd)
             except OSError as exc:
                 self._fail(exc)
                 raise JournalFailed(f"write-ahead log write failed: {exc}") from exc
+            if self._failed is not None:  # a sync() failed meanwhile: this commit is not released
+                raise JournalFailed(f"the write-ahead log failed earlier: {self._failed}")
             with self._state_lock:
                 for batch in batches:  # cannot contradict: every call was checked against _view
                     state.apply_batch(batch)
             self._seg_size += len(data)
+            self._written += len(data)
+            if fsync_s is not None:
+                self._synced = self._written
             st = self.stats
             st.bytes_written += len(data)
             st.commits += 1
             st.records_written += len(records)
             if self.on_commit is not None:
                 self.on_commit(len(data), fsync_s)
-            if self._rotation_due():
+            if rotate and self._rotation_due():
                 self._rotate_or_fail()
             return len(data)
+
+    def sync(self) -> float | None:
+        with self._sync_lock:
+            with self._io_lock:
+                self._check_open()
+                target = self._written
+                if target == self._synced:
+                    return None
+                try:  # a descriptor of its own: a rotation may close the segment's meanwhile
+                    fd = os.dup(self._fd)
+                except OSError as exc:
+                    self._fail(exc)
+                    raise JournalFailed(f"write-ahead log sync failed: {exc}") from exc
+            t0 = time.perf_counter()
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                with self._io_lock:  # no commit after this one succeeds (``commit``)
+                    self._fail(exc)
+                raise JournalFailed(f"write-ahead log fdatasync failed: {exc}") from exc
+            finally:
+                os.close(fd)
+            dt = time.perf_counter() - t0
+            with self._io_lock:
+                self._synced = max(self._synced, target)
+                st = self.stats
+                st.fsyncs += 1
+                st.syncs += 1
+                st.fsync_seconds_total += dt
+                st.last_fsync_s = dt
+        if self.on_sync is not None:
+            self.on_sync(dt)
+        return dt
+
+    @property
+    def unsynced_bytes(self) -> int:
+        return self._written - self._synced
+
+    def rotation_due(self) -> bool:
+        return self._failed is None and not self._closed and self._rotation_due()
 
     def _rotation_due(self) -> bool:
         """The segment grew ``segment_bytes`` past its checkpoint, or is older than the TTL (and
@@ -547,6 +670,7 @@ class _FileJournal(Journal):
         try:
             if self._failed is None:
                 self.commit()
+                self.sync()  # mode "write": what was written is on stable storage before the end
         finally:
             with self._io_lock:
                 self._closed = True

@@ -426,9 +426,17 @@ class Metrics:
         self.wal_bytes = Counter(
             "wal_bytes", "Bytes written to the write-ahead log (group commits).", namespace=ns, registry=r
         )
+        self.wal_commits = Counter(
+            "wal_commits",
+            "Write-ahead log group commits (one write each; mode tick: one fdatasync each too).",
+            namespace=ns,
+            registry=r,
+        )
         self.wal_fsync_seconds = Histogram(
             "wal_fsync_seconds",
-            "Latency of one write-ahead log group commit's fdatasync (seconds).",
+            "Latency of one fdatasync making write-ahead log group commits durable (seconds): mode "
+            "tick, one per commit; mode write, one per background sync covering every commit before "
+            "it (at most one per [durability] sync_interval_ms).",
             namespace=ns,
             registry=r,
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
@@ -592,12 +600,20 @@ class Metrics:
         (``reason``)."""
         self.connections_dropped.labels(reason).inc()
 
-    def wal_commit(self, nbytes: int, fsync_s: float) -> None:
+    def wal_commit(self, nbytes: int, fsync_s: float | None) -> None:
         """A write-ahead log group commit wrote ``nbytes`` and its fdatasync took ``fsync_s``
-        (the journal's ``on_commit`` hook; called from the committing thread)."""
+        seconds (None: mode "write", whose commits do not fsync) (the journal's ``on_commit``
+        hook; called from the committing thread, or the event loop in mode "write")."""
         self.wal_bytes.inc(nbytes)
-        self.wal_fsync_seconds.observe(fsync_s)
-        self.windows.fsync(time.monotonic(), fsync_s)
+        self.wal_commits.inc()
+        if fsync_s is not None:
+            self.wal_fsync(fsync_s)
+
+    def wal_fsync(self, seconds: float) -> None:
+        """One fdatasync of the write-ahead log took ``seconds`` (a commit's in mode "tick"; the
+        journal's ``on_sync`` hook in mode "write", called from the syncing thread)."""
+        self.wal_fsync_seconds.observe(seconds)
+        self.windows.fsync(time.monotonic(), seconds)
 
     def wal_recovery(self, records: int, requests: int, results: int, truncated_bytes: int) -> None:
         """What the write-ahead log recovery found at start."""

@@ -2,8 +2,8 @@
 
 Prometheus histograms answer "since start" (a scraper takes rates); ``basertctl top`` and the web
 page at ``/`` show "now" without a Prometheus. ``Windows`` keeps that "now", fed by the
-``Metrics`` helpers as they observe (``first_token``, ``tokens``, ``wal_commit``), so there is
-one place that sees each event and nothing re-parses the text exposition:
+``Metrics`` helpers as they observe (``first_token``, ``tokens``, ``wal_commit``, ``wal_fsync``), so
+there is one place that sees each event and nothing re-parses the text exposition:
 
 - ``Samples``: raw values (seconds) of the last ``horizon_s`` seconds, at most ``max_samples``
   (oldest dropped first), answering quantiles (TTFT, inter-token latency, WAL fsync time);
@@ -12,8 +12,9 @@ one place that sees each event and nothing re-parses the text exposition:
   per-second series for the page's charts.
 
 Time is ``time.monotonic()`` seconds, passed in by the caller (tests pass their own). Every
-method takes a lock: ``wal_commit`` is called from the journal's committing thread. Costs: O(1)
-per observation (amortised), a sort of at most ``max_samples`` floats per quantile query.
+method takes a lock: ``wal_commit`` and ``wal_fsync`` are called from the journal's threads.
+Costs: O(1) per observation (amortised), a sort of at most ``max_samples`` floats per quantile
+query.
 """
 
 from __future__ import annotations
