@@ -11,11 +11,14 @@ per-token path shows in them first (``/proc/PID/task/*/stat`` utime + stime,
 each request). Also printed per request: tokens/s (send to last token), TTFT and the inter-token
 gap's p50 / p99 (between content chunks).
 
-``--extra`` is TOML appended to basertd's configuration (e.g. ``[durability]\\nmode = "off"``);
-``--threads-detail`` prints every thread that woke at least 0.05 times a token.
+``--extra`` is TOML appended to basertd's configuration (e.g. ``[scheduler]\\ndecode_grant = 4``);
+``--durability write,tick`` runs one basertd per ``[durability] mode`` listed, one after the other
+in this run, and prints each mode's medians as ratios to the first's (do not also set
+``[durability]`` in ``--extra``); ``--threads-detail`` prints every thread that woke at least 0.05
+times a token.
 
     .venv/bin/python bench/bench_stream_cost.py [--requests 3] [--tokens 256] [--threads 2]
-        [--no-llama-server] [--extra TOML] [--threads-detail]
+        [--no-llama-server] [--extra TOML] [--durability MODE,MODE...] [--threads-detail]
 """
 
 from __future__ import annotations
@@ -107,12 +110,28 @@ async def measure(
     return rows
 
 
+def medians(rows: list[dict[str, tuple[float, float, float]]], label: str) -> list[float]:
+    """(CPU ms, voluntary, non-voluntary switches) per token of ``label``, medians over ``rows``."""
+    return [statistics.median(r[label][j] for r in rows) for j in range(3)]
+
+
 def summary(name: str, rows: list[dict[str, tuple[float, float, float]]]) -> None:
     for label in rows[0]:
-        med = [statistics.median(r[label][j] for r in rows) for j in range(3)]
+        med = medians(rows, label)
         print(
             f"{name:12s} {label:12s} per token, medians: cpu {med[0]:6.2f} ms, "
             f"voluntary switches {med[1]:6.2f}, involuntary {med[2]:5.2f}"
+        )
+
+
+def ratios(name: str, rows: list[dict], base_name: str, base: list[dict]) -> None:
+    """Each process's medians of ``rows`` over those of the baseline ``base`` (same run)."""
+    for label in rows[0]:
+        med, ref = medians(rows, label), medians(base, label)
+        cpu, vcs, ics = (m / r if r else float("nan") for m, r in zip(med, ref, strict=True))
+        print(
+            f"{name:12s} {label:12s} / {base_name}: cpu x{cpu:5.2f}, voluntary x{vcs:5.2f}, "
+            f"involuntary x{ics:5.2f}"
         )
 
 
@@ -124,6 +143,11 @@ def main() -> None:
     p.add_argument("--model", default="")
     p.add_argument("--extra", default="", help="TOML appended to basertd's config (\\n for newlines)")
     p.add_argument("--no-llama-server", action="store_true")
+    p.add_argument(
+        "--durability",
+        default="",
+        help="comma-separated [durability] modes (write, tick, off): one basertd each, ratios to the first",
+    )
     p.add_argument("--threads-detail", action="store_true")
     a = p.parse_args()
     model = a.model or str(default_model_path())
@@ -131,16 +155,25 @@ def main() -> None:
     if extra and not extra.endswith("\n"):
         extra += "\n"
     toml = workers_toml(model=model, lanes=8, context_length=2048, threads=a.threads)
-    with BenchDaemon(toml, prefix="brt-cost-", http=True, extra=extra) as d:
-        srv = Server("basertd", d.url or "", lambda: [d.proc.pid], True, 0.0)
-        ours = asyncio.run(measure(srv, {"coordinator": d.proc.pid, "worker": d.worker_pid()}, a))
+    modes = [m.strip() for m in a.durability.split(",") if m.strip()] or [""]
+    ours: dict[str, list] = {}
+    for mode in modes:
+        mode_toml = f'[durability]\nmode = "{mode}"\n' if mode else ""
+        name = f"basertd/{mode}" if mode else "basertd"
+        with BenchDaemon(toml, prefix="brt-cost-", http=True, extra=extra + mode_toml) as d:
+            srv = Server(name, d.url or "", lambda d=d: [d.proc.pid], True, 0.0)
+            ours[name] = asyncio.run(measure(srv, {"coordinator": d.proc.pid, "worker": d.worker_pid()}, a))
     theirs = None
     if not a.no_llama_server:
         with LlamaServer(model, ctx=8 * 2048, parallel=8, threads=a.threads) as ls:
             srv = Server("llama-server", ls.url, lambda: ls.pids, False, 0.0)
             theirs = asyncio.run(measure(srv, {"llama-server": ls.proc.pid}, a))
     print()
-    summary("basertd", ours)
+    for name, rows in ours.items():
+        summary(name, rows)
+    base_name = next(iter(ours))
+    for name, rows in list(ours.items())[1:]:
+        ratios(name, rows, base_name, ours[base_name])
     if theirs:
         summary("llama-server", theirs)
 
