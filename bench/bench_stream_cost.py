@@ -13,12 +13,12 @@ gap's p50 / p99 (between content chunks).
 
 ``--extra`` is TOML appended to basertd's configuration (e.g. ``[scheduler]\\ndecode_grant = 4``);
 ``--durability write,tick`` runs one basertd per ``[durability] mode`` listed, one after the other
-in this run, and prints each mode's medians as ratios to the first's (do not also set
-``[durability]`` in ``--extra``); ``--threads-detail`` prints every thread that woke at least 0.05
-times a token.
+in this run, and prints each mode's medians as ratios to the first's; ``write:1000`` also sets
+``sync_interval_ms`` (do not also set ``[durability]`` in ``--extra``); ``--threads-detail``
+prints every thread that woke at least 0.05 times a token.
 
     .venv/bin/python bench/bench_stream_cost.py [--requests 3] [--tokens 256] [--threads 2]
-        [--no-llama-server] [--extra TOML] [--durability MODE,MODE...] [--threads-detail]
+        [--no-llama-server] [--extra TOML] [--durability MODE[:MS],...] [--threads-detail]
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def main() -> None:
     p.add_argument(
         "--durability",
         default="",
-        help="comma-separated [durability] modes (write, tick, off): one basertd each, ratios to the first",
+        help="comma-separated [durability] modes (write, tick, off; write:MS sets sync_interval_ms): "
+        "one basertd each, ratios to the first",
     )
     p.add_argument("--threads-detail", action="store_true")
     a = p.parse_args()
@@ -158,7 +159,9 @@ def main() -> None:
     modes = [m.strip() for m in a.durability.split(",") if m.strip()] or [""]
     ours: dict[str, list] = {}
     for mode in modes:
-        mode_toml = f'[durability]\nmode = "{mode}"\n' if mode else ""
+        kind, _, interval = mode.partition(":")
+        mode_toml = f'[durability]\nmode = "{kind}"\n' if kind else ""
+        mode_toml += f"sync_interval_ms = {int(interval)}\n" if interval else ""
         name = f"basertd/{mode}" if mode else "basertd"
         with BenchDaemon(toml, prefix="brt-cost-", http=True, extra=extra + mode_toml) as d:
             srv = Server(name, d.url or "", lambda d=d: [d.proc.pid], True, 0.0)
