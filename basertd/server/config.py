@@ -60,7 +60,7 @@ Example (every key shown with its default)::
     mode = "write"              # "write": write-ahead log, one write per tick before delivery, fsync in
                                 # the background (a power loss may lose the last sync_interval_ms);
                                 # "tick": also one fsync per tick before delivery; "off": none
-    sync_interval_ms = 100      # "write": least milliseconds between two background fsyncs
+    sync_interval_ms = 1000     # "write": least milliseconds between two background fsyncs
     result_ttl_s = 600.0        # seconds a finished request's result can still be resumed
     resumes_per_s = 20.0        # resumes one requester (uid or API key) may make per second ...
     resume_burst = 40           # ... with this many at once; more: queue_full (HTTP 429)

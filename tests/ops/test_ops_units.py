@@ -142,7 +142,7 @@ def test_example_config_passes_config_check_and_a_broken_one_names_the_key(tmp_p
     cfg = load_config(example)
     assert cfg.operators.operator_group == "basertd-operators" and cfg.operators.metrics_address()
     assert cfg.operators.drain_timeout_s + WORKER_CLOSE_GRACE_S < 90
-    assert (cfg.durability.mode, cfg.durability.sync_interval_ms) == ("write", 100)
+    assert (cfg.durability.mode, cfg.durability.sync_interval_ms) == ("write", 1000)
     ctl = [sys.executable, "-m", "basertd.ctl", "--socket", str(tmp_path / "none.sock")]
     r = subprocess.run(
         [*ctl, "config", "check", "--json", str(example)], capture_output=True, text=True, timeout=60

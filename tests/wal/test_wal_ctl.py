@@ -94,7 +94,7 @@ def test_durability_config() -> None:
     assert (cfg.state_dir, cfg.durability.mode, cfg.durability.result_ttl_s) == ("/x", "off", 5.0)
     default = parse_config({})
     assert (default.durability.mode, default.durability.result_ttl_s) == ("write", 600.0)
-    assert default.durability.sync_interval_ms == 100
+    assert default.durability.sync_interval_ms == 1000
     for mode in ("write", "tick"):
         assert parse_config({"durability": {"mode": mode}}).durability.mode == mode
     assert parse_config({"durability": {"sync_interval_ms": 250}}).durability.sync_interval_ms == 250

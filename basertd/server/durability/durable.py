@@ -82,7 +82,7 @@ EXIT_JOURNAL_FAILED = 74
 """The daemon's exit status after the write-ahead log failed while serving (a write, an fsync, a
 rotation, or the committer itself): ``EX_IOERR`` of sysexits.h, distinct from 1 (cannot start)
 and 2 (bad configuration)."""
-DEFAULT_SYNC_INTERVAL_S = 0.1
+DEFAULT_SYNC_INTERVAL_S = 1.0
 """Mode "write": least seconds between the starts of two background fdatasyncs
 (``[durability] sync_interval_ms``)."""
 MAINTAIN_EVERY_S = 60.0
