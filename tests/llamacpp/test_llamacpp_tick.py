@@ -26,7 +26,7 @@ from basertd.schema.tick import (
 from basertd.worker.engines.base import PlanRejected
 from basertd.worker.engines.llamacpp import sampling
 from basertd.worker.engines.llamacpp.hooks import LaneTestHooks
-from basertd.worker.engines.llamacpp.rounds import SPLIT_MIN_PREFILL_ROWS
+from basertd.worker.engines.llamacpp.rounds import SPLIT_MIN_PREFILL_ROWS, decode_share_ns
 
 EOS = 2
 
@@ -363,6 +363,30 @@ def test_sampled_tokens_are_the_counter_draws(lc):
     ev = start(coord, 2, prompt, decode=1, sampling=Sampling.GPU_GUMBEL, params=params, rng_counter_base=base)
     cfg = sampling.SamplerConfig.from_admit(Sampling.GPU_GUMBEL, params, 0)
     assert coord.read(emit_of(ev, 2).token_ref) == [sampling.select(row, cfg, sampling.draw(base))]
+
+
+def test_a_round_beside_a_prefill_counts_its_decode_rows_as_decode_time(lc):
+    """The tick's ``decode_ns`` / ``prefill_ns`` feed the scheduler's rates: a decode step that
+    shared its round with another lane's prefill chunk is decode time (``rounds.decode_share_ns``),
+    not prefill time, or the prefill looks slower the fewer rows each round carries."""
+    eng, coord = lc
+    start(coord, 1, make_prompt(16, 20), decode=1, params=ignore_eos())
+    prompt = make_prompt(17, 40)  # >= SPLIT_MIN_PREFILL_ROWS: the decode row runs on its own first
+    ev = coord.tick(
+        admits=[admit(2, coord.prompt(prompt))],
+        prefills=[LanePrefill(lane_tag=2, token_offset=0, token_count=len(prompt))],
+        decodes=[LaneDecode(lane_tag=1, max_new_tokens=1)],
+    )
+    parts = eng.rounds.batch.parts
+    assert parts[0][0] == 1 and sum(r for r, _ in parts) == 41, parts
+    t = ev.timings
+    assert t.decode_ns == parts[0][1] and t.prefill_ns >= sum(ns for _, ns in parts[1:]), (t, parts)
+
+
+def test_decode_share_of_a_round():
+    assert decode_share_ns(2, [(2, 700), (30, 9000)]) == 700  # split: the first call is theirs
+    assert decode_share_ns(2, [(6, 900)]) == 300  # rode with 4 prefill rows: a third of the call
+    assert decode_share_ns(0, [(6, 900)]) == 0 and decode_share_ns(3, []) == 0
 
 
 def test_timings_and_mem_counters(lc):

@@ -55,6 +55,25 @@ query tiles with other lanes' decode rows attends over all their keys). Below it
 _U32 = (1 << 32) - 1
 
 
+def decode_share_ns(n_decode_rows: int, parts: list[tuple[int, int]]) -> int:
+    """Nanoseconds of a round that carried prefill rows which belong to its ``n_decode_rows``
+    decode rows (they come first): the first ``llama_decode`` when it held them alone (a split
+    round), else their share by rows of the first one they rode in. ``parts``: ``(rows, ns)`` per
+    ``llama_decode`` (``TokenBatch.parts``).
+
+    The tick's ``decode_ns`` / ``prefill_ns`` are what the scheduler's rates are measured from
+    (DESIGN.md "Scheduling": seconds per decode step and per prefill token). Counting a mixed
+    round's decode rows as prefill time made the prefill look slower the fewer prefill rows a round
+    carried, so the inter-token bound gave the next round fewer still: under a burst of long
+    prompts beside decoding lanes the per-round prefill shrank towards one token."""
+    if not n_decode_rows or not parts:
+        return 0
+    rows, ns = parts[0]
+    if rows <= n_decode_rows:
+        return ns
+    return ns * n_decode_rows // rows
+
+
 class Rounds:
     """The decode rounds over ``cells``' llama.cpp context: ``lanes`` the live lanes by tag,
     ``n_vocab`` the logits row width, ``step_rows`` rows per ``llama_decode`` (a round's decode
@@ -414,6 +433,8 @@ class Rounds:
             m = sum(int(d.shape[0]) for _, _, d in spec)
             self.speculator.cost.note(n_decode_rows - m, m, parts[0][1])
         if self.batch.n > n_decode_rows:
-            tick.prefill_ns += dt
+            decode_ns = decode_share_ns(n_decode_rows, parts)
+            tick.decode_ns += decode_ns
+            tick.prefill_ns += max(0, dt - decode_ns)
         else:
             tick.decode_ns += dt
