@@ -524,7 +524,7 @@ class Durability:
                 raise AdmissionError(
                     ErrorCode.SHUTTING_DOWN, "the daemon is stopping: resume this request after its restart"
                 )
-            res = await asyncio.to_thread(self.journal.result, resume_id)  # its lock waits on fsyncs
+            res = await asyncio.to_thread(self.journal.result, resume_id)  # the mirror's lock, never an fsync
             if res is None:
                 if resume_id in self.live:
                     continue
