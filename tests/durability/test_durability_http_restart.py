@@ -109,6 +109,7 @@ def test_last_event_id_resumes_an_http_stream_after_a_restart(how):
         assert text_of(head) + text_of(tail) == text_of(whole)
         access = [e for e in d.log_events() if e.get("event") == "access"]
         assert sorted(e["completion_tokens"] for e in access) == [MAX_TOKENS, MAX_TOKENS]  # not re-run
+        assert {e["api"] for e in access} == {"openai"}  # the recovered request keeps its API
         d.stop()
     except BaseException:
         d.kill()

@@ -101,6 +101,9 @@ restart samples with the same bias."""
 REQUESTER = "requester"
 """``RequestRecord.client`` key of the requester the request is bound to
 (``basertd.server.request.requester``)."""
+API = "api"
+"""``RequestRecord.client`` key of the API the request came through (native, openai, anthropic,
+ollama, ...): a request re-run after a restart keeps it in its access-log line and trace."""
 CONTEXT = "context"
 """``RequestRecord.client`` key of what the transport needs to shape a resumed stream (an HTTP
 dialect's response id, model, options); given back by ``resume``."""
@@ -369,11 +372,12 @@ class Durability:
         *,
         requester: str = UNBOUND,
         context: dict[str, Any] | None = None,
+        api_name: str = "native",
     ) -> api.Accepted:
         """Journal the acceptance of ``gen`` (tokenized to ``prompt``), bound to ``requester``
-        with the transport's resume ``context``, and put ``req``'s replies through a
-        ``DurableSink`` around ``inner``; returns the Accepted to send through ``req.sink``. With
-        durability off: ``req`` unchanged, Accepted without resume_id."""
+        with the transport's resume ``context`` and the ``api_name`` it came through, and put
+        ``req``'s replies through a ``DurableSink`` around ``inner``; returns the Accepted to send
+        through ``req.sink``. With durability off: ``req`` unchanged, Accepted without resume_id."""
         accepted = api.Accepted(request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed)
         if not self.enabled:
             return accepted
@@ -383,7 +387,7 @@ class Durability:
                 gen, prompt, req.sampler.seed, t_accepted=time.time(), extra=_extra(gen, req)
             ),
             request_id=rid,
-            client={REQUESTER: requester, CONTEXT: dict(context or {})},
+            client={REQUESTER: requester, CONTEXT: dict(context or {}), API: api_name},
         )
         self.journal.accepted(record)
         self._attach(req, DurableSink(self, inner, rid), record)

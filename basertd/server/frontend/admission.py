@@ -420,7 +420,9 @@ class Frontend:
             speculation=gen.speculation,
         )
         if self.durability is not None:
-            accepted = self.durability.wrap(gen, prompt, req, observed, requester=requester, context=context)
+            accepted = self.durability.wrap(
+                gen, prompt, req, observed, requester=requester, context=context, api_name=api_name
+            )
         else:
             accepted = api.Accepted(
                 request_id=gen.request_id, prompt_tokens=len(prompt), seed=req.sampler.seed

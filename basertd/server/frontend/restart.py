@@ -23,7 +23,7 @@ from __future__ import annotations
 import structlog
 
 from basertd.schema import client as api
-from basertd.server.durability.durable import Durability
+from basertd.server.durability.durable import API, Durability
 from basertd.server.durability.wal_format import RequestRecord
 from basertd.server.fleet import Fleet
 from basertd.server.frontend.access import ObservedSink
@@ -70,7 +70,8 @@ def requeue(durability: Durability, fleet: Fleet, metrics: Metrics, drainer: Dra
     were queued (those whose durable tokens already ended them finish at once, not counted)."""
     queued = 0
     for record, tokens, client_id in durability.unfinished():
-        observed = ObservedSink(Detached(), client_id, metrics, drainer)
+        api_name = str(record.client.get(API, "native"))  # logs from before the key: native
+        observed = ObservedSink(Detached(), client_id, metrics, drainer, api_name=api_name)
         sink = durability.sink_for(record, observed)
         prompt = list(record.prompt)
         gen = durability.generate_of(record, client_id)
