@@ -11,6 +11,7 @@ import anthropic
 import httpx
 import pytest
 from daemon_harness import Daemon
+from proc_testutil import wait_until
 from serving_harness import ref_toml
 from sse_testutil import read_events, sse_fields
 
@@ -191,7 +192,9 @@ def test_disconnect_frees_the_lane_after_the_grace(daemon):
         assert next(lines) == "event: message_start"
         names = [ln for ln in (next(lines) for _ in range(9)) if ln.startswith("event: ")]
         assert names == ["event: content_block_start", "event: ping"], names
-        assert daemon.workers()[0].lanes_busy == 1
+        # message_start goes out on acceptance, which can come before the scheduler's next plan
+        # admits the request to a lane: wait for the lane
+        wait_until(lambda: daemon.workers()[0].lanes_busy == 1, 10, interval=0.02, what="the lane busy")
     t0 = time.monotonic()
     wait_idle(daemon, timeout=GRACE_S + 3)
     assert time.monotonic() - t0 < GRACE_S + 1.0
