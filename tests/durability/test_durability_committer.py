@@ -11,6 +11,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from sink_testutil import Sink
 
 from basertd.schema import client as api
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
@@ -18,15 +19,6 @@ from basertd.server.durability.wal import Journal
 from basertd.server.observe.metrics import Metrics
 from basertd.server.request.record import GenerationRequest, sampler_for
 from basertd.server.request.tokenizer import BytesTokenizer
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.closed = False
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
 
 
 @pytest.mark.parametrize("mode", ["write", "tick"])

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon
 from serving_harness import ref_toml
+from sink_testutil import Sink
 
 from basertd.client import ClientError
 from basertd.schema import client as api
@@ -33,18 +34,6 @@ from basertd.server.request.record import GenerationRequest, sampler_for
 from basertd.server.request.tokenizer import BytesTokenizer
 
 INTERVAL_S = 0.2
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.closed = False
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
-
-    def ids(self) -> list[int]:
-        return [i for m in self.sent if isinstance(m, api.Tokens) for i in m.ids]
 
 
 def _request(dur: Durability, sink: Sink, rid: str = "a") -> GenerationRequest:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from sink_testutil import Sink
 
 from basertd.schema import client as api
 from basertd.schema.abi import AdmitStatus, FaultCode, Finish, ShedKind, Status
@@ -36,23 +37,6 @@ from basertd.shm import YieldReason
 
 TOK = BytesTokenizer()
 PAGE = 16
-
-
-class Sink:
-    """A request sink that keeps every message."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.closed = False
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
-
-    def ids(self) -> list[int]:
-        return [i for m in self.sent if isinstance(m, api.Tokens) for i in m.ids]
-
-    def end(self):
-        return self.sent[-1] if self.sent and isinstance(self.sent[-1], (api.Done, api.Error)) else None
 
 
 def make_core(*, lanes: int = 4, cache: bool = False, **sched) -> SchedulerCore:

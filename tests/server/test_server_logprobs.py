@@ -8,6 +8,7 @@ import math
 
 import msgspec
 import pytest
+from sink_testutil import Sink
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
@@ -21,15 +22,6 @@ from basertd.server.transport.http.openai import translate as oa_translate
 from basertd.server.transport.http.openai import wire as oa_wire
 
 TOK = BytesTokenizer()
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.closed = False
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
 
 
 def ids(text: str) -> list[int]:

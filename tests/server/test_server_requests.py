@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from sink_testutil import Sink
 
 from basertd.schema import client as api
 from basertd.schema.abi import Sampling, SamplingFlag
@@ -13,15 +14,6 @@ from basertd.server.request.tokenizer import BytesTokenizer
 from basertd.server.sched.lanes import RequestQueues, candidate, reservation
 
 TOK = BytesTokenizer()
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.closed = False
-
-    def send(self, msg) -> None:
-        self.sent.append(msg)
 
 
 def ids(text: str) -> list[int]:

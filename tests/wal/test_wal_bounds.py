@@ -33,6 +33,21 @@ class Clock:
         return self.now
 
 
+def _stall_fdatasync(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make ``os.fdatasync`` block: ``entered`` is set once a call is inside it, and it waits
+    (at most 30 s) for ``release`` before syncing."""
+    entered, release = threading.Event(), threading.Event()
+    real = os.fdatasync
+
+    def slow_fsync(fd: int) -> None:
+        entered.set()
+        release.wait(30)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", slow_fsync)
+    return entered, release
+
+
 def test_frames_are_cut_by_bytes_and_the_log_reads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -142,15 +157,7 @@ def test_a_result_is_read_without_waiting_for_the_fsync_in_flight(
     j.accepted(_rec("done"))
     j.finished("done", "stop")
     j.commit()
-    entered, release = threading.Event(), threading.Event()
-    real = os.fdatasync
-
-    def slow_fsync(fd: int) -> None:
-        entered.set()
-        release.wait(30)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", slow_fsync)
+    entered, release = _stall_fdatasync(monkeypatch)
     j.accepted(_rec("next"))
     committer = threading.Thread(target=j.commit)
     committer.start()
@@ -177,15 +184,7 @@ def test_write_mode_commits_and_results_never_wait_for_the_sync_in_flight(
     j.accepted(_rec("done"))
     j.finished("done", "stop")
     j.commit()
-    entered, release = threading.Event(), threading.Event()
-    real = os.fdatasync
-
-    def slow_fsync(fd: int) -> None:
-        entered.set()
-        release.wait(30)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", slow_fsync)
+    entered, release = _stall_fdatasync(monkeypatch)
     syncer = threading.Thread(target=j.sync)
     syncer.start()
     try:

@@ -64,6 +64,7 @@ import structlog
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
+from basertd.server.config_sections import DurabilityConfig
 from basertd.server.durability.replay import ReplayCache, ReplayText, replay_text
 from basertd.server.durability.wal import Journal, JournalFailed
 from basertd.server.durability.wal_format import RequestRecord, WalError
@@ -82,9 +83,9 @@ EXIT_JOURNAL_FAILED = 74
 """The daemon's exit status after the write-ahead log failed while serving (a write, an fsync, a
 rotation, or the committer itself): ``EX_IOERR`` of sysexits.h, distinct from 1 (cannot start)
 and 2 (bad configuration)."""
-DEFAULT_SYNC_INTERVAL_S = 1.0
-"""Mode "write": least seconds between the starts of two background fdatasyncs
-(``[durability] sync_interval_ms``)."""
+DEFAULT_SYNC_INTERVAL_S = DurabilityConfig().sync_interval_ms / 1000
+"""Mode "write": least seconds between the starts of two background fdatasyncs, the
+``[durability] sync_interval_ms`` default (one place: ``DurabilityConfig``)."""
 MAINTAIN_EVERY_S = 60.0
 """Most seconds between two ``Journal.maintain`` calls while no commit happens (expired results
 leave the disk on an idle daemon too)."""
