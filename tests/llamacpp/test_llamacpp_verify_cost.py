@@ -18,6 +18,7 @@ from basertd.worker.engines.llamacpp.verify_cost import (
     MIN_PLAIN,
     MIN_VERIFY,
     PLAIN_WINDOW,
+    REFIT_EVERY,
     Cost,
     VerifyCost,
 )
@@ -132,6 +133,21 @@ def test_samples_compare_with_their_own_batch_size_and_the_windows_follow_load()
         c.note(4, m % 8 + 1, int(30 * MS * GPU.round(m % 8 + 1)))
     assert c.stats()["spec_verify_samples"] == FIT_WINDOW
     assert c.current() == Cost(pytest.approx(1.0), pytest.approx(0.004))
+
+
+def test_the_line_is_fitted_at_the_first_full_window_then_every_few_samples():
+    """The first fit comes with the ``MIN_VERIFY``-th sample; after it the line moves only every
+    ``REFIT_EVERY`` samples (a fit is about 0.2 ms of numpy, a tenth of a GPU round)."""
+    c = VerifyCost()
+    feed(c, CPU, plain_ms=10.0, rounds=MIN_VERIFY - 1, seed=3)
+    assert not c.measured
+    feed(c, CPU, plain_ms=10.0, rounds=1, seed=4)
+    first = c.current()
+    assert c.measured and first == Cost(pytest.approx(1.27, rel=0.1), pytest.approx(0.375, rel=0.2))
+    for i in range(1, REFIT_EVERY + 1):  # noisy samples: each cheaper one moves the medians
+        c.note(1, 4, int(10 * MS * GPU.round(4)))  # much cheaper rounds
+        assert (c.current() == first) == (i < REFIT_EVERY), i
+    assert c.current().base < first.base
 
 
 def test_one_draft_length_moves_the_level_and_keeps_the_slope():

@@ -21,8 +21,9 @@ The model, per engine: a plain call (m = 0) of n lanes takes ``plain(n)``, the m
 ``PLAIN_WINDOW`` plain calls of n lanes. A verify call of n lanes and m drafts taking ``t`` is the
 sample ``(m, t / plain(n))``: its cost in plain steps of its own batch, so rounds of different
 batch sizes fit one line. ``base`` and ``per_draft`` are the Theil-Sen line of the last
-``FIT_WINDOW`` samples (the median of the slopes between every two samples of different m, and
-the median of ``y - per_draft * m`` as the intercept). ``base`` keeps the intercept: on the CPU a
+``FIT_WINDOW`` samples, fitted again every ``REFIT_EVERY`` samples (the median of the slopes
+between every two samples of different m, and the median of ``y - per_draft * m`` as the
+intercept). ``base`` keeps the intercept: on the CPU a
 2-row call costs about 1.3 steps of a 1-row call (the step from a matrix-vector to a
 matrix-matrix product), which a line through (0, 1) would spread over every draft. ``base`` is at
 least 1 and ``per_draft`` at least 0 (a verify round is never cheaper than the plain step it
@@ -73,6 +74,10 @@ FIT_WINDOW = 32
 """Verify samples the line is fitted to, the most recent."""
 MIN_VERIFY = 8
 """Verify samples before the line replaces the default (module docstring)."""
+REFIT_EVERY = 4
+"""Verify samples between two fits of the line once it exists: a fit of ``FIT_WINDOW`` samples
+is about 0.2 ms of numpy on a CPU, a tenth of a GPU decode round, and a window moves little in
+four samples."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,7 @@ class VerifyCost:
         self._m: deque[int] = deque(maxlen=FIT_WINDOW)
         self._y: deque[float] = deque(maxlen=FIT_WINDOW)
         self._fit: Cost | None = None
+        self._unfitted = 0  # verify samples since the last fit
 
     def note(self, lanes: int, drafts: int, ns: int) -> None:
         """One decode-only ``llama_decode`` of ``lanes`` plain rows (one per forwarding lane) and
@@ -120,8 +126,10 @@ class VerifyCost:
             return
         self._m.append(drafts)
         self._y.append(ns / plain)
-        if len(self._m) >= MIN_VERIFY:
+        self._unfitted += 1
+        if len(self._m) >= MIN_VERIFY and (self._fit is None or self._unfitted >= REFIT_EVERY):
             self._fit = self._line()
+            self._unfitted = 0
 
     def plain_ns(self, lanes: int) -> float | None:
         """The plain step of ``lanes`` lanes in nanoseconds (the median of its window), None
