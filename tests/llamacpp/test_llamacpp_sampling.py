@@ -17,6 +17,7 @@ from basertd.worker.engines.llamacpp.sampling import (
     draw,
     logprobs,
     select,
+    top_k_ids,
 )
 
 GUMBEL = Sampling.GPU_GUMBEL
@@ -115,6 +116,39 @@ def test_select_matches_a_naive_full_sort(seed, vocab, temperature, top_k, top_p
     c = cfg(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     u = draw(counter)
     assert select(row, c, u) == naive_select(row, c, u)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    vocab=st.integers(2, 20_000),
+    k=st.integers(1, 120),
+    shape=st.sampled_from(["normal", "on_stride", "off_stride", "masked", "ties"]),
+)
+def test_top_k_ids_are_the_k_largest(seed, vocab, k, shape):
+    """``top_k_ids`` keeps exactly the ``k`` largest entries, whatever the row: the sampled
+    entries the largest (the fallback), large values away from them, most of the row masked to
+    -inf (a grammar's mask), and ties at the k-th value (any of the tied ids, as argpartition)."""
+    k = min(k, vocab - 1) if vocab > 1 else 0
+    if k < 1:
+        return
+    rng = np.random.default_rng(seed)
+    row = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    if shape == "on_stride":  # the sampled entries are the largest: too few reach the threshold
+        row[::64] += 50.0
+    elif shape == "off_stride":  # the largest values sit where the stride never looks
+        row[np.arange(vocab) % 64 != 0] += 50.0
+        row[np.arange(vocab) % 64 == 0] -= 50.0
+    elif shape == "masked":
+        row[rng.random(vocab) < 0.95] = -np.inf
+    elif shape == "ties":
+        row = np.round(row).astype(np.float32)
+    ids = top_k_ids(row, k)
+    assert ids.shape == (k,) and np.unique(ids).size == k
+    kth = np.sort(row)[vocab - k]
+    assert np.all(row[ids] >= kth)  # every kept entry is at least the k-th largest value
+    assert np.count_nonzero(row > kth) <= k  # and nothing larger than it was left out
+    assert set(np.flatnonzero(row > kth)) <= set(ids.tolist())
 
 
 def test_top_p_widens_its_window_past_64_candidates():

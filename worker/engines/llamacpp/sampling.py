@@ -165,6 +165,31 @@ def _top_p_keep(ids: np.ndarray | None, logits: np.ndarray, top_p: float) -> tup
     return sel_ids, logits[keep]
 
 
+_TOP_K_STRIDE = 64
+"""Stride of the sample ``top_k_ids`` takes its threshold from."""
+
+
+def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
+    """Ids of ``k`` largest entries of ``row`` (1-D, ``0 < k < row.size``), in no order; among
+    entries tied at the k-th value, which are kept is unspecified (as with ``np.argpartition``).
+
+    An ``argpartition`` of a 262,144-entry row takes about 1.3 ms on a CPU core, per sampled lane
+    and token. Here a threshold comes from every ``_TOP_K_STRIDE``-th entry (about ``2k`` entries of
+    the row are expected at or above it), one vectorised compare keeps the candidates, and only
+    they are partitioned (about 0.2 ms). When fewer than ``k`` entries reach the threshold (a row
+    whose large values cluster between the sampled positions), the whole row is partitioned: the
+    result is always exactly the top ``k``."""
+    n = row.shape[0]
+    sample = row[::_TOP_K_STRIDE]
+    j = 2 * k // _TOP_K_STRIDE + 3
+    if j < sample.shape[0]:
+        threshold = np.partition(sample, sample.shape[0] - j)[sample.shape[0] - j]
+        cand = np.flatnonzero(row >= threshold)
+        if k <= cand.shape[0] < n:
+            return cand[np.argpartition(row[cand], cand.shape[0] - k)[cand.shape[0] - k :]]
+    return np.argpartition(row, n - k)[n - k :]
+
+
 def select(row: np.ndarray, cfg: SamplerConfig, u: float) -> int:
     """The token id chosen from ``row`` (already through ``adjusted_row``) with uniform ``u``.
 
@@ -177,7 +202,7 @@ def select(row: np.ndarray, cfg: SamplerConfig, u: float) -> int:
     ids: np.ndarray | None = None
     logits = row
     if 0 < cfg.top_k < vocab:
-        ids = np.argpartition(row, vocab - cfg.top_k)[vocab - cfg.top_k :]
+        ids = top_k_ids(row, cfg.top_k)
         logits = row[ids]
     if 0.0 < cfg.top_p < 1.0:
         ids, logits = _top_p_keep(ids, logits, cfg.top_p)
