@@ -65,7 +65,8 @@ class SchedulerConfig(Section):
     """Per-worker scheduler knobs (DESIGN.md "Scheduling").
 
     ``prefill_budget``: the most prompt tokens one tick prefills (tokens); ``decode_grant``: the most
-    tokens one lane decodes in one tick (tokens, <= 65535, a u16 in LaneDecode); ``tick_target_s``:
+    decode rounds one lane runs in one tick (a plain lane's tokens; a speculating lane's grant in
+    tokens is this times its measured tokens per round; <= 65535, a u16 in LaneDecode); ``tick_target_s``:
     the tick length (seconds) the adaptive budget aims at while requests wait; ``queue_limit``:
     queued requests per QoS class and worker; ``max_queued_tokens``: queued prompt tokens per
     worker; ``partial_emits``: ask the worker for mid-tick token deltas (ABI rule 64).

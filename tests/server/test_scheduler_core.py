@@ -14,7 +14,8 @@ import pytest
 from sink_testutil import Sink
 
 from basertd.schema import client as api
-from basertd.schema.abi import AdmitStatus, FaultCode, Finish, ShedKind, Status
+from basertd.schema import link
+from basertd.schema.abi import AdmitStatus, CertDomain, CertMode, FaultCode, Finish, ShedKind, Status
 from basertd.schema.client import ErrorCode
 from basertd.schema.tick import (
     AdmitResult,
@@ -22,7 +23,9 @@ from basertd.schema.tick import (
     LaneFault,
     ShedEntry,
     ShedReport,
+    SpecStats,
     TickEvents,
+    TickTimings,
     TokenRef,
 )
 from basertd.server.cache.policy import Seed
@@ -39,7 +42,9 @@ TOK = BytesTokenizer()
 PAGE = 16
 
 
-def make_core(*, lanes: int = 4, cache: bool = False, **sched) -> SchedulerCore:
+def make_core(
+    *, lanes: int = 4, cache: bool = False, strategies: tuple[link.StrategyOffer, ...] = (), **sched
+) -> SchedulerCore:
     limits = WorkerLimits(
         context_length=1024,
         max_lanes=lanes,
@@ -47,6 +52,7 @@ def make_core(*, lanes: int = 4, cache: bool = False, **sched) -> SchedulerCore:
         page_tokens=PAGE,
         kv_tokens=lanes * 1024,
         max_admit_tokens=1024,
+        strategies=strategies,
     )
     return SchedulerCore(
         0, limits, SchedulerConfig(**sched), CacheConfig(enabled=cache, coalesce_min_tokens=0)
@@ -86,8 +92,11 @@ def events(
     refused: dict[int, Status] | None = None,
     shed: dict[int, int] | None = None,
     faults: tuple[int, ...] = (),
+    spec: dict[int, tuple[int, int]] | None = None,
+    decode_ns: int = 0,
 ) -> tuple[TickEvents, dict[int, list[int] | None]]:
-    """Synthetic events of ``plan``'s tick and the emitted tokens the loop would have read."""
+    """Synthetic events of ``plan``'s tick and the emitted tokens the loop would have read;
+    ``spec``: a lane's (drafts proposed, accepted) in its emit."""
     refused = refused or {}
     results = []
     for tag, _ in plan.draft.admitted:
@@ -98,7 +107,9 @@ def events(
             results.append(AdmitResult(lane_tag=tag, status=int(AdmitStatus.ADMITTED)))
     lane_emits, read = [], {}
     for tag, (toks, finish) in (emits or {}).items():
-        lane_emits.append(LaneEmit(lane_tag=tag, n_tokens=len(toks), finish=int(finish)))
+        proposed, accepted = (spec or {}).get(tag, (0, 0))
+        stats = SpecStats(proposed=proposed, accepted=accepted)
+        lane_emits.append(LaneEmit(lane_tag=tag, n_tokens=len(toks), finish=int(finish), spec=stats))
         if toks:
             read[tag] = list(toks)
     entries = [
@@ -110,6 +121,7 @@ def events(
         emits=lane_emits,
         faults=[LaneFault(lane_tag=t, code=int(FaultCode.OOM_TENTATIVE)) for t in faults],
         shed=ShedReport(entries=entries),
+        timings=TickTimings(decode_ns=decode_ns),
     )
     return ev, read
 
@@ -558,6 +570,51 @@ def test_beside_a_streaming_lane_the_grant_spreads_the_pending_prefill_over_roun
     grant = plan_limits(core).decode_grant
     assert grant == core.rates.round_grant(1000) == 14  # 75 prefill tokens per round
     assert (1000 / grant) * 0.004 + 0.1 <= 0.5  # each round within the inter-token bound
+
+
+LOOKUP = link.StrategyOffer(
+    strategy_id="prompt-lookup",
+    strategy_slot=1,
+    cert_id=1,
+    sampling_modes=int(CertMode.GREEDY),
+    param_domain=int(CertDomain.GREEDY_ONLY),
+)
+
+
+def test_a_speculating_lane_is_granted_decode_grant_rounds_of_its_measured_tokens_per_round():
+    """``decode_grant`` counts rounds: a lane whose rounds commit accepted drafts gets that many
+    rounds' worth of tokens (its tokens per round a decaying mean over its ticks), so its ticks do
+    not end after one round; a plain lane keeps the configured grant, and the decode rate is
+    measured per round, not per token."""
+    core = make_core(strategies=(LOOKUP,), decode_grant=8)
+    spec, _ = make_req("spec", max_tokens=500)
+    plain, _ = make_req("plain", max_tokens=500, speculation="off")
+    core.submit(spec)
+    core.submit(plain)
+    first = tick(core)
+    s, p = (tag for tag, _ in first.draft.admitted)
+    assert (core.lanes[s].strategy, core.lanes[p].strategy) == ("prompt-lookup", "")
+    assert first.draft.decodes == [(s, 8), (p, 8)]  # nothing measured yet
+    plan, _ = launch(core)
+    assert plan.draft.decodes == [(s, 8), (p, 8)]
+    # 3 rounds made 12 tokens (9 accepted drafts): 4 a round; the plain lane made 8 in 8 rounds.
+    ev, read = events(
+        plan,
+        emits={s: (list(range(12)), Finish.NONE), p: (list(range(8)), Finish.NONE)},
+        spec={s: (10, 9)},
+        decode_ns=80_000_000,
+    )
+    accept(core, plan, ev, read)
+    assert core.lanes[s].tokens_per_round == pytest.approx(2.5)  # half way from 1 to 4
+    assert core.rates.decode_s_per_step == pytest.approx(0.01)  # 80 ms over 8 rounds, not 12 tokens
+    plan, _ = launch(core)
+    assert plan.draft.decodes == [(s, 20), (p, 8)]
+    # A tick whose lookups found nothing: one token a round pulls the grant back down.
+    ev, read = events(plan, emits={s: (list(range(20)), Finish.NONE), p: (list(range(8)), Finish.NONE)})
+    accept(core, plan, ev, read)
+    assert core.lanes[s].tokens_per_round == pytest.approx(1.75)
+    plan, _ = launch(core)
+    assert plan.draft.decodes == [(s, 14), (p, 8)]
 
 
 def test_on_a_yielding_engine_a_long_interactive_prompt_prefills_whole_in_its_admitting_tick():

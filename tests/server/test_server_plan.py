@@ -49,6 +49,17 @@ def test_every_decoding_lane_gets_a_grant_capped_by_what_it_may_still_generate()
     assert not d.admitted and not d.prefills and not d.retires
 
 
+def test_a_speculating_lanes_grant_is_decode_grant_rounds_of_its_tokens_per_round():
+    lanes = [
+        lane(1, remaining=500, tokens_per_round=3.5),
+        lane(2, remaining=20, tokens_per_round=3.5),
+        lane(3, remaining=500),
+        lane(4, remaining=500, tokens_per_round=1.06),
+    ]
+    d = build_plan(lanes, [], limits(decode_grant=8), next_tag=5)
+    assert d.decodes == [(1, 28), (2, 20), (3, 8), (4, 8)]
+
+
 def test_admit_prefill_and_decode_in_the_same_tick():  # ABI rule 54
     d = build_plan([], [cand(7, prompt_len=30, max_tokens=5)], limits(prefill_budget=100), next_tag=11)
     assert [(t, c.key) for t, c in d.admitted] == [(11, 7)]

@@ -226,13 +226,36 @@ def apply_accepted(st: SchedulerState, plan: Plan, tick: Accepted, now: float, o
         lane.tick_tokens.clear()
 
     t = events.timings
-    emitted = {e.lane_tag: e.n_tokens for e in events.emits}
-    steps = max((emitted.get(tag, 0) + replayed.get(tag, 0) for tag, _ in draft.decodes), default=0)
+    rounds = {e.lane_tag: decode_rounds(e.n_tokens, e.spec.accepted) for e in events.emits}
+    steps = max((rounds.get(tag, 0) + replayed.get(tag, 0) for tag, _ in draft.decodes), default=0)
     prefilled = sum(max(0, n - shed.get(tag, 0)) for tag, _, n in draft.prefills)
     st.rates.observe(prefilled, t.prefill_ns / 1e9, steps, t.decode_ns / 1e9)
     st.last_mem = events.mem
     for tag in [t for t in st.t_token if t not in st.lanes]:
         del st.t_token[tag]
+
+
+def decode_rounds(tokens: int, accepted: int) -> int:
+    """Decode rounds that committed ``tokens`` tokens of which ``accepted`` were accepted drafts:
+    each round commits its accepted drafts and one token of its own (tick ABI §2), so ``tokens -
+    accepted``, at least 1 when any token came (a lane that finished on an accepted draft commits
+    no token of its own in its last round)."""
+    if tokens <= 0:
+        return 0
+    return max(1, tokens - accepted)
+
+
+TOKENS_PER_ROUND_ALPHA = 0.5
+"""Weight of one tick in a lane's ``tokens_per_round`` (its past halves every tick, so a lane whose
+drafts stop paying is back near one token a round after a tick or two)."""
+
+
+def _note_rounds(lane: Lane, tokens: int, accepted: int) -> None:
+    """Fold one tick's ``tokens`` and accepted drafts into ``lane.tokens_per_round`` (the grant's
+    scale, ``plan_builder``); a tick that emitted nothing says nothing."""
+    rounds = decode_rounds(tokens, accepted)
+    if rounds:
+        lane.tokens_per_round += TOKENS_PER_ROUND_ALPHA * (tokens / rounds - lane.tokens_per_round)
 
 
 def _count_spec(st: SchedulerState, lane: Lane, drafted: int, accepted: int) -> None:
@@ -269,6 +292,8 @@ def _apply_emits(
         st.decode_tokens_total += len(tokens)
         if emit.spec.proposed:
             _count_spec(st, lane, emit.spec.proposed, emit.spec.accepted)
+        if lane.strategy:
+            _note_rounds(lane, len(tokens), emit.spec.accepted)
         if tokens[: len(partial)] != partial:
             log.error("partial_emits_disagree", worker_id=st.worker_id, lane_tag=lane.tag)
         req = lane.request

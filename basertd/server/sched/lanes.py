@@ -61,6 +61,7 @@ class Lane:
     checkpoint: int = 0
     preemptible: bool = False
     strategy: str = ""  # the speculation strategy its admit named ("" none; ``sched.speculation``)
+    tokens_per_round: float = 1.0  # tokens a decode round commits, decaying mean (``sched.apply``)
     aged: bool = False
     requeue: bool = False
 
@@ -85,6 +86,7 @@ class Lane:
             publish=self.publish,
             replay=self.replay_left,
             checkpoint=self.checkpoint,
+            tokens_per_round=self.tokens_per_round,
             preemptible=self.preemptible
             and not done
             and not self.checkpoint

@@ -24,9 +24,13 @@
    46) or at its checkpoint;
 4. **decodes**: every decoding lane, plus every lane whose prefill completes in this very tick
    (admit + prefill + decode in one tick, ABI rule 54), with
-   ``grant = min(decode_grant, replay tokens left + tokens the request may still generate)``, so
-   max_tokens is exact (replay units emit nothing, ABI rule 72; at most ``max_decode_lanes``
-   lanes, rule 30). A lane holding for a checkpoint gets no decode.
+   ``grant = min(decode_grant * tokens_per_round, replay tokens left + tokens the request may
+   still generate)``, so max_tokens is exact (replay units emit nothing, ABI rule 72; at most
+   ``max_decode_lanes`` lanes, rule 30). ``decode_grant`` counts decode rounds: a speculating
+   lane's rounds commit several tokens each (``LaneView.tokens_per_round``, measured), and a grant
+   of ``decode_grant`` tokens would end its tick after one or two rounds, putting the coordinator's
+   turn between ticks (planning, the tick's last tokens' delivery) on nearly every round. A lane
+   holding for a checkpoint gets no decode.
 
 ``TickRates`` turns measured tick timings and the engine's measured rate curve into the budgets:
 long ticks of whole prefill chunks near the engine's best rate when nothing urgent waits, ticks
@@ -57,7 +61,9 @@ class LaneView:
     2 background; ``retire``/``publish``: retire it in this plan, and whether to publish its KV to
     the prefix cache; ``checkpoint``: 0, or the token count at which the lane's prefill stops so it
     can retire with publish (prefix coalescing, ``basertd.server.cache.policy``), with no decode;
-    ``preemptible``: an urgent request may preempt it (``basertd.server.sched.qos``)."""
+    ``preemptible``: an urgent request may preempt it (``basertd.server.sched.qos``);
+    ``tokens_per_round``: tokens one decode round of the lane commits (1 for a plain lane; more for
+    a speculating one, whose rounds commit accepted drafts: the grant's scale)."""
 
     tag: int
     prompt_len: int
@@ -70,6 +76,7 @@ class LaneView:
     replay: int = 0
     checkpoint: int = 0
     preemptible: bool = False
+    tokens_per_round: float = 1.0
 
     @property
     def decoding(self) -> bool:
@@ -276,7 +283,8 @@ def build_plan(
     ]
     decoders.sort(key=lambda lane: (lane.qos_rank, lane.tag))
     for lane in decoders[: limits.max_decode_lanes]:
-        draft.decodes.append((lane.tag, min(limits.decode_grant, lane.remaining + lane.replay, 0xFFFF)))
+        grant = max(1, round(limits.decode_grant * max(1.0, lane.tokens_per_round)))
+        draft.decodes.append((lane.tag, min(grant, lane.remaining + lane.replay, 0xFFFF)))
     return draft
 
 
