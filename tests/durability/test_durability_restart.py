@@ -31,10 +31,10 @@ CONTEXT = 256
 REF = {"eos_period": 0, "tick_delay_us": 8000}
 MAX_TOKENS = 40
 STREAMS = 16
-ROUNDS = {"write": 10, "tick": 4}
+ROUNDS = {"write": 10, "tick": 2}
 """Rounds of the random-SIGKILL test per mode: the default mode ("write", whose page cache alone
 holds what a client saw) gets the 50 kills; "tick", whose records are on disk before delivery and
-which shares every recovery path, 20, so the two together stay within the suite's time."""
+which shares every recovery path, 10, so the two together stay within the suite's time."""
 KILLS_PER_ROUND = 5
 
 
