@@ -67,6 +67,9 @@ class YieldReason(IntEnum):
     """The worker is being drained or stopped."""
     ITL_BOUND = 4
     """A streaming lane would otherwise wait past its inter-token latency bound."""
+    ADMIT = 5
+    """A request a free lane could take waits while the tick in flight runs decode rounds past
+    ``decode_grant`` (``[scheduler] decode_tick_s``: a fast engine's long ticks)."""
 
 
 class ControlBlock:

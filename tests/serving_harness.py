@@ -123,17 +123,18 @@ def ref_toml(
     worker: str = "",
 ) -> str:
     """A daemon config: ``workers`` reference-engine workers with ``lanes`` lanes of ``context``
-    tokens, ``ref`` overriding ``REF``, a decode grant of ``grant`` tokens and a queue of
-    ``queue_limit`` requests; extra ``[[workers]]`` / ``[scheduler]`` / ``[cache]`` lines verbatim."""
+    tokens, ``ref`` overriding ``REF``, a decode grant of exactly ``grant`` tokens (``decode_tick_s``
+    0: the tests pace their streams by the grant) and a queue of ``queue_limit`` requests; extra
+    ``[[workers]]`` / ``[scheduler]`` / ``[cache]`` lines verbatim."""
     table = "\n".join(f"{k} = {v}" for k, v in {**REF, **(ref or {})}.items())
     worker = (
         f'[[workers]]\nengine = "basert"\nlanes = {lanes}\ncontext_length = {context}\n{worker}\n'
         f"[workers.ref_config]\n{table}\n"
     )
-    return (
-        worker * workers
-        + f"[scheduler]\ndecode_grant = {grant}\nqueue_limit = {queue_limit}\n{scheduler}\n[cache]\n{cache}\n"
+    sched = (
+        f"[scheduler]\ndecode_grant = {grant}\ndecode_tick_s = 0\nqueue_limit = {queue_limit}\n{scheduler}\n"
     )
+    return worker * workers + sched + f"[cache]\n{cache}\n"
 
 
 def direct_ref(*, lanes: int = 2, context: int = 512, ref: dict | None = None) -> DirectRun:
@@ -181,10 +182,12 @@ def wait_leases(d: Daemon, expected: int = 0, timeout: float = 10.0) -> list[dic
 def tiny_toml(
     model, *, lanes: int = 2, context: int = 256, grant: int = 2, scheduler: str = "", cache: str = ""
 ) -> str:
-    """A daemon config: one llamacpp worker on the tiny GGUF ``model``, one thread."""
+    """A daemon config: one llamacpp worker on the tiny GGUF ``model``, one thread, a decode grant
+    of exactly ``grant`` tokens (``decode_tick_s`` 0, as ``ref_toml``)."""
     return (
         f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nlanes = {lanes}\ncontext_length = {context}\n'
-        f"threads = 1\n[scheduler]\ndecode_grant = {grant}\nqueue_limit = 1000\n{scheduler}\n"
+        f"threads = 1\n[scheduler]\ndecode_grant = {grant}\ndecode_tick_s = 0\nqueue_limit = 1000\n"
+        f"{scheduler}\n"
         f"[cache]\n{cache}\n"
     )
 

@@ -64,10 +64,15 @@ class WorkerConfig(Section):
 class SchedulerConfig(Section):
     """Per-worker scheduler knobs (DESIGN.md "Scheduling").
 
-    ``prefill_budget``: the most prompt tokens one tick prefills (tokens); ``decode_grant``: the most
+    ``prefill_budget``: the most prompt tokens one tick prefills (tokens); ``decode_grant``: the
     decode rounds one lane runs in one tick (a plain lane's tokens; a speculating lane's grant in
-    tokens is this times its measured tokens per round; <= 65535, a u16 in LaneDecode); ``tick_target_s``:
-    the tick length (seconds) the adaptive budget aims at while requests wait; ``queue_limit``:
+    tokens is this times its measured tokens per round; <= 65535, a u16 in LaneDecode);
+    ``decode_tick_s``: when nothing urgent waits, a tick's decode grant grows past
+    ``decode_grant`` to as many rounds as fill this many seconds at the measured decode step (a
+    fast engine's ticks would otherwise be a few milliseconds long, and the coordinator's turn
+    between two ticks, when the worker waits, a large share of every token; 0: ``decode_grant``
+    only); ``tick_target_s``: the tick length (seconds) the adaptive budget aims at while requests
+    wait; ``queue_limit``:
     queued requests per QoS class and worker; ``max_queued_tokens``: queued prompt tokens per
     worker; ``partial_emits``: ask the worker for mid-tick token deltas (ABI rule 64).
 
@@ -99,6 +104,7 @@ class SchedulerConfig(Section):
     max_itl_s: Annotated[float, msgspec.Meta(gt=0.0, le=60.0)] = 0.5
     min_prefill_chunk: _Pos = 64
     decode_grant: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8
+    decode_tick_s: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.05
     tick_target_s: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.05
     queue_limit: _Pos = 256
     max_queued_tokens: _Pos = 1 << 20

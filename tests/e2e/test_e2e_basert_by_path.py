@@ -45,7 +45,7 @@ def worker_toml(model: Path, *, lib: str = "", extra: str = "") -> str:
 
 
 def scheduler_toml(grant: int = 4) -> str:
-    return f"[scheduler]\ndecode_grant = {grant}\n"
+    return f"[scheduler]\ndecode_grant = {grant}\ndecode_tick_s = 0\n"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ CONTEXT = 256
 def daemon(tiny_gguf):
     with Daemon(
         f'[[workers]]\nengine = "llamacpp"\nmodel = "{tiny_gguf}"\nlanes = {LANES}\n'
-        f"context_length = {CONTEXT}\nthreads = 1\n[scheduler]\ndecode_grant = 4\n"
+        f"context_length = {CONTEXT}\nthreads = 1\n[scheduler]\ndecode_grant = 4\ndecode_tick_s = 0\n"
     ) as d:
         yield d
 

@@ -42,7 +42,7 @@ def daemon(paths):
         f'threads = 1\nchat_template = "{TEMPLATES[m]}"\n'
         for m in MODELS
     )
-    cfg = workers + '[scheduler]\ndecode_grant = 4\n[http]\nlisten = ["127.0.0.1:0"]\n'
+    cfg = workers + '[scheduler]\ndecode_grant = 4\ndecode_tick_s = 0\n[http]\nlisten = ["127.0.0.1:0"]\n'
     with Daemon(cfg) as d:
         d.http_url = "http://" + d.http_addresses()[0]
         yield d

@@ -27,7 +27,7 @@ GREEDY = {"temperature": 0}
 def daemon(tiny_gguf):
     cfg = (
         f'[[workers]]\nengine = "llamacpp"\nmodel = "{tiny_gguf}"\nlanes = 2\ncontext_length = 1024\n'
-        'threads = 1\nchat_template = "chatml"\n[scheduler]\ndecode_grant = 8\n'
+        'threads = 1\nchat_template = "chatml"\n[scheduler]\ndecode_grant = 8\ndecode_tick_s = 0\n'
         '[speculation]\nstrategies = ["prompt-lookup"]\nngram_min = 1\nmin_acceptance = 0.0\n'
         '[http]\nlisten = ["127.0.0.1:0"]\n'
     )

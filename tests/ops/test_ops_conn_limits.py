@@ -188,7 +188,8 @@ def test_connection_caps_per_uid_and_in_total():
 def test_frame_timeout_and_idle_timeout_close_the_connection():
     cfg = (
         ref_worker(lanes=2, delay_us=50000)
-        + "[scheduler]\ndecode_grant = 1\n[limits]\nframe_timeout_s = 1.0\nidle_timeout_s = 1.5\n"
+        + "[scheduler]\ndecode_grant = 1\ndecode_tick_s = 0\n"
+        + "[limits]\nframe_timeout_s = 1.0\nidle_timeout_s = 1.5\n"
     )
     with Daemon(cfg) as d:
         t0 = time.monotonic()

@@ -17,7 +17,7 @@ from serving_harness import end_cancelled
 
 from basertd import ctl
 
-CONFIG = ref_worker(lanes=2, delay_us=20000) * 2 + "[scheduler]\ndecode_grant = 1\n"
+CONFIG = ref_worker(lanes=2, delay_us=20000) * 2 + "[scheduler]\ndecode_grant = 1\ndecode_tick_s = 0\n"
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,9 @@ def test_restart_worker_replaces_the_process_and_counts_a_respawn(daemon):
 
 
 def test_shutdown_verb_drains_then_the_daemon_exits_zero():
-    with Daemon(ref_worker(lanes=2, delay_us=20000) + "[scheduler]\ndecode_grant = 2\n") as d:
+    with Daemon(
+        ref_worker(lanes=2, delay_us=20000) + "[scheduler]\ndecode_grant = 2\ndecode_tick_s = 0\n"
+    ) as d:
         c = d.client()
         stream = c.stream("finish before the stop", max_tokens=30, temperature=0)
         it = iter(stream)

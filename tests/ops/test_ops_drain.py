@@ -33,7 +33,8 @@ def _config(drain_timeout_s: float, grant: int = 2, delay_us: int = 20000, durab
     (tests/durability)."""
     return (
         ref_worker(lanes=4, delay_us=delay_us)
-        + f"[scheduler]\ndecode_grant = {grant}\n[operators]\ndrain_timeout_s = {drain_timeout_s}\n"
+        + f"[scheduler]\ndecode_grant = {grant}\ndecode_tick_s = 0\n"
+        + f"[operators]\ndrain_timeout_s = {drain_timeout_s}\n"
         + f'[durability]\nmode = "{durability}"\n'
     )
 

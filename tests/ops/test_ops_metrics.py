@@ -18,7 +18,7 @@ from basertd.schema import control
 from basertd.server.config import ConfigError, parse_config
 
 CONFIG = ref_worker(lanes=2, delay_us=20000) + (
-    '[scheduler]\ndecode_grant = 2\n[operators]\nmetrics_listen = "127.0.0.1:0"\n'
+    '[scheduler]\ndecode_grant = 2\ndecode_tick_s = 0\n[operators]\nmetrics_listen = "127.0.0.1:0"\n'
 )
 
 

@@ -30,7 +30,7 @@ from basertd.server.observe.notify import (
     watchdog_interval,
 )
 
-SLOW = "[scheduler]\ndecode_grant = 1\n"
+SLOW = "[scheduler]\ndecode_grant = 1\ndecode_tick_s = 0\n"
 """One token per lane per tick: with 20 ms ticks a 200-token generation runs for seconds."""
 
 

@@ -28,7 +28,10 @@ def _wait_event(d: Daemon, name: str, count: int, timeout: float = 10.0) -> dict
 
 
 def test_sighup_applies_runtime_knobs_and_names_the_rest():
-    config = ref_worker(lanes=2, delay_us=20000) + "[scheduler]\nqueue_limit = 64\ndecode_grant = 1\n"
+    config = (
+        ref_worker(lanes=2, delay_us=20000)
+        + "[scheduler]\nqueue_limit = 64\ndecode_grant = 1\ndecode_tick_s = 0\n"
+    )
     with Daemon(config) as d:
         original = d.config_path.read_text()
         with d.client() as c:

@@ -27,7 +27,7 @@ from basertd.client import ClientError, ErrorCode
 from basertd.schema import control
 
 CONFIG = ref_worker(lanes=2, delay_us=20000).replace("context_length = 256", "context_length = 1024") + (
-    "[scheduler]\ndecode_grant = 1\n"
+    "[scheduler]\ndecode_grant = 1\ndecode_tick_s = 0\n"
 )
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 

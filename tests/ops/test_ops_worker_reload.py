@@ -27,7 +27,7 @@ PARAMS = [
     else dict(max_tokens=MAX_TOKENS, temperature=0)
     for i in range(len(PROMPTS))
 ]
-GRANT = "[scheduler]\ndecode_grant = 1\n"
+GRANT = "[scheduler]\ndecode_grant = 1\ndecode_tick_s = 0\n"
 
 
 def _events(d: Daemon, name: str) -> list[dict]:

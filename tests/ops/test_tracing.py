@@ -48,7 +48,7 @@ def _config(base: Path) -> object:
             "runtime_dir": str(base / "rt"),
             "state_dir": str(base / "state"),
             "http": {"listen": ["127.0.0.1:0"]},
-            "scheduler": {"decode_grant": 1},
+            "scheduler": {"decode_grant": 1, "decode_tick_s": 0},
             "workers": [
                 {
                     "engine": "basert",

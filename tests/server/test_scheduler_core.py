@@ -360,6 +360,28 @@ def test_an_interactive_arrival_yields_a_batch_tick_in_flight():
     assert core.submit(make_req("hurry")[0]) is YieldReason.URGENT_ADMIT
 
 
+@pytest.mark.parametrize("decode_tick_s", [0.05, 0.0])
+def test_a_batch_arrival_cuts_a_tick_lengthened_by_decode_tick_s_only_while_a_lane_is_free(decode_tick_s):
+    """At 2 ms a decode step, ``decode_tick_s`` 0.05 grants 25 rounds instead of 8; a batch
+    request arriving then, with a lane free to take it, asks the tick to end (ADMIT) instead of
+    waiting out rounds only the coordinator's turn asked for. With every lane busy, or the tick at
+    its configured grant, it waits."""
+    core = make_core(lanes=2, decode_grant=8, decode_tick_s=decode_tick_s)
+    first, _ = make_req("first", max_tokens=500, qos="batch")
+    core.submit(first)
+    tag = only_tag(tick(core))
+    core.rates.observe(prefill_tokens=0, prefill_s=0.0, decode_steps=10, decode_s=0.02)
+    plan, _ = launch(core)
+    lengthened = decode_tick_s > 0
+    assert plan.draft.decodes == [(tag, 25 if lengthened else 8)]
+    second, _ = make_req("second", max_tokens=500, qos="batch")
+    assert core.submit(second) is (YieldReason.ADMIT if lengthened else None)
+    accept(core, plan, *events(plan, emits={tag: ([70], Finish.NONE)}))
+    plan, _ = launch(core)  # both lanes taken
+    assert len(core.lanes) == 2
+    assert core.submit(make_req("third", max_tokens=500, qos="batch")[0]) is None
+
+
 # --- rejected plans ----------------------------------------------------------------------------------
 
 

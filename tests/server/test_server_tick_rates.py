@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from basertd.server.sched.plan_builder import TickRates, best_chunk, rate_curve
+from basertd.server.sched.plan_builder import GRANT_CEILING, TickRates, best_chunk, rate_curve
 
 STATS = {
     "rate_tok_s_b16": 60,
@@ -46,6 +46,24 @@ def test_nothing_urgent_gets_long_ticks_of_whole_chunks_and_a_full_grant():
     # A yielding engine keeps long ticks beside streaming lanes (it is asked to end them in time).
     r.long_prefill = 2048
     assert r.budgets(False, True, streaming=True, can_yield=True) == (2048, 8)
+
+
+def test_a_fast_decode_step_gets_enough_rounds_to_fill_decode_tick_s_unless_something_urgent_waits():
+    """``decode_tick_s``: at 2 ms a step, 0.05 s is 25 rounds, not the configured 8; at 100 ms a
+    step the configured grant stands; the urgent regime keeps its own (half the tick target); a
+    step of microseconds stops at the ceiling; 0 turns it off."""
+    r = TickRates(tick_target_s=0.05, max_prefill=512, max_grant=8, decode_tick_s=0.05)
+    assert r.budgets(False)[1] == 8  # nothing measured yet
+    r.observe(prefill_tokens=0, prefill_s=0.0, decode_steps=10, decode_s=0.02)  # 2 ms a step
+    assert r.long_grant() == 25 and r.budgets(False)[1] == 25
+    assert r.budgets(False, streaming=True)[1] == 25  # streaming with no prefill measured yet
+    assert r.budgets(True)[1] == 8  # an interactive request waits: 0.025 s of steps, at most 8
+    r.decode_s_per_step = 0.1
+    assert r.long_grant() == 8
+    r.decode_s_per_step = 1e-6
+    assert r.long_grant() == GRANT_CEILING
+    r.decode_tick_s = 0.0
+    assert r.long_grant() == 8
 
 
 def test_a_round_grant_spreads_a_long_prefill_into_rounds_within_the_inter_token_bound():

@@ -108,14 +108,16 @@ class SchedulerCore(SchedulerState):
 
     def submit(self, req: GenerationRequest) -> YieldReason | None:
         """Queue an admitted request (``check_admission`` passed). Returns URGENT_ADMIT when the
-        tick in flight must yield for it (``outranks_flight``), else None; one that arrives while
-        a plan is being made is remembered for ``urgent_missed``."""
+        tick in flight must yield for it (``outranks_flight``), ADMIT when a free lane could take
+        it and that tick was lengthened past ``decode_grant`` (``lengthened_flight``), else None;
+        an urgent one that arrives while a plan is being made is remembered for
+        ``urgent_missed``."""
         req.worker_id = self.worker_id
         req.plan_seq_received = self.plan_seq
         req.tick_in_flight_at_arrival = self.flight is not None
         self.queues.push(req)
         if not self.outranks_flight(req):
-            return None
+            return YieldReason.ADMIT if self.lengthened_flight() else None
         if self.flight is not None:
             return YieldReason.URGENT_ADMIT
         self.urgent_arrivals.append(req)
@@ -358,6 +360,22 @@ class SchedulerCore(SchedulerState):
         tags = {t for t, _, _ in flight.draft.prefills} | {t for t, _ in flight.draft.decodes}
         ranks = [qos_rank(lane.request.qos) for t in tags if (lane := self.lanes.get(t)) is not None]
         return bool(ranks) and rank < min(ranks)
+
+    def lengthened_flight(self) -> bool:
+        """Whether the tick in flight grants some lane more decode rounds than ``decode_grant``
+        (``TickRates.long_grant``: ``decode_tick_s`` on a fast engine) while a lane is free: a
+        request arriving then would otherwise wait out rounds that only the coordinator's cost
+        between ticks asked for."""
+        flight = self.flight
+        if flight is None or len(self.lanes) >= self.limits.max_lanes:
+            return False
+        base = self.config.decode_grant
+        for tag, grant in flight.draft.decodes:
+            lane = self.lanes.get(tag)
+            per_round = lane.tokens_per_round if lane is not None else 1.0
+            if grant > round(base * max(1.0, per_round)):
+                return True
+        return False
 
     def urgent_missed(self) -> bool:
         """Whether an urgent request arrived while the plan about to be sent was made and the plan

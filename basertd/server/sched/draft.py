@@ -147,6 +147,7 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
     rates.long_prefill = cfg.long_prefill_budget
     rates.max_itl_s = cfg.max_itl_s
     rates.min_chunk = cfg.min_prefill_chunk
+    rates.decode_tick_s = cfg.decode_tick_s
     prefill_budget, grant = rates.budgets(
         waiting, bool(decoding), streaming=streaming, can_yield=st.can_yield
     )

@@ -288,6 +288,8 @@ def build_plan(
     return draft
 
 
+GRANT_CEILING = 256
+"""The most decode rounds ``TickRates.long_grant`` grants a lane in one tick."""
 CHUNK_WITHIN = 0.9
 """A prefill chunk runs "near the best rate" when its bucket reaches this fraction of the best."""
 ITL_MARGIN = 0.8
@@ -336,10 +338,17 @@ class TickRates:
       longer than ``max_itl_s`` between tokens (an engine that yields is instead asked to end the
       tick in time, and keeps the long budget);
     - *throughput* (nothing urgent): ``long_prefill`` (0: ``max_prefill``) rounded down to a whole
-      number of chunks (at least one), the full ``max_grant``; decode lanes are granted every tick.
+      number of chunks (at least one), the ``long_grant``; decode lanes are granted every tick.
       While a streaming lane decodes on an engine that spreads a tick's prefill over its decode
       rounds, the scheduler raises the grant to ``round_grant`` of the tick's prefill, so each
       round stays within the inter-token bound.
+
+    Outside the urgent regime the grant is ``long_grant()``: ``max_grant`` rounds, or as many as
+    fill ``decode_tick_s`` at the measured decode step when that is more (at most
+    ``GRANT_CEILING``): on an engine whose step takes a millisecond or two (a GPU), ``max_grant``
+    rounds would make every tick that short, and the worker waits out the coordinator's turn
+    between two ticks (the tick's last tokens applied, the next plan drafted and sent) once per
+    tick.
     """
 
     tick_target_s: float
@@ -353,6 +362,7 @@ class TickRates:
     max_itl_s: float = 0.5
     min_chunk: int = 64
     curve: list[tuple[int, float]] = field(default_factory=list)
+    decode_tick_s: float = 0.0
 
     def observe(self, prefill_tokens: int, prefill_s: float, decode_steps: int, decode_s: float) -> None:
         """Fold one tick's measurements in (counts in tokens / steps, times in seconds)."""
@@ -369,6 +379,15 @@ class TickRates:
         """Take the engine's measured rate curve (``[(rows, tokens/s)]``); an empty one is ignored."""
         if curve:
             self.curve = list(curve)
+
+    def long_grant(self) -> int:
+        """Decode rounds of a tick outside the urgent regime (class docstring): ``max_grant``, or
+        the rounds that fill ``decode_tick_s`` at the measured step when more, at most
+        ``GRANT_CEILING``."""
+        step = self.decode_s_per_step
+        if not self.decode_tick_s or not step:
+            return self.max_grant
+        return max(self.max_grant, min(GRANT_CEILING, int(self.decode_tick_s / step)))
 
     @property
     def long_budget(self) -> int:
@@ -393,9 +412,9 @@ class TickRates:
             room = max(ITL_MARGIN * self.max_itl_s - step, 0.0)
             prefill = int(room / self.prefill_s_per_token)
             floor = min(self.min_prefill, self.long_budget)
-            return max(floor, min(self.long_budget, prefill)), self.max_grant
+            return max(floor, min(self.long_budget, prefill)), self.long_grant()
         chunk = self.chunk()
-        return max(chunk, (self.long_budget // chunk) * chunk), self.max_grant
+        return max(chunk, (self.long_budget // chunk) * chunk), self.long_grant()
 
     def round_grant(self, prefill: int) -> int:
         """The decode grant of a long tick that prefills ``prefill`` tokens beside streaming lanes
