@@ -380,6 +380,9 @@ def test_a_batch_arrival_cuts_a_tick_lengthened_by_decode_tick_s_only_while_a_la
     plan, _ = launch(core)  # both lanes taken
     assert len(core.lanes) == 2
     assert core.submit(make_req("third", max_tokens=500, qos="batch")[0]) is None
+    accept(core, plan, *events(plan, emits={t: ([71], Finish.NONE) for t in core.lanes}))
+    plan, _ = launch(core)  # "third" waits for a lane: no lengthened tick while it does
+    assert [g for _, g in plan.draft.decodes] == [8, 8]
 
 
 # --- rejected plans ----------------------------------------------------------------------------------

@@ -135,7 +135,8 @@ def pending_prefill(st: SchedulerState, live: list, limit: int) -> int:
 
 def plan_limits(st: SchedulerState) -> PlanLimits:
     """The limits of the next plan: the worker's lanes, batch and KV, this tick's prefill budget
-    and decode grant (``TickRates.budgets``, capped after a rejected plan), the lane caps."""
+    and decode grant (``TickRates.budgets``; no more than ``decode_grant`` rounds while requests
+    are queued; capped after a rejected plan), the lane caps."""
     live = [lane for lane in st.lanes.values() if not lane.retire and not lane.request.finished]
     interactive = QOS_CLASSES[INTERACTIVE]
     waiting = st.queues.depth(interactive) > 0 or any(
@@ -151,6 +152,11 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
     prefill_budget, grant = rates.budgets(
         waiting, bool(decoding), streaming=streaming, can_yield=st.can_yield
     )
+    if len(st.queues):
+        # Requests wait for a lane: no ticks lengthened past decode_grant (decode_tick_s), so a lane
+        # that finishes mid-tick (which the coordinator may learn only at the tick's end) is
+        # refilled soon.
+        grant = min(grant, rates.max_grant)
     urgent_budget = cfg.prefill_budget
     if st.can_yield:  # an arrival cuts a long tick anyway: an interactive prompt prefills whole
         urgent_budget = max(urgent_budget, cfg.long_prefill_budget)

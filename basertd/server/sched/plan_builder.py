@@ -348,7 +348,7 @@ class TickRates:
     ``GRANT_CEILING``): on an engine whose step takes a millisecond or two (a GPU), ``max_grant``
     rounds would make every tick that short, and the worker waits out the coordinator's turn
     between two ticks (the tick's last tokens applied, the next plan drafted and sent) once per
-    tick.
+    tick. The scheduler keeps ``max_grant`` while requests are queued (``draft.plan_limits``).
     """
 
     tick_target_s: float
