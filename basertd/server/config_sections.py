@@ -67,7 +67,7 @@ class SchedulerConfig(Section):
     ``prefill_budget``: the most prompt tokens one tick prefills (tokens); ``decode_grant``: the
     decode rounds one lane runs in one tick (a plain lane's tokens; a speculating lane's grant in
     tokens is this times its measured tokens per round; <= 65535, a u16 in LaneDecode);
-    ``decode_tick_s``: when nothing urgent waits, a tick's decode grant grows past
+    ``decode_tick_s``: when no request is queued, a tick's decode grant grows past
     ``decode_grant`` to as many rounds as fill this many seconds at the measured decode step (a
     fast engine's ticks would otherwise be a few milliseconds long, and the coordinator's turn
     between two ticks, when the worker waits, a large share of every token; 0: ``decode_grant``
