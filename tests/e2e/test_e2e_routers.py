@@ -37,6 +37,11 @@ pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 ROUTERS = ("vllm-router", "smg")
+ROUTER_RETRIES = 10
+"""Attempts a router makes for a failed request. Both routers back off 50 ms x 1.5 per attempt, so
+their default of 5 spends about 0.7 s, and a cache-aware router retries a prefix group on the daemon
+that has its prefix until a health check (every second here) marks it down: on a slow box a request
+caught by the SIGKILL could run out of attempts on the dead daemon. 10 attempts span about 6 s."""
 GROUPS = 5
 PER_GROUP = 10
 PREFIX_CHARS = 320  # 20 pages of the reference engine's byte vocabulary
@@ -115,7 +120,7 @@ class Router:
             "--policy", self.policy, "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port()), "--health-check-interval-secs", "1",
             "--health-failure-threshold", "1", "--health-success-threshold", "1",
-            "--cb-timeout-duration-secs", "2", *self.extra,
+            "--cb-timeout-duration-secs", "2", "--retry-max-retries", str(ROUTER_RETRIES), *self.extra,
         ]  # fmt: skip
         argv = (
             [str(BIN / "vllm-router"), *common]
