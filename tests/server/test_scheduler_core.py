@@ -373,7 +373,7 @@ def test_a_batch_arrival_cuts_a_tick_lengthened_by_decode_tick_s_only_while_a_la
     core.rates.observe(prefill_tokens=0, prefill_s=0.0, decode_steps=10, decode_s=0.02)
     plan, _ = launch(core)
     lengthened = decode_tick_s > 0
-    assert plan.draft.decodes == [(tag, 25 if lengthened else 8)]
+    assert plan.draft.decodes == [(tag, 25 if lengthened else 8)] and plan.draft.lengthened == lengthened
     second, _ = make_req("second", max_tokens=500, qos="batch")
     assert core.submit(second) is (YieldReason.ADMIT if lengthened else None)
     accept(core, plan, *events(plan, emits={tag: ([70], Finish.NONE)}))
@@ -594,6 +594,7 @@ def test_beside_a_streaming_lane_the_grant_spreads_the_pending_prefill_over_roun
     core.can_yield = core.spreads_prefill = True  # the llama.cpp engine: yields, spreads
     grant = plan_limits(core).decode_grant
     assert grant == core.rates.round_grant(1000) == 14  # 75 prefill tokens per round
+    assert not plan_limits(core).lengthened  # spread for the prefill, not for a short step
     assert (1000 / grant) * 0.004 + 0.1 <= 0.5  # each round within the inter-token bound
 
 

@@ -362,20 +362,11 @@ class SchedulerCore(SchedulerState):
         return bool(ranks) and rank < min(ranks)
 
     def lengthened_flight(self) -> bool:
-        """Whether the tick in flight grants some lane more decode rounds than ``decode_grant``
-        (``TickRates.long_grant``: ``decode_tick_s`` on a fast engine) while a lane is free: a
-        request arriving then would otherwise wait out rounds that only the coordinator's cost
-        between ticks asked for."""
+        """Whether the tick in flight was lengthened past ``decode_grant`` for a short decode step
+        (``PlanDraft.lengthened``: ``decode_tick_s``) while a lane is free: a request arriving then
+        would otherwise wait out rounds that only the coordinator's cost between ticks asked for."""
         flight = self.flight
-        if flight is None or len(self.lanes) >= self.limits.max_lanes:
-            return False
-        base = self.config.decode_grant
-        for tag, grant in flight.draft.decodes:
-            lane = self.lanes.get(tag)
-            per_round = lane.tokens_per_round if lane is not None else 1.0
-            if grant > round(base * max(1.0, per_round)):
-                return True
-        return False
+        return flight is not None and flight.draft.lengthened and len(self.lanes) < self.limits.max_lanes
 
     def urgent_missed(self) -> bool:
         """Whether an urgent request arrived while the plan about to be sent was made and the plan

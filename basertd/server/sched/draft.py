@@ -157,6 +157,7 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
         # that finishes mid-tick (which the coordinator may learn only at the tick's end) is
         # refilled soon.
         grant = min(grant, rates.max_grant)
+    lengthened = grant > rates.max_grant
     urgent_budget = cfg.prefill_budget
     if st.can_yield:  # an arrival cuts a long tick anyway: an interactive prompt prefills whole
         urgent_budget = max(urgent_budget, cfg.long_prefill_budget)
@@ -185,6 +186,7 @@ def plan_limits(st: SchedulerState) -> PlanLimits:
         lane_caps=LaneCaps.from_names(cfg.lane_caps),
         preempt=cfg.preempt,
         preempt_publish=st.cache.publish_on_retire,
+        lengthened=lengthened,
     )
 
 

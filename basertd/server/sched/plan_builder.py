@@ -121,7 +121,9 @@ class PlanLimits:
     ``urgent_prefill_budget``: prompt tokens that interactive lanes whose whole remaining prompt
     fits may prefill on top of ``prefill_budget`` (their prefill goes first, DESIGN.md
     "Scheduling"); ``lane_caps``: most lanes per class; ``preempt``: urgent candidates may preempt
-    lower-class lanes, which retire with ``publish_to_cache`` = ``preempt_publish``."""
+    lower-class lanes, which retire with ``publish_to_cache`` = ``preempt_publish``.
+    ``lengthened``: ``decode_grant`` is past the configured grant because the decode step is short
+    (``TickRates.long_grant``), carried into the draft."""
 
     max_lanes: int
     max_decode_lanes: int
@@ -134,6 +136,7 @@ class PlanLimits:
     lane_caps: LaneCaps = field(default_factory=LaneCaps)
     preempt: bool = False
     preempt_publish: bool = True
+    lengthened: bool = False
 
 
 @dataclass
@@ -142,13 +145,15 @@ class PlanDraft:
     of each request the plan admits (the ``LaneAdmit`` records are made from them at launch);
     ``prefills``: (tag, token_offset, token_count); ``decodes``: (tag, max_new_tokens);
     ``preempted``: tags among ``retires`` that were preempted for an urgent admit (the scheduler
-    requeues their requests once the plan is accepted)."""
+    requeues their requests once the plan is accepted); ``lengthened``: the decode grants run past
+    the configured ``decode_grant`` for a short decode step (``PlanLimits.lengthened``)."""
 
     retires: list[tuple[int, bool]] = field(default_factory=list)
     admitted: list[tuple[int, Candidate]] = field(default_factory=list)
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
     decodes: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    lengthened: bool = False
 
     @property
     def empty(self) -> bool:
@@ -174,7 +179,7 @@ def build_plan(
     ``urgent_after``: urgent candidates not yet read from ``queue``, in their order, tried once a
     non-urgent candidate stopped admission (consumed lazily; only after ``queue`` stopped).
     Pure: the inputs are not modified."""
-    draft = PlanDraft()
+    draft = PlanDraft(lengthened=limits.lengthened)
     live: list[LaneView] = []
     for lane in lanes:
         if lane.retire:
