@@ -220,8 +220,7 @@ class Daemon:
         self.kv_events = start_kv_events(cfg.kv_events, [w.device for w in cfg.workers])
         if self.kv_events is not None:
             self.metrics.registry.register(self.kv_events.collector())
-            for m, pub in zip(fleet, self.kv_events.publishers, strict=True):
-                m.cache.observe(pub)
+            fleet.publish_kv_events(self.kv_events)
         self.cache_control = PolicyCacheControl(
             fleet.members, fleet.worker_stats, self.metrics.cache_counters.counter
         )

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import structlog
+import zmq
 
 from basertd.schema import client as api
 from basertd.schema import link
@@ -30,6 +31,7 @@ from basertd.server.cache.policy import WorkerCache
 from basertd.server.cache.policy import route as route_by_prefix
 from basertd.server.config import Config
 from basertd.server.config_sections import WorkerConfig
+from basertd.server.observe.kv_events import KvEventsHub, medium_of
 from basertd.server.observe.metrics import LiveState, Metrics
 from basertd.server.observe.snapshot import FleetTotals, WorkerSnapshot
 from basertd.server.request.record import AdmissionError
@@ -148,6 +150,7 @@ class Fleet:
         self._embed_locks: dict[int, asyncio.Lock] = {}  # one EMBED (packed, or a chunked input) at a time
         self._embed_open: dict[int, tuple[object, int]] = {}  # worker → (process, input id) maybe left open
         self._embed_ids = itertools.count(1)
+        self.kv_events: KvEventsHub | None = None
 
     # --- construction and lifecycle --------------------------------------------------------------
 
@@ -262,6 +265,30 @@ class Fleet:
         ]
         return m
 
+    def publish_kv_events(self, hub: KvEventsHub) -> None:
+        """Tell ``hub``'s publisher of each worker (one per member, by worker id) of its prefix
+        index from now on; a worker added later gets its own publisher (``add``), a removed one's
+        is closed (``remove_last``). Call before ``start``."""
+        self.kv_events = hub
+        for m in self.members:
+            m.cache.observe(hub.publisher(m.worker_id))
+
+    def _publish_added(self, m: Member) -> None:
+        """Open a KV-event publisher for ``m`` (added by a reload) when events are on. An endpoint
+        that cannot be opened (a port taken, say) is logged and the worker runs without events;
+        the reload itself goes ahead."""
+        if self.kv_events is None:
+            return
+        try:
+            pub = self.kv_events.add(m.worker_id, medium_of(m.config.device))
+        except (zmq.ZMQError, OSError, ValueError) as exc:
+            log.error("kv_events_worker_failed", worker_id=m.worker_id, error=str(exc))
+            return
+        log.info(
+            "kv_events_worker_added", worker_id=m.worker_id, endpoint=pub.endpoint, replay=pub.replay_endpoint
+        )
+        m.cache.observe(pub)
+
     def start(self) -> None:
         """Start every supervisor and scheduler task."""
         for m in self.members:
@@ -292,6 +319,7 @@ class Fleet:
         """Append and start worker ``len(self)`` from ``prep`` (its id is the next position)."""
         m = self._member(len(self.members), prep.config, prep)
         self.members.append(m)
+        self._publish_added(m)
         self._start(m)
         return m
 
@@ -303,12 +331,15 @@ class Fleet:
         m.config, m.model_name, m.tok_key, m.tokenizer = prep.config, prep.name, prep.tok_key, prep.tokenizer
         m.scheduler.tokenizer = prep.tokenizer
         self._bos.pop(m.worker_id, None)
+        pub = self.kv_events.publisher(m.worker_id) if self.kv_events is not None else None
+        if pub is not None:
+            pub.medium = medium_of(prep.config.device)
         self._close_unused(old)
 
     async def remove_last(self) -> Member:
         """Stop and forget the last worker (its queues and lanes already handed over): its
-        scheduler (anything left fails SHUTTING_DOWN), its task, its process; its tokenizer is
-        freed when no other worker shares it."""
+        scheduler (anything left fails SHUTTING_DOWN), its task, its process, its KV-event
+        publisher; its tokenizer is freed when no other worker shares it."""
         m = self.members[-1]
         await m.scheduler.stop(f"worker {m.worker_id} was removed by a reload")
         task = self._tasks.pop(m.worker_id, None)
@@ -316,6 +347,9 @@ class Fleet:
             await cancel_and_wait([task], recancel_s=SCHEDULER_RECANCEL_S)
         await m.slot.stop()
         self.members.pop()
+        m.cache.observe(None)
+        if self.kv_events is not None:
+            self.kv_events.remove(m.worker_id)
         self._bos.pop(m.worker_id, None)
         self._close_unused(m.tokenizer)
         return m

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import tempfile
 from collections import Counter
 
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import xxhash
 from daemon_harness import Daemon
+from proc_testutil import wait_until
 from serving_harness import ref_toml
 from vllm_subscriber import BlockStored, Subscriber
 
@@ -176,3 +179,56 @@ def test_a_worker_restart_clears_its_pages_and_replay_returns_missed_batches(set
     assert "AllBlocksCleared" in names, "the restart did not clear worker 1's pages"
     assert_events_match_ls(d, back, 1)
     assert_events_match_ls(d, subs[0], 0)
+
+
+def _reload(d: Daemon, config: str) -> dict:
+    """Rewrite the daemon's file to ``config`` (its runtime and state lines kept), SIGHUP, and
+    return the next ``reloaded`` log line."""
+    lines = d.config_path.read_text().splitlines(keepends=True)
+    head = "".join(ln for ln in lines if ln.startswith(("runtime_dir", "state_dir")))
+
+    def reloads() -> list[dict]:
+        return [e for e in d.log_events() if e.get("event") == "reloaded"]
+
+    seen = len(reloads())
+    d.config_path.write_text(head + config + "\n[http]\nlisten = []\n")
+    d.proc.send_signal(signal.SIGHUP)
+    return wait_until(lambda: reloads()[seen:], 120, what="reloaded")[0]
+
+
+def test_a_worker_added_by_a_reload_publishes_on_its_own_endpoints_until_it_is_removed():
+    ipc = tempfile.mkdtemp(prefix="brt-kv-", dir="/tmp")
+    ev, rp = f"ipc://{ipc}/ev", f"ipc://{ipc}/rp"
+    events = f'[kv_events]\nendpoint = "{ev}"\nreplay_endpoint = "{rp}"\ninclude_token_ids = true\n'
+    one, two = (ref_toml(lanes=2, context=256, grant=4, workers=n) + events for n in (1, 2))
+    sub = None
+    try:
+        with Daemon(one) as d:
+            assert not os.path.exists(f"{ipc}/ev_dp1")
+            assert _reload(d, two)["workers"] == ["worker 1 added"]
+            assert os.path.exists(f"{ipc}/ev_dp1") and os.path.exists(f"{ipc}/rp_dp1")
+            sub = Subscriber(f"{ev}_dp1", f"{rp}_dp1")
+            pinned = "PINNED on the added worker: " + "a prefix to keep. " * 4
+            r = d.ctl("--json", "cache", "pin", "--text", pinned, "--worker", "1")
+            assert r.returncode == 0, r.stderr
+            rows = assert_events_match_ls(d, sub, 1)
+            assert [row["pin_id"] for row in rows] == [json.loads(r.stdout)["pin_id"]]
+            names = [type(e).__name__ for _, b in sub.batches for e in b.events]
+            assert names[0] == "AllBlocksCleared" and "BlockStored" in names, names  # replayed from seq 0
+            assert all(b.data_parallel_rank == 1 for _, b in sub.batches)
+            assert 'basertd_kv_events_batches_total{worker="1"}' in d.ctl("metrics").stdout
+            assert d.ctl("--json", "cache", "unpin", str(rows[0]["pin_id"])).returncode == 0
+            assert _reload(d, one)["workers"] == ["worker 1 removed"]
+            # its publisher is closed: the socket files are gone, its counters left the metrics
+            gone = [f"{ipc}/ev_dp1", f"{ipc}/rp_dp1"]
+            wait_until(
+                lambda: not any(map(os.path.exists, gone)), 10, what="the removed worker's endpoints closed"
+            )
+            metrics = d.ctl("metrics").stdout
+            assert 'basertd_kv_events_batches_total{worker="0"}' in metrics
+            assert 'kv_events_batches_total{worker="1"}' not in metrics
+            assert os.path.exists(f"{ipc}/ev")  # worker 0 publishes on
+    finally:
+        if sub is not None:
+            sub.close()
+        shutil.rmtree(ipc, ignore_errors=True)

@@ -167,21 +167,24 @@ IPC_MODE = 0o600
 """Permission bits of an ``ipc://`` socket file the publisher binds: the daemon's user only."""
 
 
-def _bind_private(sock: zmq.Socket, endpoint: str) -> None:
+def _bind_private(sock: zmq.Socket, endpoint: str) -> str | None:
     """Bind ``sock`` to ``endpoint``; an ``ipc://`` socket file is created with mode ``IPC_MODE``
     (a umask of 0o177 around the bind, then a chmod), never the 0o755 of the process umask.
-    Raises ``zmq.ZMQError`` (the bind) or ``OSError`` (the chmod)."""
+    Returns the socket file's path (None: no file), which libzmq leaves behind when the socket
+    closes. Raises ``zmq.ZMQError`` (the bind) or ``OSError`` (the chmod)."""
     if not endpoint.startswith("ipc://"):
         sock.bind(endpoint)
-        return
+        return None
     old = os.umask(0o777 & ~IPC_MODE)
     try:
         sock.bind(endpoint)
     finally:
         os.umask(old)
     path = endpoint[len("ipc://") :]
-    if path and not path.startswith("@"):  # "@name": Linux's abstract namespace, no file
-        os.chmod(path, IPC_MODE)
+    if not path or path.startswith("@"):  # "@name": Linux's abstract namespace, no file
+        return None
+    os.chmod(path, IPC_MODE)
+    return path
 
 
 # --- one publisher per worker ---------------------------------------------------------------------
@@ -230,18 +233,19 @@ class KvEventsPublisher:
         self._pull = ctx.socket(zmq.PULL)
         self._replay: zmq.Socket | None = None
         self._push = ctx.socket(zmq.PUSH)  # the loop thread's end of the queue
+        self._files: list[str] = []  # ipc socket files this publisher made (removed by close)
         try:
             self._pub.setsockopt(zmq.SNDHWM, config.hwm)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.LINGER, 0)
             if self.binding:
-                _bind_private(self._pub, self.endpoint)
+                self._files.append(_bind_private(self._pub, self.endpoint) or "")
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                _bind_private(self._replay, self.replay_endpoint)
+                self._files.append(_bind_private(self._replay, self.replay_endpoint) or "")
             for s in (self._pull, self._push):
                 s.setsockopt(zmq.LINGER, 0)
             half = max(1, config.max_queue_size // 2)  # inproc: the two ends' marks add up
@@ -249,8 +253,9 @@ class KvEventsPublisher:
             self._pull.bind(inbox)
             self._push.setsockopt(zmq.SNDHWM, half)
             self._push.connect(inbox)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):
             self._close_sockets()
+            self._remove_files()
             raise
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{rank}", daemon=True)
         self._thread.start()
@@ -391,9 +396,16 @@ class KvEventsPublisher:
             if s is not None and not s.closed:
                 s.close(linger=0)
 
+    def _remove_files(self) -> None:
+        for path in filter(None, self._files):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._files.clear()
+
     def close(self) -> None:
-        """Send what is gathered, stop the thread (it sends what is queued first) and close every
-        socket. Idempotent."""
+        """Send what is gathered, stop the thread (it sends what is queued first), close every
+        socket and remove the ipc socket files it bound (a reader connecting later finds no
+        endpoint rather than a dead one). Idempotent."""
         if self._closed:
             return
         self.flush()
@@ -404,24 +416,50 @@ class KvEventsPublisher:
         if self._thread.is_alive():  # the sentinel did not fit: the queue is full
             log.warning("kv_events_close_timeout", worker_id=self.rank)
         self._push.close(linger=0)
+        self._remove_files()
 
 
 # --- all workers ---------------------------------------------------------------------------------
 
 
 class KvEventsHub:
-    """The publishers of every worker (``publishers[i]`` for worker ``i``) on one ZMQ context,
-    and the Prometheus collector of their counters (``collector()``). ``close()`` closes them."""
+    """The publishers of every worker (``publisher(i)`` for worker ``i``) on one ZMQ context,
+    and the Prometheus collector of their counters (``collector()``). A worker added at run time
+    gets one (``add``), a removed worker's is closed (``remove``): a reload changes the workers
+    and their endpoints with them. ``close()`` closes them all."""
 
     def __init__(self, config: KvEventsConfig, mediums: Sequence[str]) -> None:
+        self.config = config
         self.ctx = zmq.Context()
         self.publishers: list[KvEventsPublisher] = []
         try:
             for rank, medium in enumerate(mediums):
-                self.publishers.append(KvEventsPublisher(self.ctx, rank, config, medium=medium))
+                self.add(rank, medium)
         except BaseException:
             self.close()
             raise
+
+    def publisher(self, rank: int) -> KvEventsPublisher | None:
+        """Worker ``rank``'s publisher; None when it has none (its endpoint failed to open)."""
+        return next((p for p in self.publishers if p.rank == rank), None)
+
+    def add(self, rank: int, medium: str) -> KvEventsPublisher:
+        """Open worker ``rank``'s publisher (its endpoints: the module docstring's offsets).
+        Raises ``zmq.ZMQError`` when an address cannot be bound or connected (nothing is left
+        open) and ValueError when ``rank`` has one already."""
+        if self.publisher(rank) is not None:
+            raise ValueError(f"worker {rank} already publishes KV events")
+        p = KvEventsPublisher(self.ctx, rank, self.config, medium=medium)
+        self.publishers.append(p)
+        return p
+
+    def remove(self, rank: int) -> None:
+        """Close worker ``rank``'s publisher and release its endpoints (a bound ``ipc://`` file
+        is removed), if it has one. Its counters leave the collector."""
+        p = self.publisher(rank)
+        if p is not None:
+            self.publishers.remove(p)
+            p.close()
 
     def collector(self) -> Collector:
         """A collector of ``basertd_kv_events_batches_total{worker}`` (batches handed to the
@@ -458,14 +496,18 @@ class _HubCollector(Collector):
         yield d
 
 
+def medium_of(device: str) -> str:
+    """The ``medium`` of a worker's events: CPU for ``device = "cpu"``, GPU for anything else."""
+    return MEDIUM_CPU if device == "cpu" else MEDIUM_GPU
+
+
 def start_kv_events(config: KvEventsConfig, devices: Sequence[str]) -> KvEventsHub | None:
-    """The hub of one publisher per worker (``devices[i]``: worker ``i``'s device; "cpu" publishes
-    medium CPU, anything else GPU), or None when ``config.endpoint`` is "". Raises
-    ``zmq.ZMQError`` when an address cannot be bound or connected (nothing is left open)."""
+    """The hub of one publisher per worker (``devices[i]``: worker ``i``'s device, ``medium_of``),
+    or None when ``config.endpoint`` is "". Raises ``zmq.ZMQError`` when an address cannot be
+    bound or connected (nothing is left open)."""
     if not config.enabled:
         return None
-    mediums = [MEDIUM_CPU if d == "cpu" else MEDIUM_GPU for d in devices]
-    hub = KvEventsHub(config, mediums)
+    hub = KvEventsHub(config, [medium_of(d) for d in devices])
     log.info(
         "kv_events_started",
         endpoints=[p.endpoint for p in hub.publishers],

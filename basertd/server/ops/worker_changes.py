@@ -24,8 +24,9 @@ new one from the new table; the loop stays parked (new requests go to peers) unt
 gives up, then serves it, and the next change goes ahead. Resumed requests continue token-exact
 (``decode_replay``, ABI rules 71-73). Removing the last worker hands its lanes and queue to peers
 (failing WORKER_FAILED what no peer serving the model can take), then stops it. Other workers are
-not touched. An added worker publishes no KV events (``[kv_events]`` binds its endpoints at start)
-until the next restart.
+not touched. With ``[kv_events]`` on, an added worker gets its own publisher (worker N's
+endpoints, as at start) and a removed worker's publisher is closed (``Fleet.add``,
+``Fleet.remove_last``).
 """
 
 from __future__ import annotations
