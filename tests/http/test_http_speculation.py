@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import anthropic
+import httpx
 import ollama
 import openai
 import pytest
@@ -57,35 +58,35 @@ def accepted_requests(daemon) -> float:
     return sum(float(v) for v in re.findall(r"^basertd_requests_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def ask(clients, dialect: str, speculation, *, n: int = 16) -> None:
-    """One greedy request of ``n`` tokens on ``dialect`` with ``speculation`` (None: not sent)."""
+def ask(clients, dialect: str, speculation, *, n: int = 16):
+    """One greedy request of ``n`` tokens on ``dialect`` with ``speculation`` (None: not sent);
+    returns the client's response."""
     extra = {} if speculation is None else {"speculation": speculation}
     if dialect == "anthropic":
-        clients["claude"].messages.create(
+        return clients["claude"].messages.create(
             model=MODEL,
             system=SYSTEM,
             messages=[{"role": "user", "content": TEXT}],
             max_tokens=n,
             extra_body={**GREEDY, **extra},
         )
-    elif dialect == "ollama":
-        clients["ollama"].chat(
+    if dialect == "ollama":
+        return clients["ollama"].chat(
             model=MODEL,
             messages=[{"role": "user", "content": TEXT}],
             options={**GREEDY, "num_predict": n, **extra},
         )
-    elif dialect == "responses":
-        clients["openai"].responses.create(
+    if dialect == "responses":
+        return clients["openai"].responses.create(
             model=MODEL, input=TEXT, instructions=SYSTEM, max_output_tokens=n, temperature=0, extra_body=extra
         )
-    else:
-        clients["openai"].chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": TEXT}],
-            max_tokens=n,
-            temperature=0,
-            extra_body=extra,
-        )
+    return clients["openai"].chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=n,
+        temperature=0,
+        extra_body=extra,
+    )
 
 
 def status_and_message(exc: Exception) -> tuple[int, str]:
@@ -110,6 +111,55 @@ def test_the_field_reaches_the_scheduler(daemon, clients, dialect):
     assert named > before
     ask(clients, dialect, None)
     assert drafted(daemon) > named
+
+
+USAGE_TOKENS = 64
+"""Tokens of the usage test's requests: several ticks, as a request's usage counts the drafts of
+the ticks before the one it ends in (a Done sent at a partial emit precedes its tick's SpecStats)."""
+
+
+def drafts_in_usage(daemon, dialect: str, speculation: str) -> tuple[int, int] | None:
+    """(drafted, accepted) as one greedy request's usage reports them on ``dialect`` (None: not
+    reported). Ollama's client keeps only Ollama's own fields, so its body is read as sent."""
+    if dialect == "ollama":
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": TEXT}],
+            "stream": False,
+            "options": {**GREEDY, "num_predict": USAGE_TOKENS, "speculation": speculation},
+        }
+        got = httpx.post(daemon.http_url + "/api/chat", json=body, timeout=60).raise_for_status().json()
+        return (got["draft_tokens"], got["accepted_draft_tokens"]) if "draft_tokens" in got else None
+    raise AssertionError(dialect)
+
+
+def _drafts(dialect: str, resp) -> tuple[int, int] | None:
+    u = resp.usage.model_dump()
+    if dialect == "anthropic":
+        return (u["draft_tokens"], u["accepted_draft_tokens"]) if "draft_tokens" in u else None
+    details = u.get("completion_tokens_details" if dialect == "openai" else "output_tokens_details") or {}
+    if details.get("accepted_prediction_tokens") is None:
+        return None
+    accepted = details["accepted_prediction_tokens"]
+    return accepted + details["rejected_prediction_tokens"], accepted
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_the_usage_counts_a_requests_drafts(daemon, clients, dialect):
+    """A drafting request's usage says how many tokens it drafted and how many were accepted (no
+    more than the worker verified in that time); one that did not draft says nothing of drafts."""
+
+    def one(speculation: str) -> tuple[int, int] | None:
+        if dialect == "ollama":
+            return drafts_in_usage(daemon, dialect, speculation)
+        return _drafts(dialect, ask(clients, dialect, speculation, n=USAGE_TOKENS))
+
+    assert one("off") is None
+    before = drafted(daemon)
+    got = one("prompt-lookup")
+    assert got is not None, "a drafting request's usage reports no drafts"
+    n, accepted = got
+    assert 0 < n <= drafted(daemon) - before and 0 <= accepted <= n, (got, drafted(daemon) - before)
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)

@@ -6,7 +6,9 @@ Responses: a ``message`` object with one ``text`` content block (or ``tool_use``
 ``stop_reason`` ``end_turn`` (the end-of-generation token), ``max_tokens``, ``stop_sequence``
 (with ``stop_sequence`` set to the string that matched) or ``tool_use``, ``usage`` with
 ``input_tokens`` (prompt tokens not served from the prefix cache), ``cache_read_input_tokens``
-(served from it; the sum is the prompt length) and ``output_tokens``. A failure is
+(served from it; the sum is the prompt length) and ``output_tokens``; with speculative decoding
+also ``draft_tokens`` and ``accepted_draft_tokens`` (the native API's names: an extension,
+present only when the request drafted). A failure is
 ``{"type": "error", "error": {"type", "message"}}`` (``ERROR_TYPES`` by status).
 """
 
@@ -102,14 +104,20 @@ class MessagesRequest(CountRequest, kw_only=True, forbid_unknown_fields=True):
 
 
 def usage_of(done: api.Done | None, prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+    """The ``usage`` object (module docstring): from ``done`` when the request ended, else from
+    the counts so far."""
     cached = done.usage.cached_tokens if done is not None else 0
     prompt = done.usage.prompt_tokens if done is not None else prompt_tokens
-    return {
+    out = {
         "input_tokens": prompt - cached,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
         "output_tokens": done.usage.completion_tokens if done is not None else output_tokens,
     }
+    if done is not None and done.usage.draft_tokens:
+        out["draft_tokens"] = done.usage.draft_tokens
+        out["accepted_draft_tokens"] = done.usage.accepted_draft_tokens
+    return out
 
 
 def new_id() -> str:

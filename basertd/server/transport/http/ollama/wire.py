@@ -5,7 +5,9 @@
 Closing fields (``done_fields``): ``done: true``, ``done_reason`` (``stop``: the end-of-generation
 token or a stop string; ``length``: ``num_predict`` or the context), ``prompt_eval_count`` (prompt
 tokens), ``eval_count`` (generated tokens) and ``total_duration`` / ``load_duration`` (0) /
-``prompt_eval_duration`` / ``eval_duration`` in nanoseconds from the request's ``Timings``.
+``prompt_eval_duration`` / ``eval_duration`` in nanoseconds from the request's ``Timings``; with
+speculative decoding also ``draft_tokens`` and ``accepted_draft_tokens`` (the native API's names:
+an extension, present only when the request drafted).
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def created_at() -> str:
 def done_fields(done: api.Done) -> dict[str, Any]:
     """The closing fields of a generation (module docstring)."""
     t = done.timings
-    return {
+    out = {
         "done": True,
         "done_reason": "length" if done.finish_reason == "length" else "stop",
         "total_duration": int(t.total_s * NANOS),
@@ -122,6 +124,10 @@ def done_fields(done: api.Done) -> dict[str, Any]:
         "eval_count": done.usage.completion_tokens,
         "eval_duration": int(max(0.0, t.total_s - t.ttft_s) * NANOS),
     }
+    if done.usage.draft_tokens:
+        out["draft_tokens"] = done.usage.draft_tokens
+        out["accepted_draft_tokens"] = done.usage.accepted_draft_tokens
+    return out
 
 
 def model_entries(models: list[api.ModelInfo], running: bool) -> list[dict[str, Any]]:

@@ -2,7 +2,9 @@
 structs; an unknown field or a wrong type is a 400 naming it, ``body.decode``), and the objects
 built from the front end's replies: the ``response`` object, its output items (``message`` with
 one ``output_text`` part, ``function_call``) and ``usage`` (``input_tokens``, ``output_tokens``,
-``input_tokens_details.cached_tokens``: prompt tokens served from the prefix cache).
+``input_tokens_details.cached_tokens``: prompt tokens served from the prefix cache; with
+speculative decoding ``output_tokens_details`` also has ``accepted_prediction_tokens`` and
+``rejected_prediction_tokens``, the names of Chat Completions' usage).
 
 Status: ``completed``; ``incomplete`` with ``incomplete_details.reason`` "max_output_tokens" when
 the output was cut; ``failed`` with ``error {code, message}`` when the generation failed after it
@@ -159,12 +161,17 @@ def call_item(item_id: str, call: dict[str, Any], status: str = "completed") -> 
 
 
 def usage_of(done: api.Done) -> dict[str, Any]:
+    """The ``usage`` object of an ended request (module docstring)."""
     u = done.usage
+    details: dict[str, int] = {"reasoning_tokens": 0}
+    if u.draft_tokens:
+        details["accepted_prediction_tokens"] = u.accepted_draft_tokens
+        details["rejected_prediction_tokens"] = u.draft_tokens - u.accepted_draft_tokens
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": u.cached_tokens},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": details,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
