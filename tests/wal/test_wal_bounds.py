@@ -1,5 +1,5 @@
 """What the journal keeps on disk stays bounded, and a start refuses a state directory it could
-not keep writing (``basertd.server.durability.wal``): frames cut by bytes, a large checkpoint that
+not keep writing (``basertd.server.durability.wal_disk``): frames cut by bytes, a large checkpoint that
 does not rotate at every commit, results gone from disk within about twice ``result_ttl_s`` or a
 minute (an idle journal too, through ``maintain``), quarantined ``*.corrupt`` segments bounded, a state
 directory short of ``min_free_bytes`` or not writable refused, and a finished result read
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from basertd.server.durability import wal, wal_format
+from basertd.server.durability import wal_format
 from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import MIN_AGE_ROTATION_S
 from basertd.server.durability.wal_files import StateDirFull, StateDirUnwritable
 from basertd.server.durability.wal_format import WAL_DIR, RequestRecord, list_segments, read_segment
 
@@ -88,7 +89,7 @@ def test_results_leave_the_disk_within_twice_their_ttl(tmp_path: Path) -> None:
         assert j.result("secret-result") is not None
         clock.now += 11
         assert not j.maintain()  # expired, but the segment is younger than MIN_AGE_ROTATION_S
-        clock.now += wal.MIN_AGE_ROTATION_S
+        clock.now += MIN_AGE_ROTATION_S
         assert j.maintain()  # idle: no commit since, the segment is older than the TTL
         assert j.result("secret-result") is None
         assert not j.maintain()  # nothing new: no rotation
@@ -97,7 +98,7 @@ def test_results_leave_the_disk_within_twice_their_ttl(tmp_path: Path) -> None:
         j.accepted(_rec("another"))
         j.finished("another", "stop")
         j.commit()
-        clock.now += wal.MIN_AGE_ROTATION_S + 1
+        clock.now += MIN_AGE_ROTATION_S + 1
         j.accepted(_rec("later"))
         j.commit()  # a commit past the TTL rotates too
         on_disk = b"".join(p.read_bytes() for p in (tmp_path / WAL_DIR).iterdir())
@@ -113,7 +114,7 @@ def test_a_zero_ttl_does_not_rotate_at_every_commit(tmp_path: Path) -> None:
             j.commit()
             clock.now += 1
         assert j.stats.rotations == 0  # 30 s: younger than MIN_AGE_ROTATION_S
-        clock.now += wal.MIN_AGE_ROTATION_S
+        clock.now += MIN_AGE_ROTATION_S
         j.accepted(_rec("last"))
         j.commit()
         assert j.stats.rotations == 1

@@ -1,5 +1,5 @@
-"""File-level helpers of the journal (``basertd.server.durability.wal``): whole writes, directory
-fsyncs, the free-space check a start makes, and the bound on quarantined segments.
+"""File-level helpers of the journal on disk (``basertd.server.durability.wal_disk``): whole writes,
+directory fsyncs, the free-space check a start makes, and the bound on quarantined segments.
 
 Errors: ``StateDirFull`` and ``StateDirUnwritable`` (``WalError``: the daemon does not start and
 says why, exit status 1)."""
