@@ -395,13 +395,17 @@ class TickRejected(_Msg):
 class TickEmit(_ArrayMsg):
     """TICK_EMIT, worker -> coordinator, mid-tick: ``tokens`` (u32 ids) freshly committed by lane
     ``lane_tag`` during plan ``plan_seq`` (ABI rule 64). Display-path deltas: the TICK_RESULT's
-    emits stay authoritative. ``corr`` is the TICK_SUBMIT's seq."""
+    emits stay authoritative. ``proposed`` / ``accepted``: the lane's drafts proposed and accepted
+    so far this tick, up to and with these tokens (the emit's SpecStats so far; 0 from an engine
+    that does not report them mid-tick). ``corr`` is the TICK_SUBMIT's seq."""
 
     _arrays: ClassVar[dict[str, str]] = {"tokens": "u4"}
 
     plan_seq: int
     lane_tag: int
     tokens: np.ndarray = _empty("u4")
+    proposed: int = 0
+    accepted: int = 0
 
 
 # --- prefix cache and seeds -----------------------------------------------------------------

@@ -80,6 +80,24 @@ in flight when SIGTERM came) when the worker exits."""
 _TERMINAL = (OpState.DONE, OpState.FAILED, OpState.CANCELLED)
 
 
+class _PartialEmits:
+    """``engine.tick``'s partial-emit callback (``base.PartialEmit``): ``emit(lane_tag, tokens)``
+    on each call, and the ``spec`` method an engine that speculates calls first, which keeps the
+    lane's drafts so far this tick in ``counts`` for the TICK_EMIT that carries those tokens."""
+
+    __slots__ = ("counts", "emit")
+
+    def __init__(self, emit: Callable[[int, np.ndarray], None], counts: dict[int, tuple[int, int]]) -> None:
+        self.emit = emit
+        self.counts = counts
+
+    def __call__(self, lane_tag: int, tokens: np.ndarray) -> None:
+        self.emit(lane_tag, tokens)
+
+    def spec(self, lane_tag: int, proposed: int, accepted: int) -> None:
+        self.counts[lane_tag] = (proposed, accepted)
+
+
 @dataclass
 class InheritedRing:
     """One ring segment inherited from the coordinator (``--ring ID:KIND:FD:SLOTS:SLOT_BYTES``):
@@ -166,6 +184,8 @@ class LinkServer:
         self.emit_window_s = emit_window_s
         self.strategies = list(strategies)  # registered at load (``basertd.worker.strategies``)
         self._emit_buf: dict[int, list[np.ndarray]] = {}
+        self._emit_spec: dict[int, tuple[int, int]] = {}  # lane -> drafts (proposed, accepted) this tick
+        self._partial_emits = _PartialEmits(self._on_partial_emit, self._emit_spec)
         self._last_flush = 0.0
         self.endpoint = endpoint
         self.worker_id = worker_id
@@ -416,9 +436,11 @@ class LinkServer:
             self._last_flush = now
             for tag, parts in self._emit_buf.items():
                 toks = parts[0] if len(parts) == 1 else np.concatenate(parts)
-                self._send(
-                    link.TickEmit(plan_seq=self._tick_plan_seq, lane_tag=tag, tokens=toks), self._tick_seq
+                drafted, taken = self._emit_spec.get(tag, (0, 0))
+                emit = link.TickEmit(
+                    plan_seq=self._tick_plan_seq, lane_tag=tag, tokens=toks, proposed=drafted, accepted=taken
                 )
+                self._send(emit, self._tick_seq)
             self._emit_buf.clear()
             self._receive_ready(answer_pings=True)
             if self._queue and any(env.msg_type == MsgType.PING for env, _ in self._queue):
@@ -445,12 +467,13 @@ class LinkServer:
         self._mid_tick_error = None
         self._last_flush = time.monotonic()
         try:
-            events = self.engine.tick(plan, self._on_partial_emit if streaming else None)
+            events = self.engine.tick(plan, self._partial_emits if streaming else None)
         except PlanRejected as exc:
             return link.TickRejected(plan_seq=plan.plan_seq, status=int(exc.status), message=exc.message)
         finally:
             self._in_tick = False
             self._emit_buf.clear()  # not yet streamed: the result carries them
+            self._emit_spec.clear()
         if self._mid_tick_error is not None:
             raise self._mid_tick_error
         self.ticks_run += 1

@@ -113,9 +113,9 @@ def test_the_field_reaches_the_scheduler(daemon, clients, dialect):
     assert drafted(daemon) > named
 
 
-USAGE_TOKENS = 64
-"""Tokens of the usage test's requests: several ticks, as a request's usage counts the drafts of
-the ticks before the one it ends in (a Done sent at a partial emit precedes its tick's SpecStats)."""
+USAGE_TOKENS = 16
+"""Tokens of the usage test's requests: about two ticks (``decode_grant`` 8 rounds), so most end
+on a partial emit, whose drafts so far count in the usage (the tick's SpecStats come after it)."""
 
 
 def drafts_in_usage(daemon, dialect: str, speculation: str) -> tuple[int, int] | None:

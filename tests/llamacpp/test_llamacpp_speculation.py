@@ -189,6 +189,40 @@ def test_overshoot_lets_a_round_commit_past_the_grant(lc, bare):
     assert any(n > 4 for _, n, _ in per_emit)
 
 
+def test_partial_emits_carry_the_drafts_so_far_this_tick(lc, bare):
+    """Before each partial emit the engine tells the callback's ``spec`` the lane's drafts proposed
+    and accepted so far this tick (cumulative, never decreasing); the last counts equal the tick's
+    SpecStats: what a request that ends on a partial emit reports in its usage."""
+    eng, coord = lc
+    slot = register(eng)
+    prompts = {1: make_prompt(93, 11)}
+    refs = references(bare, prompts, 24)
+    oracle(eng, {1: refs[1][0]}, {1: 11}, wrong_last={1})
+    seen: list[tuple[list[int], int, int]] = []
+    so_far = [(0, 0)]
+
+    class OnPartial:  # a partial-emit callback with the optional ``spec`` (``base.PartialEmit``)
+        def __call__(self, tag, toks):
+            seen.append((toks.tolist(), *so_far[-1]))
+
+        def spec(self, tag, proposed, accepted):
+            so_far.append((proposed, accepted))
+
+    ev = coord.tick(
+        on_partial_emit=OnPartial(),
+        admits=[admit(1, coord.prompt(prompts[1]), params=ignore_eos(), strategy_slot=slot)],
+        prefills=[LanePrefill(lane_tag=1, token_offset=0, token_count=11)],
+        decodes=[LaneDecode(lane_tag=1, max_new_tokens=24)],
+    )
+    (e,) = ev.emits
+    assert [t for toks, _, _ in seen for t in toks] == coord.read(e.token_ref)
+    counts = [(p, a) for _, p, a in seen]
+    assert counts == sorted(counts) and all(a <= p for p, a in counts)
+    assert counts[-1] == (e.spec.proposed, e.spec.accepted) and e.spec.proposed > 0
+    assert len({c for c in counts}) > 1  # the counts grew round by round, not only at the end
+    coord.tick(retires=[LaneRetire(lane_tag=1)])
+
+
 def test_wrong_drafts_cost_nothing_but_rows(lc, bare):
     """Drafts that are always wrong: no draft accepted, one token per round, tokens exact, no cell
     leaked (the ledger check after every tick)."""

@@ -643,6 +643,29 @@ def test_a_speculating_lane_is_granted_decode_grant_rounds_of_its_measured_token
     assert plan.draft.decodes == [(s, 14), (p, 8)]
 
 
+def test_a_request_ending_on_a_partial_emit_reports_the_drafts_of_its_last_tick_so_far():
+    """A speculating request whose Done goes out on a partial emit (``max_tokens`` reached
+    mid-tick) counts in its usage the drafts the TICK_EMIT reports for that tick so far: the tick's
+    SpecStats come after its Done. They then go to the worker's counters only, not twice into the
+    usage."""
+    core = make_core(strategies=(LOOKUP,), decode_grant=8)
+    req, sink = make_req("spec", max_tokens=10)
+    core.submit(req)
+    first = tick(core)
+    ((tag, _),) = first.draft.admitted
+    plan, _ = launch(core)
+    accept(core, plan, *events(plan, emits={tag: ([1, 2, 3, 4], Finish.NONE)}, spec={tag: (5, 3)}))
+    plan, _ = launch(core)
+    d = core.on_emit(tag, [5, 6, 7, 8, 9, 10], time.monotonic(), drafted=7, accepted=5)
+    send([d])
+    done = sink.end()
+    assert isinstance(done, api.Done) and done.finish_reason == "length"
+    assert (done.usage.draft_tokens, done.usage.accepted_draft_tokens) == (5 + 7, 3 + 5)
+    accept(core, plan, *events(plan, emits={tag: ([5, 6, 7, 8, 9, 10], Finish.LENGTH)}, spec={tag: (9, 6)}))
+    assert (req.draft_tokens, req.accepted_draft_tokens) == (12, 8)  # the Done's, not recounted
+    assert core.spec_tokens["prompt-lookup"] == [5 + 9, 3 + 6]  # the worker verified all of them
+
+
 def test_on_a_yielding_engine_a_long_interactive_prompt_prefills_whole_in_its_admitting_tick():
     core = make_core(lanes=2, prefill_budget=128, long_prefill_budget=1024)
     req, _ = make_req("i" * 900, max_tokens=2)  # interactive

@@ -105,9 +105,15 @@ class EngineInfo:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-PartialEmit = Callable[[int, np.ndarray], None]
+PartialEmit = Callable[..., None]
 """``on_partial_emit(lane_tag, tokens)``: called on the ticking thread with freshly committed u32
-tokens of one lane before ``tick`` returns (ABI rule 64). It must not call back into the engine."""
+tokens of one lane before ``tick`` returns (ABI rule 64). It must not call back into the engine.
+
+A callback may also have a ``spec(lane_tag, proposed, accepted)`` method: an engine that
+speculates calls it just before each of a lane's partial emits with the drafts the lane proposed
+and had accepted so far this tick (cumulative over the tick's rounds, as its emit's SpecStats will
+count them), so a request that ends on a partial emit reports them. The C ABI's callback carries
+tokens only, so engines behind it never call ``spec``."""
 
 
 class Capability(enum.Enum):

@@ -69,10 +69,15 @@ def finish(st: SchedulerState, lane: Lane, reason: str, now: float, out: list) -
     lane.publish = st.cache.publish_on_retire
 
 
-def on_emit(st: SchedulerState, lane_tag: int, tokens: list[int], now: float) -> Delivery | None:
+def on_emit(
+    st: SchedulerState, lane_tag: int, tokens: list[int], now: float, *, drafted: int = 0, accepted: int = 0
+) -> Delivery | None:
     """A partial emit (TICK_EMIT) of the tick in flight: ``tokens`` of lane ``lane_tag`` for its
-    client now (a logprobs lane's go out with their rows, from the tick's events). Returns the
-    request's delivery, None when there is nothing to send."""
+    client now (a logprobs lane's go out with their rows, from the tick's events). ``drafted`` /
+    ``accepted``: the lane's drafts so far this tick (``link.TickEmit``); a request that ends here
+    counts them in its usage, as its Done goes out before the tick's SpecStats (``_count_spec``
+    then leaves its usage alone). Returns the request's delivery, None when there is nothing to
+    send."""
     lane = st.lanes.get(lane_tag)
     if lane is None or lane.request.finished or lane.request.sampler.logprobs:
         return None
@@ -80,6 +85,8 @@ def on_emit(st: SchedulerState, lane_tag: int, tokens: list[int], now: float) ->
     d = Delivery(lane.request)
     reason = deliver(st, lane, tokens, now, d.messages)
     if reason is not None:
+        lane.request.draft_tokens += drafted
+        lane.request.accepted_draft_tokens += accepted
         finish(st, lane, reason, now, d.messages)
     return d if d.messages else None
 
@@ -259,11 +266,13 @@ def _note_rounds(lane: Lane, tokens: int, accepted: int) -> None:
 
 
 def _count_spec(st: SchedulerState, lane: Lane, drafted: int, accepted: int) -> None:
-    """An emit's SpecStats (tick ABI §2): into the request's usage and the worker's counters of
-    the lane's strategy."""
+    """An emit's SpecStats (tick ABI §2): into the worker's counters of the lane's strategy, and
+    into the request's usage unless its Done already went out (it ended on a partial emit, which
+    counted the drafts up to its end: ``on_emit``)."""
     req = lane.request
-    req.draft_tokens += drafted
-    req.accepted_draft_tokens += accepted
+    if not req.finished:
+        req.draft_tokens += drafted
+        req.accepted_draft_tokens += accepted
     row = st.spec_tokens.setdefault(lane.strategy or "unknown", [0, 0])
     row[0] += drafted
     row[1] += accepted

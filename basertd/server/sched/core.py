@@ -412,10 +412,12 @@ class SchedulerCore(SchedulerState):
         res.deliveries = out.take()
         return res
 
-    def on_emit(self, lane_tag: int, tokens: list[int], now: float) -> Delivery | None:
+    def on_emit(
+        self, lane_tag: int, tokens: list[int], now: float, *, drafted: int = 0, accepted: int = 0
+    ) -> Delivery | None:
         """A partial emit of the tick in flight (``basertd.server.sched.apply.on_emit``): the
         delivery of lane ``lane_tag``'s request, None when there is nothing to send."""
-        return scheduler_apply.on_emit(self, lane_tag, tokens, now)
+        return scheduler_apply.on_emit(self, lane_tag, tokens, now, drafted=drafted, accepted=accepted)
 
     def _rejected(
         self, plan: Plan, status: int, message: str, plan_seq: int, now: float, out: Outbox

@@ -542,7 +542,8 @@ class Scheduler:
         self.signal_tick()
 
     def _on_emit(self, emit: link.TickEmit) -> None:
-        d = self.core.on_emit(emit.lane_tag, emit.tokens.tolist(), time.monotonic())
+        tokens, now = emit.tokens.tolist(), time.monotonic()
+        d = self.core.on_emit(emit.lane_tag, tokens, now, drafted=emit.proposed, accepted=emit.accepted)
         if d is not None:
             d.send()
 

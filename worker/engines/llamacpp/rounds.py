@@ -173,6 +173,8 @@ class Rounds:
             if tick.on_partial is not None:
                 for tag, toks in tick.fresh.items():
                     if toks:
+                        if tick.on_partial_spec is not None:
+                            tick.on_partial_spec(tag, *tick.spec.get(tag, (0, 0)))
                         tick.on_partial(tag, np.array(toks, dtype=np.uint32))
             tick.fresh.clear()
             if tick.yielded:

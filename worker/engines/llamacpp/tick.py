@@ -80,6 +80,7 @@ class Tick:
         self.context_length = parts.context_length
         self.ev = ev
         self.on_partial = on_partial_emit
+        self.on_partial_spec = getattr(on_partial_emit, "spec", None)  # ``base.PartialEmit``
         self.grant: dict[int, int] = {}
         self.start_tokens: dict[int, int] = {}
         self.rows: dict[int, RingRef] = {}
