@@ -239,13 +239,13 @@ class KvEventsPublisher:
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.LINGER, 0)
             if self.binding:
-                self._files.append(_bind_private(self._pub, self.endpoint) or "")
+                self._own(_bind_private(self._pub, self.endpoint))
             else:
                 self._pub.connect(self.endpoint)
             if self.replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._files.append(_bind_private(self._replay, self.replay_endpoint) or "")
+                self._own(_bind_private(self._replay, self.replay_endpoint))
             for s in (self._pull, self._push):
                 s.setsockopt(zmq.LINGER, 0)
             half = max(1, config.max_queue_size // 2)  # inproc: the two ends' marks add up
@@ -396,8 +396,12 @@ class KvEventsPublisher:
             if s is not None and not s.closed:
                 s.close(linger=0)
 
+    def _own(self, path: str | None) -> None:
+        if path is not None:
+            self._files.append(path)
+
     def _remove_files(self) -> None:
-        for path in filter(None, self._files):
+        for path in self._files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._files.clear()
