@@ -100,7 +100,10 @@ class GgufTokenizer:
     def __init__(self, path: str) -> None:
         import llama_cpp  # the llamacpp extra; only coordinators of GGUF workers need it
 
-        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        # Nothing llama.cpp logs here is the operator's business: a load failure is reported by
+        # TokenizerError with its cause (``load_failure``), and with the GPUs hidden from the
+        # coordinator (``workers.process.hide_gpus``) a GPU build logs that it found no device.
+        logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
         self._ll = llama_cpp
         with GgufTokenizer._init_lock:
             if not GgufTokenizer._backend_ready:

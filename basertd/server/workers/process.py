@@ -280,6 +280,38 @@ def compute_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
 
 
+GPU_VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+"""The variables through which the CUDA and ROCm runtimes choose the devices a process sees."""
+NO_GPU = "-1"
+"""A device list that names no valid device: the runtime sees none."""
+_started_with: dict[str, str | None] = {}
+
+
+def hide_gpus() -> None:
+    """Hide every GPU from the coordinator's own process (DESIGN.md "Processes": each worker owns
+    its device). The coordinator loads llama.cpp only for vocabularies (``GgufTokenizer``), but a
+    GPU build enumerates its devices at any model load, vocabulary-only too, which initialises the
+    GPU runtime in the coordinator: host memory and start time it never uses. Sets each of
+    ``GPU_VISIBILITY`` to ``NO_GPU`` in this process, before anything loads llama.cpp; workers are
+    spawned with the values the coordinator was started with (``worker_environ``), other children
+    (sandboxes, a libbaseRT tokenizer process) inherit the hidden ones. Idempotent."""
+    for key in GPU_VISIBILITY:
+        _started_with.setdefault(key, os.environ.get(key))
+        os.environ[key] = NO_GPU
+
+
+def worker_environ() -> dict[str, str]:
+    """The coordinator's environment with the GPU visibility it was started with (``hide_gpus``
+    changed it for the coordinator only): the base of every worker's environment."""
+    env = dict(os.environ)
+    for key, value in _started_with.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
 def device_env(device: str | None) -> dict[str, str]:
     """Environment that gives a worker process only its own GPU (DESIGN.md "Processes": one
     worker per GPU): ``cuda:N`` -> CUDA_VISIBLE_DEVICES=N, ``rocm:N`` / ``hip:N`` ->
@@ -506,7 +538,7 @@ class WorkerProcess:
             for a in attach:
                 argv += ["--ring", f"{a.ring_id}:{_RING_NAMES[a.ring_id]}:{a.fd}:{a.slots}:{a.slot_bytes}"]
             argv += ["--control", str(res.control.fd)]
-            env = {**os.environ, **compute_env(), **device_env(spec.device), **(spec.env or {})}
+            env = {**worker_environ(), **compute_env(), **device_env(spec.device), **(spec.env or {})}
             res.proc = subprocess.Popen(
                 argv,
                 pass_fds=[*(a.fd for a in attach), res.control.fd],
