@@ -177,7 +177,7 @@ def cli(ctx: click.Context, socket_path: str | None, as_json: bool) -> None:
 @click.option(
     "--temperature", type=click.FloatRange(min=0.0), default=1.0, show_default=True, help="0 is greedy"
 )
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=None, help="sampling seed")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None, help="sampling seed (0 .. 2^64-1)")
 @click.option(
     "--qos",
     type=click.Choice([q.value for q in QosClass]),

@@ -170,6 +170,17 @@ def test_basertctl_generate_and_status(daemon, direct):
         ids, api.Generate(request_id="x", prompt="", max_tokens=12, temperature=0.0, seed=5)
     )
     assert r.stdout.decode("utf-8") == text_of(expected) + "\n"
+    big = 2**63 + 12345  # the whole u64 seed range, as the API takes it
+    r = subprocess.run(
+        [*ctl, "generate", "--max-tokens", "12", "--temperature", "0.9", "--seed", str(big), "ctl prompt"],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    with daemon.client() as c:
+        same = c.generate("ctl prompt", max_tokens=12, temperature=0.9, seed=big)
+    assert r.stdout.decode("utf-8") == same.text + "\n"
     r = subprocess.run(
         [*ctl, "--socket", str(daemon.socket), "status", "--json"], capture_output=True, timeout=60
     )
