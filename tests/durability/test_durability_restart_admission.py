@@ -1,9 +1,9 @@
 """Restart admission (``basertd.server.frontend.restart``): requests recovered from the
 write-ahead log pass the same checks as new ones before they run. A real daemon on the reference
-engine is SIGKILLed with three streams running; the next start on the same ``state_dir`` has a
-smaller vocabulary and context: the stream whose ids left the vocabulary and the one whose prompt
-no longer fits are failed typed ("after a restart") and never reach a worker, the one that still
-fits runs on to its end."""
+engine is SIGKILLed with four streams running; the next start on the same ``state_dir`` has a
+smaller vocabulary and context: the stream whose prompt ids left the vocabulary, the one whose
+prompt no longer fits and the one whose generated ids left the vocabulary are failed typed ("after
+a restart") and never reach a worker; the one that still fits runs on to its end."""
 
 from __future__ import annotations
 
@@ -32,7 +32,12 @@ def test_recovered_requests_that_no_longer_fit_fail_typed_and_the_rest_run_on():
     prompts = {
         "vocab": [1, 480, 490, 500],  # ids past a 259-token vocabulary
         "context": [1] + [7] * 300,  # past a 256-token context
-        "fits": [1, 10, 20, 30],
+        # the engine's greedy tokens are a hash of the context modulo the vocabulary: with 512 ids
+        # this prompt's first is 434, past the new 259, and the resume would replay it
+        "replayed": [1, 40, 50, 60],
+        # ... while this one's first four (175, 67, 74, 206) stay inside: it is started last, so
+        # it has at most a tick or two of tokens when the coordinator dies
+        "fits": [1, 12, 22, 32],
     }
     d = Daemon(config(512, 512), state_dir=state)
     try:
@@ -64,6 +69,7 @@ def test_recovered_requests_that_no_longer_fit_fail_typed_and_the_rest_run_on():
             for name, code in (
                 ("vocab", ErrorCode.INVALID_REQUEST),
                 ("context", ErrorCode.CONTEXT_LENGTH_EXCEEDED),
+                ("replayed", ErrorCode.INVALID_REQUEST),
             ):
                 try:
                     got = c.resume(resume_ids[name], after=0)
@@ -72,10 +78,11 @@ def test_recovered_requests_that_no_longer_fit_fail_typed_and_the_rest_run_on():
                 except ClientError as exc:
                     assert exc.code == code, (name, exc)
                     assert "after a restart" in exc.message, exc.message
+                    assert name != "replayed" or "generated before the restart" in exc.message, exc.message
             fits = c.resume(resume_ids["fits"], after=0)
             assert len([i for t in fits for i in t.ids]) == 60 and fits.done.finish_reason == "length"
         resumed = [x["resume_id"] for x in e.log_events() if x.get("event") == "request_resumed"]
-        assert resumed == [resume_ids["fits"]], resumed  # the two others never reached a worker
+        assert resumed == [resume_ids["fits"]], resumed  # the three others never reached a worker
     except BaseException:
         e.kill()
         shutil.rmtree(state.parent, ignore_errors=True)

@@ -14,7 +14,8 @@ no longer registered simply decodes plainly, ``sched.speculation.strategy_for``)
 tokens count as delivered (``Durability.restore``), so it resumes with
 ``decode_replay`` (ABI rules 71-73) and its replies go to whoever ``Resume``\\ s it. A request
 that no longer passes after a configuration change (its model is not served, its prompt no longer
-fits the context, its ids are outside the new vocabulary, its grammar no longer compiles) is never
+fits the context, its ids or the ids it generated are outside the new vocabulary, its grammar no
+longer compiles) is never
 run: it ends with that typed ``Error`` ("after a restart: ..."), journaled.
 """
 
@@ -45,9 +46,12 @@ class Detached:
         pass
 
 
-def _admit(durability: Durability, fleet: Fleet, gen: api.Generate, record: RequestRecord) -> int:
+def _admit(
+    durability: Durability, fleet: Fleet, gen: api.Generate, record: RequestRecord, generated: list[int]
+) -> int:
     """The worker a recovered request goes to, after the checks a new request passes (module
-    docstring) but the queue caps. Raises ``AdmissionError``."""
+    docstring) but the queue caps, and with its durable ``generated`` tokens in the worker's
+    vocabulary too (the resume replays them, ABI rule 71). Raises ``AdmissionError``."""
     check_generate(gen)
     spec = durability.grammar_of(record)
     if spec is not None:
@@ -60,6 +64,7 @@ def _admit(durability: Durability, fleet: Fleet, gen: api.Generate, record: Requ
     vocab = fleet[wid].tokenizer.vocab_size
     check_logit_bias(gen, vocab)
     check_prompt_tokens(prompt, vocab, fleet[wid].config.context_length)
+    check_prompt_tokens(generated, vocab, len(generated), what="tokens generated before the restart")
     wid = fleet.route_prefix(wid, prompt)
     fleet[wid].scheduler.core.check_admission(len(prompt), record.max_tokens, record.qos, acknowledged=True)
     return wid
@@ -76,7 +81,7 @@ def requeue(durability: Durability, fleet: Fleet, metrics: Metrics, drainer: Dra
         prompt = list(record.prompt)
         gen = durability.generate_of(record, client_id)
         try:
-            wid = _admit(durability, fleet, gen, record)
+            wid = _admit(durability, fleet, gen, record, list(tokens))
         except AdmissionError as exc:
             sink.send(api.Error(code=exc.code, request_id=client_id, message=f"after a restart: {exc}"))
             continue
