@@ -72,7 +72,7 @@ def serve(config_path: str | None, http: tuple[str, ...], wal_recover: str) -> N
     from basertd.server.durability.wal_format import WalError
     from basertd.server.launch import configure_logging, launch
     from basertd.server.request.tokenizer import TokenizerError
-    from basertd.server.workers.process import hide_gpus
+    from basertd.server.workers.environment import hide_gpus
 
     hide_gpus()  # the workers own the GPUs; the coordinator's vocabulary loads never touch one
     configure_logging(config.log_level)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_format import RequestRecord
 
 
@@ -69,7 +70,7 @@ def main() -> None:
     fsyncs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-wal-", dir=args.dir) as tmp:
         for mode in ("off", "tick"):
-            journal = Journal.open(tmp, mode=mode, segment_bytes=int(args.segment_mib * (1 << 20)))
+            journal = open_journal(tmp, mode=mode, segment_bytes=int(args.segment_mib * (1 << 20)))
             try:
                 results[mode] = run(journal, args.seconds, args.lanes, args.grant, fsyncs)
             finally:

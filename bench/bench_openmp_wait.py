@@ -1,5 +1,5 @@
 """Single-stream decode of ``basertd serve`` under several OpenMP wait settings of its workers, in
-one run: the coordinator's default (``basertd.server.workers.process.compute_env``) and each
+one run: the coordinator's default (``basertd.server.workers.environment.compute_env``) and each
 ``--variant`` (``KEY=VALUE[,KEY=VALUE]`` set in the daemon's environment, e.g.
 ``OMP_WAIT_POLICY=PASSIVE`` or ``GOMP_SPINCOUNT=300000``, libgomp's own default).
 

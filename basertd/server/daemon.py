@@ -490,7 +490,7 @@ async def run(
     ``EXIT_JOURNAL_FAILED`` after a write-ahead log failure). Signals (DESIGN.md "Operators"):
     SIGTERM drains for ``[operators] drain_timeout_s`` then stops (a second SIGTERM stops at
     once); SIGINT stops at once; SIGHUP reloads ``config_path``. ``wal_recover``: what to do with a
-    corrupt write-ahead log (``basertd.server.durability.wal.Journal.open``'s ``recover``).
+    corrupt write-ahead log (``basertd.server.durability.wal_disk.open_journal``'s ``recover``).
     ``launched``: the start's first part, done already (``basertd.server.launch``; the daemon
     takes it over, and releases it whatever happens)."""
     daemon = Daemon(config, config_path=config_path, wal_recover=wal_recover, launched=launched)

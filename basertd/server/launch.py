@@ -40,6 +40,7 @@ import structlog
 
 from basertd.server.config import Config
 from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_recover import RecoverMode
 from basertd.server.observe.notify import listen_fds
 from basertd.server.ops.runtime_files import remove_stale_worker_dirs
@@ -131,9 +132,9 @@ def _open_journal(config: Config, wal_recover: RecoverMode) -> Journal:
     """The write-ahead log in ``state_dir`` (mode "off": a ``NullJournal``, no directory touched);
     its ``on_commit`` and ``on_sync`` hooks are set by the daemon once its metrics exist."""
     if config.durability.mode == "off":
-        return Journal.open("", mode="off")
+        return open_journal("", mode="off")
     state_dir = resolve_state_dir(config)
-    journal = Journal.open(
+    journal = open_journal(
         state_dir,
         mode=config.durability.mode,
         result_ttl_s=config.durability.result_ttl_s,

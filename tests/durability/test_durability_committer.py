@@ -15,7 +15,7 @@ from sink_testutil import Sink
 
 from basertd.schema import client as api
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
-from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.observe.metrics import Metrics
 from basertd.server.request.record import GenerationRequest, sampler_for
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -27,7 +27,7 @@ def test_a_committer_that_dies_of_any_exception_fails_closed_and_says_so(tmp_pat
         raise RuntimeError("histogram exploded")
 
     async def scenario():
-        journal = Journal.open(tmp_path, mode=mode, on_commit=broken_hook)
+        journal = open_journal(tmp_path, mode=mode, on_commit=broken_hook)
         failed = asyncio.Event()
         dur = Durability(journal, Metrics(), on_failed=failed.set)
         dur.start()

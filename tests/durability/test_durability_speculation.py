@@ -12,7 +12,7 @@ import msgspec
 
 from basertd.schema import client as api
 from basertd.server.durability import durable
-from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_format import RequestRecord
 from basertd.server.frontend import restart
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -24,11 +24,11 @@ def _record(rid: str, speculation: str) -> RequestRecord:
 
 
 def test_the_journal_keeps_speculation_across_a_reopen(tmp_path: Path) -> None:
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         for rid, mode in (("off", "off"), ("named", "prompt-lookup"), ("auto", "auto")):
             j.accepted(_record(rid, mode))
         j.commit()
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         got = {u.record.request_id: u.record for u in j.recovered.unfinished}
     assert {rid: r.speculation for rid, r in got.items()} == {
         "off": "off",

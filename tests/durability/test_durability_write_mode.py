@@ -28,7 +28,7 @@ from sink_testutil import Sink
 from basertd.client import ClientError
 from basertd.schema import client as api
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
-from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.observe.metrics import Metrics
 from basertd.server.request.record import GenerationRequest, sampler_for
 from basertd.server.request.tokenizer import BytesTokenizer
@@ -71,7 +71,7 @@ def test_commits_run_on_the_loop_and_fsyncs_are_coalesced_per_interval(tmp_path:
 
     async def scenario() -> tuple[int, float, float, list[int]]:
         loop_thread = threading.get_ident()
-        journal = Journal.open(
+        journal = open_journal(
             tmp_path,
             mode="write",
             on_commit=lambda n, fsync_s: commits.append((threading.get_ident(), fsync_s)),
@@ -102,14 +102,14 @@ def test_commits_run_on_the_loop_and_fsyncs_are_coalesced_per_interval(tmp_path:
     gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert min(gaps) >= INTERVAL_S * 0.9, gaps  # at most one per interval
     assert tail_s <= INTERVAL_S + 1.0, tail_s  # the last commit synced within about an interval
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         (u,) = j.recovered.unfinished
         assert u.tokens == delivered == list(range(120))
 
 
 def test_a_close_fdatasyncs_what_no_sync_covered_yet(tmp_path: Path) -> None:
     async def scenario() -> list[int]:
-        journal = Journal.open(tmp_path, mode="write")
+        journal = open_journal(tmp_path, mode="write")
         dur = Durability(journal, Metrics(), sync_interval_s=3600.0)
         dur.start()
         sink = Sink()
@@ -124,7 +124,7 @@ def test_a_close_fdatasyncs_what_no_sync_covered_yet(tmp_path: Path) -> None:
         return sink.ids()
 
     delivered = asyncio.run(scenario())
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         (u,) = j.recovered.unfinished
         assert u.tokens == delivered
 
@@ -139,7 +139,7 @@ def test_a_failed_fdatasync_stops_acknowledging_and_is_never_retried(
         raise OSError(errno.EIO, "Input/output error")
 
     async def scenario() -> tuple[int, int, str | None]:
-        journal = Journal.open(tmp_path, mode="write")
+        journal = open_journal(tmp_path, mode="write")
         failed = asyncio.Event()
         sink = Sink()
         at_failure: list[int] = []

@@ -11,7 +11,7 @@ from daemon_harness import Daemon
 from proc_testutil import children_of
 from serving_harness import ref_toml
 
-from basertd.server.workers.process import NO_GPU
+from basertd.server.workers.environment import NO_GPU
 
 
 def _environ(pid: int) -> dict[str, str]:

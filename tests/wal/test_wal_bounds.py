@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from basertd.server.durability import wal_format
-from basertd.server.durability.wal import Journal
-from basertd.server.durability.wal_disk import MIN_AGE_ROTATION_S
+from basertd.server.durability.wal_disk import MIN_AGE_ROTATION_S, open_journal
 from basertd.server.durability.wal_files import StateDirFull, StateDirUnwritable
 from basertd.server.durability.wal_format import WAL_DIR, RequestRecord, list_segments, read_segment
 
@@ -53,7 +52,7 @@ def test_frames_are_cut_by_bytes_and_the_log_reads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(wal_format, "FRAME_BYTES", 8192)
-    with Journal.open(tmp_path, segment_bytes=1 << 30) as j:
+    with open_journal(tmp_path, segment_bytes=1 << 30) as j:
         for i in range(40):
             j.accepted(_rec(f"r{i}", prompt_len=1000))  # ~2-3 KiB of msgpack each
         j.commit()  # one group commit of ~100 KiB: several frames, one write
@@ -62,12 +61,12 @@ def test_frames_are_cut_by_bytes_and_the_log_reads_back(
         bounds = [0] + [end for _, end in read_segment(seg, seq).batches]
     sizes = [b - a for a, b in itertools.pairwise(bounds)]
     assert len(sizes) > 4 and max(sizes) <= 8192 + 4096, sizes  # none past the cut + one record
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         assert len(j.recovered.unfinished) == 40
 
 
 def test_a_checkpoint_larger_than_segment_bytes_does_not_rotate_at_every_commit(tmp_path: Path) -> None:
-    with Journal.open(tmp_path, segment_bytes=16384) as j:
+    with open_journal(tmp_path, segment_bytes=16384) as j:
         for i in range(20):
             j.accepted(_rec(f"big{i}", prompt_len=2000))  # ~80 KiB live: every checkpoint > 16 KiB
         j.commit()
@@ -81,7 +80,7 @@ def test_a_checkpoint_larger_than_segment_bytes_does_not_rotate_at_every_commit(
 
 def test_results_leave_the_disk_within_twice_their_ttl(tmp_path: Path) -> None:
     clock = Clock()
-    with Journal.open(tmp_path, result_ttl_s=10, clock=clock) as j:
+    with open_journal(tmp_path, result_ttl_s=10, clock=clock) as j:
         j.accepted(_rec("secret-result"))
         j.tokens("secret-result", 0, [7, 8])
         j.finished("secret-result", "stop")
@@ -107,7 +106,7 @@ def test_results_leave_the_disk_within_twice_their_ttl(tmp_path: Path) -> None:
 
 def test_a_zero_ttl_does_not_rotate_at_every_commit(tmp_path: Path) -> None:
     clock = Clock()
-    with Journal.open(tmp_path, result_ttl_s=0, clock=clock) as j:
+    with open_journal(tmp_path, result_ttl_s=0, clock=clock) as j:
         for i in range(30):
             j.accepted(_rec(f"r{i}"))
             j.finished(f"r{i}", "stop")
@@ -121,14 +120,14 @@ def test_a_zero_ttl_does_not_rotate_at_every_commit(tmp_path: Path) -> None:
 
 
 def test_quarantined_segments_are_bounded(tmp_path: Path) -> None:
-    with Journal.open(tmp_path):
+    with open_journal(tmp_path):
         pass
     wal_dir = tmp_path / WAL_DIR
     for i in range(7):
         p = wal_dir / f"{i:020d}.wal.corrupt"
         p.write_bytes(b"x")
         os.utime(p, (1000 + i, 1000 + i))
-    with Journal.open(tmp_path):
+    with open_journal(tmp_path):
         pass
     kept = sorted(p.name for p in wal_dir.glob("*.corrupt"))
     assert kept == [f"{i:020d}.wal.corrupt" for i in range(3, 7)]  # the newest KEEP_CORRUPT
@@ -137,24 +136,24 @@ def test_quarantined_segments_are_bounded(tmp_path: Path) -> None:
 def test_a_state_dir_short_of_min_free_bytes_is_refused(tmp_path: Path) -> None:
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     with pytest.raises(StateDirFull) as err:
-        Journal.open(tmp_path, min_free_bytes=free * 4 + (1 << 40))
+        open_journal(tmp_path, min_free_bytes=free * 4 + (1 << 40))
     assert "min_free_bytes" in str(err.value)
     assert list_segments(tmp_path / WAL_DIR) == []  # nothing written
-    with Journal.open(tmp_path, min_free_bytes=0):  # and the lock was released
+    with open_journal(tmp_path, min_free_bytes=0):  # and the lock was released
         pass
 
 
 def test_a_state_dir_that_cannot_take_a_write_is_refused_typed(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(StateDirUnwritable) as err:
-        Journal.open(tmp_path / "file" / "state")
+        open_journal(tmp_path / "file" / "state")
     assert "cannot take a write" in str(err.value)
 
 
 def test_a_result_is_read_without_waiting_for_the_fsync_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    j = Journal.open(tmp_path, mode="tick")
+    j = open_journal(tmp_path, mode="tick")
     j.accepted(_rec("done"))
     j.finished("done", "stop")
     j.commit()
@@ -181,7 +180,7 @@ def test_write_mode_commits_and_results_never_wait_for_the_sync_in_flight(
 ) -> None:
     """Mode "write": while ``sync()`` sits in its fdatasync, commits (the event loop's) and result
     reads go through; the sync covers what was written before it began, the rest stays unsynced."""
-    j = Journal.open(tmp_path, mode="write")
+    j = open_journal(tmp_path, mode="write")
     j.accepted(_rec("done"))
     j.finished("done", "stop")
     j.commit()

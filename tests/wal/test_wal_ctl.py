@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from basertd.server.config import ConfigError, parse_config
-from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_format import WAL_DIR, RequestRecord, list_segments
 from basertd.server.paths import resolve_state_dir
 
@@ -29,7 +29,7 @@ def _check(state_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _log(state_dir: Path) -> Path:
-    with Journal.open(state_dir) as j:
+    with open_journal(state_dir) as j:
         j.accepted(RequestRecord(request_id="a", prompt=[1, 2], max_tokens=8, seed=3))
         for i in range(4):
             j.tokens("a", i, [i])

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from basertd.schema.client import Usage
-from basertd.server.durability.wal import Journal, JournalFailed, JournalUsageError, NullJournal
+from basertd.server.durability.wal import JournalFailed, JournalUsageError, NullJournal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_fence import StateDirLocked
 from basertd.server.durability.wal_format import (
     WAL_DIR,
@@ -44,7 +45,7 @@ class Clock:
 
 
 def test_reopen_recovers_unfinished_requests_and_results(tmp_path: Path) -> None:
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         j.accepted(_rec("a", [5, 6]))
         j.accepted(_rec("b"))
         j.commit()
@@ -55,7 +56,7 @@ def test_reopen_recovers_unfinished_requests_and_results(tmp_path: Path) -> None
         j.finished("b", "eos", usage=Usage(prompt_tokens=3, completion_tokens=1))
         j.commit()
         j.accepted(_rec("never-committed"))  # close() commits it
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         unfinished = {u.record.request_id: u for u in j.recovered.unfinished}
         assert set(unfinished) == {"a", "never-committed"}
         assert unfinished["a"].tokens == [10, 11, 12]
@@ -68,13 +69,13 @@ def test_reopen_recovers_unfinished_requests_and_results(tmp_path: Path) -> None
         # generation continues where the log stopped
         j.tokens("a", 3, [13])
         j.finished("a", "length")
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         assert j.result("a").tokens == [10, 11, 12, 13]
 
 
 def test_results_expire_after_result_ttl(tmp_path: Path) -> None:
     clock = Clock()
-    with Journal.open(tmp_path, result_ttl_s=60, clock=clock) as j:
+    with open_journal(tmp_path, result_ttl_s=60, clock=clock) as j:
         j.accepted(_rec("a"))
         j.finished("a", "stop")
         j.commit()
@@ -82,7 +83,7 @@ def test_results_expire_after_result_ttl(tmp_path: Path) -> None:
         assert j.result("a") is not None
         clock.now += 2
         assert j.result("a") is None
-    with Journal.open(tmp_path, result_ttl_s=60, clock=clock) as j:
+    with open_journal(tmp_path, result_ttl_s=60, clock=clock) as j:
         assert j.recovered.results == []
     assert plan_recovery(tmp_path).report.results == 0  # dropped from the checkpoint on disk too
 
@@ -97,7 +98,7 @@ def _count_io(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
 def test_commit_is_one_write_and_one_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     real_write, real_fdatasync = os.write, os.fdatasync
-    with Journal.open(tmp_path, mode="tick") as j:
+    with open_journal(tmp_path, mode="tick") as j:
         monkeypatch.setattr(os, "write", lambda fd, b: calls.append("write") or real_write(fd, b))
         monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append("fsync") or real_fdatasync(fd))
         for i in range(16):
@@ -116,7 +117,7 @@ def test_write_mode_commits_write_once_and_one_sync_covers_them_all(
 ) -> None:
     calls: list[str] = []
     synced: list[float] = []
-    with Journal.open(tmp_path, mode="write", on_sync=synced.append) as j:
+    with open_journal(tmp_path, mode="write", on_sync=synced.append) as j:
         assert j.mode == "write"
         _count_io(monkeypatch, calls)
         for i in range(16):
@@ -142,13 +143,13 @@ def test_write_mode_commits_write_once_and_one_sync_covers_them_all(
         j.close()  # the last commit, then its fdatasync
         assert calls[-2:] == ["write", "fsync"] and j.unsynced_bytes == 0
         monkeypatch.undo()
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         assert {u.record.request_id for u in j.recovered.unfinished} >= {"r0", "at-close"}
         assert j.result("r1") is not None
 
 
 def test_bad_calls_are_refused_and_buffer_nothing(tmp_path: Path) -> None:
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         j.accepted(_rec("a"))
         with pytest.raises(JournalUsageError):
             j.accepted(_rec("a"))
@@ -159,12 +160,12 @@ def test_bad_calls_are_refused_and_buffer_nothing(tmp_path: Path) -> None:
         with pytest.raises(JournalUsageError):
             j.finished("zzz", "stop")
         j.commit()
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         assert [u.tokens for u in j.recovered.unfinished] == [[]]
 
 
 def test_failed_fsync_closes_the_journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    j = Journal.open(tmp_path, mode="tick")
+    j = open_journal(tmp_path, mode="tick")
     j.accepted(_rec("a"))
 
     def eio(fd: int) -> None:
@@ -182,7 +183,7 @@ def test_failed_fsync_closes_the_journal(tmp_path: Path, monkeypatch: pytest.Mon
 def test_write_mode_failed_fsync_is_never_retried_and_closes_the_journal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    j = Journal.open(tmp_path, mode="write")
+    j = open_journal(tmp_path, mode="write")
     j.accepted(_rec("a"))
     j.commit()  # written, not synced
     tries: list[int] = []
@@ -205,14 +206,14 @@ def test_write_mode_failed_fsync_is_never_retried_and_closes_the_journal(
     with pytest.raises(JournalFailed):
         j.compact()
     j.close()  # no commit, no fsync, the lock released
-    Journal.open(tmp_path).close()
+    open_journal(tmp_path).close()
 
 
 def test_write_mode_a_commit_after_a_failed_sync_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A commit buffered before the fdatasync failed is not released: ``commit`` raises."""
-    j = Journal.open(tmp_path, mode="write")
+    j = open_journal(tmp_path, mode="write")
     j.accepted(_rec("a"))
     j.commit()
     j.tokens("a", 0, [1, 2])  # buffered before the failure
@@ -229,7 +230,7 @@ def test_write_mode_rotation_and_compaction_make_everything_durable_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []
-    with Journal.open(tmp_path, mode="write", segment_bytes=4096) as j:
+    with open_journal(tmp_path, mode="write", segment_bytes=4096) as j:
         _count_io(monkeypatch, calls)
         j.accepted(_rec("a"))
         n = 0
@@ -250,13 +251,13 @@ def test_write_mode_rotation_and_compaction_make_everything_durable_first(
         j.compact()
         assert j.unsynced_bytes == 0 and "fsync" in calls
         monkeypatch.undo()
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         assert j.recovered.unfinished[0].tokens == [i for i in range(n)] + [1]
 
 
 def test_rotation_compacts_into_one_segment(tmp_path: Path) -> None:
     clock = Clock()
-    with Journal.open(tmp_path, segment_bytes=4096, result_ttl_s=10, clock=clock) as j:
+    with open_journal(tmp_path, segment_bytes=4096, result_ttl_s=10, clock=clock) as j:
         for i in range(200):
             j.accepted(_rec(f"r{i}"))
             j.tokens(f"r{i}", 0, list(range(20)))
@@ -269,7 +270,7 @@ def test_rotation_compacts_into_one_segment(tmp_path: Path) -> None:
     report = plan_recovery(tmp_path).report
     assert report.unfinished == 100
     assert report.results <= 12  # finished more than result_ttl_s ago: compacted away
-    with Journal.open(tmp_path, result_ttl_s=10, clock=clock) as j:
+    with open_journal(tmp_path, result_ttl_s=10, clock=clock) as j:
         assert len(j.recovered.unfinished) == 100
         assert all(u.tokens == list(range(20)) for u in j.recovered.unfinished)
 
@@ -277,20 +278,21 @@ def test_rotation_compacts_into_one_segment(tmp_path: Path) -> None:
 def test_epoch_grows_with_every_open(tmp_path: Path) -> None:
     epochs = []
     for _ in range(3):
-        with Journal.open(tmp_path) as j:
+        with open_journal(tmp_path) as j:
             epochs.append(j.epoch)
     assert epochs == [1, 2, 3]
     assert (tmp_path / "epoch").read_text().strip() == "3"
     (tmp_path / "epoch").unlink()  # the log alone still fences: its frames carry epoch 3
-    with Journal.open(tmp_path) as j:
+    with open_journal(tmp_path) as j:
         assert j.epoch == 4
 
 
 _CHILD = """
 import sys
 from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_format import RequestRecord
-j = Journal.open(sys.argv[1], mode=sys.argv[2])
+j = open_journal(sys.argv[1], mode=sys.argv[2])
 j.accepted(RequestRecord(request_id="x", prompt=[1], max_tokens=10**6, seed=1))
 j.commit()
 print("ready", flush=True)
@@ -316,12 +318,12 @@ def test_one_daemon_per_state_dir_across_processes(tmp_path: Path) -> None:
     proc = _child(tmp_path)
     try:
         with pytest.raises(StateDirLocked, match=f"pid {proc.pid}"):
-            Journal.open(tmp_path)
+            open_journal(tmp_path)
     finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    with Journal.open(tmp_path) as j:  # the lock died with its holder
+    with open_journal(tmp_path) as j:  # the lock died with its holder
         assert j.recovered.unfinished[0].record.request_id == "x"
 
 
@@ -337,7 +339,7 @@ def test_sigkill_loses_no_acknowledged_token(tmp_path: Path, mode: str) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-        with Journal.open(state_dir) as j:
+        with open_journal(state_dir) as j:
             (u,) = j.recovered.unfinished
             n = len(u.tokens)
             assert u.tokens == list(range(n))
@@ -345,7 +347,7 @@ def test_sigkill_loses_no_acknowledged_token(tmp_path: Path, mode: str) -> None:
 
 
 def test_corruption_refuses_then_truncate_quarantines(tmp_path: Path) -> None:
-    with Journal.open(tmp_path, segment_bytes=1 << 30) as j:
+    with open_journal(tmp_path, segment_bytes=1 << 30) as j:
         j.accepted(_rec("a"))
         for i in range(5):
             j.tokens("a", i, [i])
@@ -357,20 +359,20 @@ def test_corruption_refuses_then_truncate_quarantines(tmp_path: Path) -> None:
 
     seg.write_bytes(bytes(data))
     with pytest.raises(WalCorrupt) as err:
-        Journal.open(tmp_path)
+        open_journal(tmp_path)
     assert "basertctl wal check" in str(err.value) and "--wal-recover=truncate" in str(err.value)
     assert seg.read_bytes() == bytes(data)  # refusing changed nothing
-    with Journal.open(tmp_path, recover="truncate") as j:
+    with open_journal(tmp_path, recover="truncate") as j:
         assert not j.recovered.report.ok
         (u,) = j.recovered.unfinished
         assert u.tokens == [0, 1]
     assert (seg.parent / (seg.name + ".corrupt")).exists()
-    with Journal.open(tmp_path) as j:  # clean from now on
+    with open_journal(tmp_path) as j:  # clean from now on
         assert j.recovered.report.ok and j.recovered.report.warnings == []
 
 
 def test_off_mode_touches_nothing(tmp_path: Path) -> None:
-    j = Journal.open(tmp_path / "state", mode="off")
+    j = open_journal(tmp_path / "state", mode="off")
     assert isinstance(j, NullJournal) and j.epoch == 0
     j.accepted(_rec("a"))
     j.tokens("a", 0, [1])

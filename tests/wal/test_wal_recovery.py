@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wal_testutil import CLOCK, RecordedLog, record_log, snapshot
 
-from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_format import (
     WAL_DIR,
     Batch,
@@ -167,7 +167,7 @@ def test_any_damaged_log_is_right_or_refused(
     expected = log.expected_for(data)[1]
     assert snapshot(plan.state) == expected
     # and a real open on the damaged log recovers the same, then starts a clean segment
-    journal = Journal.open(state_dir, clock=lambda: CLOCK)
+    journal = open_journal(state_dir, clock=lambda: CLOCK)
     try:
         got = {r.record.request_id: tuple(r.tokens) for r in journal.recovered.unfinished}
         assert got == {rid: toks for rid, (_, toks) in expected[0].items()}

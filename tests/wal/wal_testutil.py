@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from basertd.schema.client import Usage
-from basertd.server.durability.wal import Journal
+from basertd.server.durability.wal_disk import open_journal
 from basertd.server.durability.wal_format import WAL_DIR, LogState, RequestRecord, list_segments
 
 CLOCK = 1_000_000.0
@@ -59,7 +59,7 @@ class RecordedLog:
 def record_log(state_dir: Path, seed: int, commits: int = 8) -> RecordedLog:
     """Run a random script of accepted / tokens / finished calls over ``commits`` commits."""
     rng = random.Random(seed)
-    journal = Journal.open(state_dir, clock=lambda: CLOCK)
+    journal = open_journal(state_dir, clock=lambda: CLOCK)
     boundaries = []
     seg = list_segments(state_dir / WAL_DIR)[-1][1]
     mirror = journal._durable  # the durable state after each commit

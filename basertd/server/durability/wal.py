@@ -1,13 +1,13 @@
 """The journal: the coordinator's write-ahead log in ``state_dir`` (DESIGN.md "Front ends,
 durability, ...": "Crash = preemption; acceptance is durable"), as the daemon sees it: ``Journal``
-(built with ``Journal.open``), ``NullJournal``, ``JournalStats``, ``Recovered``, the modes, the
+(opened with ``wal_disk.open_journal``), ``NullJournal``, ``JournalStats``, ``Recovered``, the modes, the
 hooks and the errors. The log on disk (open and recovery carried out, segments, rotation, the
 fsyncs): ``basertd.server.durability.wal_disk``; format and recovery rules:
 ``basertd.server.durability.wal_format``; recovery planning: ``basertd.server.durability.wal_recover``.
 
 How the daemon uses it (one ``Journal`` per daemon, opened before the socket accepts)::
 
-    journal = Journal.open(state_dir, mode="write", result_ttl_s=600, recover="refuse")
+    journal = open_journal(state_dir, mode="write", result_ttl_s=600, recover="refuse")
     for req in journal.recovered.unfinished:   # requeue: prompt + req.tokens, decode_replay
         ...
     for res in journal.recovered.results:      # answer Resume for these until they expire
@@ -71,8 +71,6 @@ retried; the daemon must stop acknowledging).
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -81,7 +79,7 @@ import msgspec
 
 from basertd.schema.client import Timings, Usage
 from basertd.server.durability.wal_format import FinishedResult, RequestRecord, UnfinishedRequest, WalError
-from basertd.server.durability.wal_recover import RecoverMode, RecoveryReport
+from basertd.server.durability.wal_recover import RecoveryReport
 
 __all__ = ["Journal", "JournalFailed", "JournalStats", "JournalUsageError", "NullJournal", "Recovered"]
 
@@ -101,7 +99,7 @@ class JournalFailed(WalError):
 
 
 class Recovered(msgspec.Struct, kw_only=True):
-    """What ``Journal.open`` found: ``unfinished`` requests to run again (in acceptance order),
+    """What ``open_journal`` found: ``unfinished`` requests to run again (in acceptance order),
     ``results`` of finished requests within ``result_ttl_s`` (in finishing order), and the
     ``report`` (torn tails dropped, corruption dropped in truncate mode)."""
 
@@ -146,7 +144,7 @@ MODES: tuple[str, ...] = ("write", "tick", "off")
 
 
 class Journal:
-    """The write-ahead log of one daemon; build it with ``Journal.open``."""
+    """The write-ahead log of one daemon; open it with ``wal_disk.open_journal``."""
 
     mode: str = "write"
 
@@ -156,46 +154,6 @@ class Journal:
         self.stats = JournalStats()
         self.on_commit: CommitHook | None = None
         self.on_sync: SyncHook | None = None
-
-    @staticmethod
-    def open(
-        state_dir: str | os.PathLike[str],
-        mode: Mode = "write",
-        result_ttl_s: float = 600.0,
-        recover: RecoverMode = "refuse",
-        *,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
-        on_commit: CommitHook | None = None,
-        on_sync: SyncHook | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> Journal:
-        """Lock ``state_dir`` (created 0700 if missing), check it has ``min_free_bytes`` free,
-        recover its log, bump the epoch and write a fresh checkpoint. ``mode``: "write", "tick"
-        (module docstring) or "off" (a ``NullJournal``). ``recover``: "refuse" raises
-        ``WalCorrupt`` on corruption, "truncate" keeps the log up to it and renames the dropped
-        segments ``*.corrupt``. ``clock`` gives wall-clock seconds (result expiry). Raises
-        ``StateDirLocked``, ``StateDirFull``, ``StateDirUnwritable``, ``WalCorrupt``."""
-        if mode == "off":
-            return NullJournal()
-        if mode not in MODES:
-            raise JournalUsageError(f"durability mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if recover not in ("refuse", "truncate"):
-            raise JournalUsageError(f"recover must be 'refuse' or 'truncate', got {recover!r}")
-        # Here, not at the top: wal_disk imports this module (FileJournal subclasses Journal).
-        from basertd.server.durability.wal_disk import open_file_journal
-
-        j = open_file_journal(
-            state_dir,
-            mode,
-            result_ttl_s,
-            recover,
-            segment_bytes=segment_bytes,
-            min_free_bytes=min_free_bytes,
-            clock=clock,
-        )
-        j.on_commit, j.on_sync = on_commit, on_sync
-        return j
 
     # The buffering and commit surface (``wal_disk.FileJournal`` and ``NullJournal`` implement it).
     def accepted(self, record: RequestRecord) -> None:

@@ -1,7 +1,8 @@
 """The journal on disk: ``FileJournal``, the ``Journal`` of modes "write" and "tick"
 (``basertd.server.durability.wal``: the interface, the modes and what a commit promises in each,
-the errors), and ``open_file_journal``, which ``Journal.open`` builds it with. The log is the one
-of DESIGN.md "Front ends, durability, ...": "Crash = preemption; acceptance is durable". Records,
+the errors), and ``open_journal``, which opens the journal of a mode (``NullJournal``: "off").
+The log is the one of DESIGN.md "Front ends, durability, ...": "Crash = preemption; acceptance is
+durable". Records,
 frames and segments: ``basertd.server.durability.wal_format``; the recovery plan carried out at
 open: ``basertd.server.durability.wal_recover``; the lock and the epoch file:
 ``basertd.server.durability.wal_fence``; whole writes, directory fsyncs, the free-space check:
@@ -44,7 +45,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from basertd.schema.client import Timings, Usage
-from basertd.server.durability.wal import Journal, JournalFailed, JournalUsageError, Recovered
+from basertd.server.durability.wal import (
+    DEFAULT_MIN_FREE_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    MODES,
+    CommitHook,
+    Journal,
+    JournalFailed,
+    JournalUsageError,
+    Mode,
+    NullJournal,
+    Recovered,
+    SyncHook,
+)
 from basertd.server.durability.wal_fence import lock, read_epoch, write_epoch
 from basertd.server.durability.wal_files import (
     StateDirUnwritable,
@@ -79,6 +92,44 @@ MIN_AGE_ROTATION_S = 60.0
 must not rotate the whole state at every commit)."""
 
 
+def open_journal(
+    state_dir: str | os.PathLike[str],
+    mode: Mode = "write",
+    result_ttl_s: float = 600.0,
+    recover: RecoverMode = "refuse",
+    *,
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    on_commit: CommitHook | None = None,
+    on_sync: SyncHook | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Journal:
+    """The journal of ``mode``: a ``NullJournal`` for "off"; for "write" and "tick" (the
+    ``wal`` module docstring) lock ``state_dir`` (created 0700 if missing), check it has
+    ``min_free_bytes`` free, recover its log, bump the epoch and write a fresh checkpoint.
+    ``recover``: "refuse" raises ``WalCorrupt`` on corruption, "truncate" keeps the log up to it
+    and renames the dropped segments ``*.corrupt``. ``clock`` gives wall-clock seconds (result
+    expiry). Raises ``JournalUsageError`` (a bad mode or recover), ``StateDirLocked``,
+    ``StateDirFull``, ``StateDirUnwritable``, ``WalCorrupt``."""
+    if mode == "off":
+        return NullJournal()
+    if mode not in MODES:
+        raise JournalUsageError(f"durability mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if recover not in ("refuse", "truncate"):
+        raise JournalUsageError(f"recover must be 'refuse' or 'truncate', got {recover!r}")
+    j = open_file_journal(
+        state_dir,
+        mode,
+        result_ttl_s,
+        recover,
+        segment_bytes=segment_bytes,
+        min_free_bytes=min_free_bytes,
+        clock=clock,
+    )
+    j.on_commit, j.on_sync = on_commit, on_sync
+    return j
+
+
 def open_file_journal(
     state_dir: str | os.PathLike[str],
     mode: str,
@@ -89,7 +140,7 @@ def open_file_journal(
     min_free_bytes: int,
     clock: Callable[[], float],
 ) -> FileJournal:
-    """``Journal.open`` for modes "write" and "tick" (its arguments, already checked): lock
+    """``open_journal`` for modes "write" and "tick" (its arguments, already checked): lock
     ``state_dir``, recover its log, bump the epoch, write a fresh checkpoint. Raises
     ``StateDirLocked``, ``StateDirFull``, ``StateDirUnwritable`` (any ``OSError``), ``WalCorrupt``;
     whatever it raises, the lock and the segment are released first."""

@@ -2,7 +2,7 @@
 (the rules are in ``basertd.server.durability.wal_format``'s docstring).
 
 ``plan_recovery`` only reads: ``basertctl wal check`` runs it on a live or dead log, and
-``Journal.open`` carries its plan out (truncate a torn tail, write a fresh checkpoint, delete or
+``open_journal`` carries its plan out (truncate a torn tail, write a fresh checkpoint, delete or
 quarantine the old segments).
 """
 

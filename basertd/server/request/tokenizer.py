@@ -102,7 +102,7 @@ class GgufTokenizer:
 
         # Nothing llama.cpp logs here is the operator's business: a load failure is reported by
         # TokenizerError with its cause (``load_failure``), and with the GPUs hidden from the
-        # coordinator (``workers.process.hide_gpus``) a GPU build logs that it found no device.
+        # coordinator (``workers.environment.hide_gpus``) a GPU build logs that it found no device.
         logging.getLogger("llama-cpp-python").setLevel(logging.CRITICAL)
         self._ll = llama_cpp
         with GgufTokenizer._init_lock:
