@@ -123,12 +123,13 @@ def test_select_matches_a_naive_full_sort(seed, vocab, temperature, top_k, top_p
     seed=st.integers(0, 2**32 - 1),
     vocab=st.integers(2, 20_000),
     k=st.integers(1, 120),
-    shape=st.sampled_from(["normal", "on_stride", "off_stride", "masked", "ties"]),
+    shape=st.sampled_from(["normal", "on_stride", "off_stride", "masked", "grammar", "ties"]),
 )
 def test_top_k_ids_are_the_k_largest(seed, vocab, k, shape):
     """``top_k_ids`` keeps exactly the ``k`` largest entries, whatever the row: the sampled
     entries the largest (the fallback), large values away from them, most of the row masked to
-    -inf (a grammar's mask), and ties at the k-th value (any of the tied ids, as argpartition)."""
+    -inf, a grammar's mask that leaves a few entries (fewer or more than ``k``) finite, and ties at
+    the k-th value (any of the tied ids, as argpartition)."""
     k = min(k, vocab - 1) if vocab > 1 else 0
     if k < 1:
         return
@@ -141,6 +142,9 @@ def test_top_k_ids_are_the_k_largest(seed, vocab, k, shape):
         row[np.arange(vocab) % 64 == 0] -= 50.0
     elif shape == "masked":
         row[rng.random(vocab) < 0.95] = -np.inf
+    elif shape == "grammar":
+        allowed = rng.choice(vocab, size=min(vocab, int(rng.integers(1, 2 * k + 2))), replace=False)
+        row[np.setdiff1d(np.arange(vocab), allowed)] = -np.inf
     elif shape == "ties":
         row = np.round(row).astype(np.float32)
     ids = top_k_ids(row, k)

@@ -178,13 +178,23 @@ def top_k_ids(row: np.ndarray, k: int) -> np.ndarray:
     the row are expected at or above it), one vectorised compare keeps the candidates, and only
     they are partitioned (about 0.2 ms). When fewer than ``k`` entries reach the threshold (a row
     whose large values cluster between the sampled positions), the whole row is partitioned: the
-    result is always exactly the top ``k``."""
+    result is always exactly the top ``k``.
+
+    A row mostly masked to -inf (a grammar's mask) gives a threshold of -inf; then the candidates
+    are the finite entries, and when fewer than ``k`` are finite the rest of the ``k`` are the
+    lowest-numbered -inf ids (tied at the k-th value; never drawn). A full partition of such a row
+    takes about 20 ms."""
     n = row.shape[0]
     sample = row[::_TOP_K_STRIDE]
     j = 2 * k // _TOP_K_STRIDE + 3
     if j < sample.shape[0]:
         threshold = np.partition(sample, sample.shape[0] - j)[sample.shape[0] - j]
-        cand = np.flatnonzero(row >= threshold)
+        if threshold == -np.inf:
+            cand = np.flatnonzero(row > -np.inf)
+            if cand.shape[0] < k:
+                return np.concatenate((cand, np.flatnonzero(row == -np.inf)[: k - cand.shape[0]]))
+        else:
+            cand = np.flatnonzero(row >= threshold)
         if k <= cand.shape[0] < n:
             return cand[np.argpartition(row[cand], cand.shape[0] - k)[cand.shape[0] - k :]]
     return np.argpartition(row, n - k)[n - k :]
