@@ -10,7 +10,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= 2
 
 NATIVE_SRC := $(wildcard native/*.c native/*.h native/*.py native/ref_engine/*.c native/ref_engine/*.h)
 
-.PHONY: all demo test lint native bench memcheck clean
+.PHONY: all demo test lint native bytecode bench memcheck clean
 
 all: $(VENV)/.stamp-native
 
@@ -28,6 +28,12 @@ $(VENV)/.stamp-native: $(VENV)/.stamp-deps $(NATIVE_SRC)
 
 native: $(VENV)/.stamp-native
 
+# Byte-compile the package ahead (only what changed since). With PYTHONDONTWRITEBYTECODE set, as
+# on some boxes, nothing else writes __pycache__, and every daemon, worker and basertctl process
+# would compile its ~200 modules from source: about 0.4 s of each start on a 2-core box.
+bytecode: $(VENV)/.stamp-native
+	$(PY) -m compileall -q -j 0 basertd schema shm worker native >/dev/null
+
 lint: $(VENV)/.stamp-native
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -35,10 +41,10 @@ lint: $(VENV)/.stamp-native
 	rm -rf build/lint && $(PY) setup.py --quiet build_py --build-lib build/lint >/dev/null
 	cd build/lint && ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 
-test: lint
+test: lint bytecode
 	$(VENV)/bin/pytest -q --durations=15
 
-demo: $(VENV)/.stamp-native
+demo: bytecode
 	$(PY) -m basertd.demo
 
 # Memory safety of the C reference engine (issue 4 part 5): the conformance suite's reference-engine
@@ -73,8 +79,8 @@ memcheck: $(VENV)/.stamp-native
 	test $$status -eq 0 && echo "memcheck: clean (ASan+UBSan, engine-scoped leak check; reports in $(MEMCHECK_DIR)/reports)"; \
 	exit $$status
 
-bench: $(VENV)/.stamp-native
+bench: bytecode
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf build native/*.so native/_ringc.c $(VENV)/.stamp-native
+	rm -rf build native/*.so native/_ringc.c native/_ffi_*.py $(VENV)/.stamp-native
