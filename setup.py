@@ -1,5 +1,6 @@
 """Build glue that pyproject.toml cannot express: the package-dir mapping of the top-level folders
-into the one ``basertd`` namespace, the cffi API-mode ring atomics, and the C reference engine as a
+into the one ``basertd`` namespace, the cffi API-mode ring atomics, the tick header's declarations as
+cffi out-of-line ABI-mode modules (``native/build_tick_ffi.py``), and the C reference engine as a
 plain shared library (``basertd/native/libbasert_ref.so``) loaded with ``dlopen`` like libbaseRT."""
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def _cffi_modules() -> list[str]:
     mods = []
     if os.path.exists(os.path.join("native", "build_ring_ffi.py")):
         mods.append("native/build_ring_ffi.py:ffibuilder")
+    if os.path.exists(os.path.join("native", "build_tick_ffi.py")):
+        # The tick header's declarations as out-of-line ABI-mode modules (no pycparser at run time).
+        variants = ("tick", "tick_ref", "tick_basert", "tick_basert_ref")
+        mods += [f"native/build_tick_ffi.py:{v}" for v in variants]
     return mods
 
 

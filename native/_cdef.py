@@ -10,6 +10,7 @@ instead of being silently dropped.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def header_to_cdef(text: str, predefined: frozenset[str] = SKIPPED_MACROS) -> st
 def tick_cdef() -> str:
     """The cffi cdef source of ``basert_tick.h`` (every type, constant and function of the ABI)."""
     return header_to_cdef(HEADER.read_text())
+
+
+def ffi_source(extra_cdef: str = "") -> str:
+    """The declarations of one FFI: the tick header's, then ``extra_cdef`` (another header's
+    ``header_to_cdef`` output, e.g. baseRT.h's or the reference engine's test surface)."""
+    return tick_cdef() + "\n" + extra_cdef
+
+
+def ffi_module_name(source: str) -> str:
+    """Name (within ``basertd.native``) of the precompiled FFI module holding exactly the
+    declarations ``source``: ``_ffi_`` and the first 16 hex digits of their SHA-256. The name
+    certifies the content, so a header edited since the build finds no module instead of a stale
+    one (``native/build_tick_ffi.py``)."""
+    return "_ffi_" + hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def declared_functions(cdef: str) -> list[str]:

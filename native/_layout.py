@@ -12,11 +12,14 @@ Python alike).
 from __future__ import annotations
 
 import functools
+import importlib
+from typing import Any
 
+import _cffi_backend
 import cffi
 import numpy as np
 
-from basertd.native._cdef import tick_cdef
+from basertd.native._cdef import ffi_module_name, ffi_source
 
 _PRIMITIVE = {
     "uint8_t": "u1",
@@ -38,15 +41,33 @@ other record's minimum is its full size (an older writer never wrote a shorter o
 
 
 @functools.lru_cache(maxsize=8)
-def tick_ffi(extra_cdef: str = "") -> cffi.FFI:
-    """A ``cffi.FFI`` holding every declaration of ``basert_tick.h`` plus ``extra_cdef``.
+def tick_ffi(extra_cdef: str = "") -> Any:
+    """A cffi FFI holding every declaration of ``basert_tick.h`` plus ``extra_cdef``.
 
-    Cached per ``extra_cdef`` text, so every library opened with the same declarations shares one
-    FFI (and cdata of one library is usable with another's helpers). Raises ``cffi.CDefError``
-    when ``extra_cdef`` does not parse."""
-    ffi = cffi.FFI()
-    ffi.cdef(tick_cdef() + "\n" + extra_cdef)
-    return ffi
+    The precompiled module of exactly these declarations when the build made one
+    (``native/build_tick_ffi.py``: an out-of-line ABI-mode ``ffi``, no parsing at run time);
+    otherwise a ``cffi.FFI`` that parses them here. Either has the same types, layouts, constants
+    and ``dlopen``. Cached per ``extra_cdef`` text, so every library opened with the same
+    declarations shares one FFI (and cdata of one library is usable with another's helpers).
+    Raises ``cffi.CDefError`` when ``extra_cdef`` does not parse."""
+    source = ffi_source(extra_cdef)
+    try:
+        return importlib.import_module(f"basertd.native.{ffi_module_name(source)}").ffi
+    except ImportError:
+        ffi = cffi.FFI()
+        ffi.cdef(source)
+        return ffi
+
+
+def has_symbol(lib: Any, name: str) -> bool:
+    """Whether a ``dlopen``-ed ``lib`` resolves its declared function ``name``. A missing symbol
+    raises ``AttributeError`` from an in-line FFI's library and ``ffi.error`` from a precompiled
+    module's; both mean no."""
+    try:
+        getattr(lib, name)
+    except (AttributeError, _cffi_backend.FFI.error):
+        return False
+    return True
 
 
 def struct_names(ffi: cffi.FFI) -> list[str]:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from basertd.native._cdef import declared_functions, tick_cdef
+from basertd.native._cdef import declared_functions, ffi_source, tick_cdef
 from basertd.native._errors import (
     PLAN_REJECTION_RANGE,
     AbiError,
@@ -47,7 +47,7 @@ from basertd.native._errors import (
     error_for,
 )
 from basertd.native._events import DEFAULT_MAX_ARRAY_BYTES, ArrayReader
-from basertd.native._layout import tick_ffi
+from basertd.native._layout import has_symbol, tick_ffi
 from basertd.native._plan import PLAN_LEGACY_SIZE, PLAN_SIZE, PlanArena
 from basertd.native._strategy import (
     Artifact,
@@ -154,13 +154,8 @@ class BasertLib:
             self.lib = self.ffi.dlopen(self.path)
         except OSError as e:
             raise LibraryError(f"cannot open {p}: {e}") from e
-        self.functions = tuple(declared_functions(tick_cdef() + "\n" + extra_cdef))
-        missing = []
-        for name in self.functions:
-            try:
-                getattr(self.lib, name)
-            except AttributeError:
-                missing.append(name)
+        self.functions = tuple(declared_functions(ffi_source(extra_cdef)))
+        missing = [name for name in self.functions if not has_symbol(self.lib, name)]
         if missing:
             raise MissingSymbols(self.path, missing)
         self.reader = ArrayReader(self.ffi, max_array_bytes)

@@ -29,7 +29,7 @@ from typing import Any
 
 from basertd.native._cdef import header_to_cdef
 from basertd.native._errors import BindingError, LibraryError, LibraryNotFound, MissingSymbols
-from basertd.native._layout import tick_ffi
+from basertd.native._layout import has_symbol, tick_ffi
 from basertd.native.abi import BasertLib, Bundle
 
 BASERT_H = Path(__file__).resolve().with_name("basert_h.h")
@@ -200,7 +200,7 @@ class TokenizerHandle:
             self.lib = ffi.dlopen(self.path)
         except OSError as e:
             raise LibraryError(f"cannot open {p}: {e}") from e
-        missing = [n for n in TOKENIZER_FUNCTIONS if not hasattr(self.lib, n)]
+        missing = [n for n in TOKENIZER_FUNCTIONS if not has_symbol(self.lib, n)]
         if missing:
             raise MissingSymbols(self.path, missing)
         self.version = check_version(_string(ffi, self.lib.baseRT_version_string()))

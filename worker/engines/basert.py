@@ -48,13 +48,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
 
+import basertd
 from basertd.native import abi as nabi
 from basertd.schema.abi import Status
 from basertd.schema.tick import (
@@ -87,13 +87,6 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 """Special ids of the "bytes" vocabulary."""
 BYTE_BASE = 3
 """Id of byte 0x00 in the "bytes" vocabulary; byte b is id ``BYTE_BASE + b``."""
-
-
-def _package_version() -> str:
-    try:
-        return metadata.version("basertd")
-    except metadata.PackageNotFoundError:
-        return "0"
 
 
 def _map(exc: Exception, *, plan: bool = False) -> EngineError | PlanRejected:
@@ -459,7 +452,7 @@ def open_engine(options: EngineOptions) -> BasertEngine:
     try:
         info = EngineInfo(
             engine="basert",
-            engine_version=f"ref {_package_version()}",
+            engine_version=f"ref {basertd.__version__}",
             model=f"ref-synthetic:{cfg.arch}",
             model_id=cfg.identity.hex() if cfg.identity else model_digest(cfg),
             vocab_size=cfg.vocab_size,
