@@ -253,11 +253,14 @@ class Done(_Msg, tag="done"):
 
 class Error(_Msg, tag="error"):
     """Request ``request_id`` failed with ``code`` and a human ``message`` (never a traceback).
-    ``request_id`` is "" when the failing frame could not be read."""
+    ``request_id`` is "" when the failing frame could not be read. ``param`` names the request
+    field that was refused (e.g. "temperature", "max_tokens", "prompt") when one was; None
+    otherwise."""
 
     code: ErrorCode
     request_id: str = ""
     message: str = ""
+    param: str | None = None
 
 
 class TokenizeResult(_Msg, tag="tokenize_result"):

@@ -18,9 +18,12 @@ from basertd.schema.client import ErrorCode
 
 
 class ClientError(Exception):
-    """The daemon answered ``Error``: ``code`` (an ``ErrorCode``), ``message``, ``request_id``."""
+    """The daemon answered ``Error``: ``code`` (an ``ErrorCode``), ``message``, ``request_id``, and
+    ``param``, the request field refused (None when the refusal is not about one field)."""
 
-    def __init__(self, code: ErrorCode | str, message: str = "", request_id: str = "") -> None:
+    def __init__(
+        self, code: ErrorCode | str, message: str = "", request_id: str = "", param: str | None = None
+    ) -> None:
         try:
             code = ErrorCode(code)
         except ValueError:
@@ -28,7 +31,13 @@ class ClientError(Exception):
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.param = param
         super().__init__(f"{code}: {message}" if message else str(code))
+
+    @classmethod
+    def of(cls, frame: api.Error) -> ClientError:
+        """The error an ``Error`` frame reports."""
+        return cls(frame.code, frame.message, frame.request_id, frame.param)
 
 
 class ConnectionLost(ClientError):

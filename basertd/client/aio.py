@@ -92,7 +92,7 @@ class AsyncStream:
                     if isinstance(msg, _Closed):
                         raise ConnectionLost(request_id=self.request_id)
                     if isinstance(msg, api.Error):
-                        raise ClientError(msg.code, msg.message, msg.request_id)
+                        raise ClientError.of(msg)
                 except ClientError as exc:
                     if not (self.resume and self.resume_id and resumable(exc)) or self._client._user_closed:
                         raise
@@ -205,7 +205,7 @@ class AsyncClient:
             if isinstance(reply, _Closed):
                 raise ConnectionLost(request_id=resume_id)
             if isinstance(reply, api.Error):
-                raise ClientError(reply.code, reply.message, reply.request_id)
+                raise ClientError.of(reply)
             raise ConnectionLost(f"expected Accepted, got {type(reply).__name__}", resume_id)
         return reply
 
@@ -269,7 +269,7 @@ class AsyncClient:
             lost = ConnectionLost()
         refusal = self._parting_error
         if refusal is not None:  # the daemon said why it closed (a [limits] cap)
-            raise ClientError(refusal.code, refusal.message, refusal.request_id)
+            raise ClientError.of(refusal)
         raise lost
 
     async def request(self, msg: Any) -> Any:
@@ -286,7 +286,7 @@ class AsyncClient:
         if isinstance(reply, _Closed):
             raise ConnectionLost(request_id=msg.request_id)
         if isinstance(reply, api.Error):
-            raise ClientError(reply.code, reply.message, reply.request_id)
+            raise ClientError.of(reply)
         return reply
 
     async def resume(
@@ -340,7 +340,7 @@ class AsyncClient:
             raise ConnectionLost(request_id=gen.request_id)
         if isinstance(reply, api.Error):
             self._routes.pop(gen.request_id, None)
-            raise ClientError(reply.code, reply.message, reply.request_id)
+            raise ClientError.of(reply)
         return AsyncStream(
             self,
             gen.request_id,

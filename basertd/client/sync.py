@@ -69,7 +69,7 @@ class Stream:
             try:
                 msg = self._client._recv_for(self._wire_id)
                 if isinstance(msg, api.Error):
-                    raise ClientError(msg.code, msg.message, msg.request_id)
+                    raise ClientError.of(msg)
             except ClientError as exc:
                 if not (self.resume and self.resume_id and resumable(exc)):
                     raise
@@ -135,7 +135,7 @@ class Client:
         self.send(api.Resume(request_id=resume_id, after=after))
         reply = self._recv_for(resume_id)
         if isinstance(reply, api.Error):
-            raise ClientError(reply.code, reply.message, reply.request_id)
+            raise ClientError.of(reply)
         if not isinstance(reply, api.Accepted):
             raise ConnectionLost(f"expected Accepted, got {type(reply).__name__}", resume_id)
         return reply
@@ -159,7 +159,7 @@ class Client:
         except OSError as exc:
             refusal = self._parting_error()
             if refusal is not None:
-                raise ClientError(refusal.code, refusal.message, refusal.request_id) from None
+                raise ClientError.of(refusal) from None
             raise ConnectionLost(f"send failed: {exc}") from None
 
     def _parting_error(self) -> api.Error | None:
@@ -209,7 +209,7 @@ class Client:
         self.send(msg)
         reply = self._recv_for(msg.request_id)
         if isinstance(reply, api.Error):
-            raise ClientError(reply.code, reply.message, reply.request_id)
+            raise ClientError.of(reply)
         return reply
 
     def resume(
@@ -254,7 +254,7 @@ class Client:
         self.send(gen)
         reply = self._recv_for(gen.request_id)
         if isinstance(reply, api.Error):
-            raise ClientError(reply.code, reply.message, reply.request_id)
+            raise ClientError.of(reply)
         if not isinstance(reply, api.Accepted):
             raise ConnectionLost(f"expected Accepted, got {type(reply).__name__}", gen.request_id)
         return Stream(

@@ -184,18 +184,38 @@ def test_error_classes(daemon, client):
         client.completions.create(model="", prompt="xyz", max_tokens=2, echo=True, logprobs=1)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="", prompt="x", max_tokens=2, best_of=2)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as err:
         client.completions.create(model="", prompt="x", max_tokens=0)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
+    assert err.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="logprobs") as err:
         client.completions.create(model="", prompt="x", max_tokens=2, logprobs=21)
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+    assert err.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="logit_bias") as err:
         client.completions.create(model="", prompt="x", max_tokens=2, logit_bias={"5": 101.0})
+    assert err.value.param == "logit_bias"
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="", prompt="", max_tokens=2)
-    assert err.value.code == "empty_prompt"
+    assert err.value.code == "empty_prompt" and err.value.param == "prompt"
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="", prompt="x" * 600, max_tokens=2)
-    assert err.value.code == "context_length_exceeded"
+    assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+    # Refusals at admission name the field as the endpoint calls it (the error's ``param``).
+    chat = {"model": "", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(openai.BadRequestError, match="temperature") as err:
+        client.chat.completions.create(**chat, temperature=150.0)
+    assert err.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**chat, max_completion_tokens=600)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "x" * 600}])
+    assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="", input="hi", max_output_tokens=600)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="", input="hi", top_p=1.5)
+    assert err.value.param == "top_p"
     with pytest.raises(openai.BadRequestError, match="QoS"):
         client.completions.create(model="", prompt="x", max_tokens=2, extra_headers={"X-Basertd-QoS": "vip"})
     with pytest.raises(openai.NotFoundError):

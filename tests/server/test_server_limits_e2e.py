@@ -59,6 +59,7 @@ def test_every_numeric_edge_value_is_refused_by_name_or_served(daemon):
                 )
                 if exc.code == ErrorCode.INVALID_REQUEST:
                     assert field in exc.message, (field, value, exc.message)
+                assert exc.param == field, (field, value, exc.param)  # max_tokens: over the context
                 refused += 1
             else:
                 assert out.finish_reason in ("length", "eos", "stop"), (field, value)
@@ -95,7 +96,7 @@ def test_megabyte_prompt_and_tokenize_do_not_stall_a_running_stream(daemon):
         t0 = time.monotonic()
         with pytest.raises(ClientError) as info:
             c.generate(huge, max_tokens=4)
-        assert info.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        assert info.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and info.value.param == "prompt"
         with pytest.raises(ClientError) as info:
             c.tokenize(huge)
         assert info.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED

@@ -171,7 +171,7 @@ class Frontend:
         joined = "\x00".join(texts)  # no control text spans a NUL
         if find is None or not joined:
             return frozenset()
-        check_prompt_bytes(joined, m.config.context_length, m.tokenizer, what="messages")
+        check_prompt_bytes(joined, m.config.context_length, m.tokenizer, what="messages", param="messages")
         try:
             if len(joined) <= INLINE_TOKENIZE_CHARS:
                 return find(joined)
@@ -355,10 +355,10 @@ class Frontend:
         try:  # structured output: cheap checks now, compiled after the queue caps
             spec = spec_from_request(gen.response_format, gen.grammar, gen.regex)
         except GrammarRequestError as exc:
-            raise AdmissionError(exc.code, str(exc)) from None
+            raise AdmissionError(exc.code, str(exc), _structured_param(gen)) from None
         why = explicit_refusal(gen.speculation, self.fleet.config.speculation.strategies, spec is not None)
         if why is not None:
-            raise AdmissionError(ErrorCode.INVALID_REQUEST, why)
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, why, "speculation")
         wid = self.fleet.route(gen.model)
         m = self.fleet[wid]
         check_logit_bias(gen, m.tokenizer.vocab_size)
@@ -387,11 +387,12 @@ class Frontend:
                     ErrorCode.INVALID_REQUEST,
                     f"worker {wid} ({m.config.engine}) compiles only {', '.join(kinds) or 'no'} grammars, "
                     f"not {spec.kind}",
+                    _structured_param(gen),
                 )
             try:  # in a child process: a spec that crashes the compiler fails only this request
                 spec = await self.specs.compile(spec)
             except GrammarRequestError as exc:
-                raise AdmissionError(exc.code, str(exc)) from None
+                raise AdmissionError(exc.code, str(exc), _structured_param(gen)) from None
             self._admissible()
             if sink.closed:
                 raise AdmissionError(
@@ -403,7 +404,7 @@ class Frontend:
             strategies = m.scheduler.core.limits.strategies
             why = named_refusal(gen.speculation, sampler, spec is not None, strategies, f"worker {wid}")
             if why is not None:
-                raise AdmissionError(ErrorCode.INVALID_REQUEST, why)
+                raise AdmissionError(ErrorCode.INVALID_REQUEST, why, "speculation")
         observed = ObservedSink(sink, gen.request_id, self.metrics, self.drainer, api_name=api_name)
         req = GenerationRequest(
             request_id=gen.request_id,
@@ -515,3 +516,11 @@ class Frontend:
         if ready == 0:
             return HealthStatus.STARTING, "no worker has finished starting yet"
         return HealthStatus.DEGRADED, f"workers {ready}/{len(self.fleet)} ready"
+
+
+def _structured_param(gen: api.Generate) -> str:
+    """The ``Generate`` field that asked for structured output (``response_format``, ``grammar`` or
+    ``regex``), named by a refusal of it."""
+    if gen.response_format is not None:
+        return "response_format"
+    return "grammar" if gen.grammar is not None else "regex"

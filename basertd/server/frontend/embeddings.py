@@ -74,10 +74,12 @@ async def embed(
     first context-length tokens are embedded), WORKER_FAILED (also: the worker restarted in the
     middle of a long input), TIMEOUT (one part or chunk took over ``fleet.EMBED_TIMEOUT_S``)."""
     if not inputs:
-        raise AdmissionError(ErrorCode.INVALID_REQUEST, "input must hold at least one text or token list")
+        raise AdmissionError(
+            ErrorCode.INVALID_REQUEST, "input must hold at least one text or token list", "input"
+        )
     if len(inputs) > MAX_EMBED_INPUTS:
         raise AdmissionError(
-            ErrorCode.INVALID_REQUEST, f"input holds {len(inputs)} items, at most {MAX_EMBED_INPUTS}"
+            ErrorCode.INVALID_REQUEST, f"input holds {len(inputs)} items, at most {MAX_EMBED_INPUTS}", "input"
         )
     wid = fleet.route(model)
     ctx = fleet.context_length(wid)
@@ -86,22 +88,23 @@ async def embed(
         what = f"input[{i}]"
         if isinstance(item, str):
             if not item:  # tokenizing "" gives BOS alone: an embedding of nothing
-                raise AdmissionError(ErrorCode.INVALID_REQUEST, f"{what} is empty")
+                raise AdmissionError(ErrorCode.INVALID_REQUEST, f"{what} is empty", "input")
             if not truncate:
-                check_prompt_bytes(item, ctx, tokenizer(wid), what=what)
+                check_prompt_bytes(item, ctx, tokenizer(wid), what=what, param="input")
             toks = await encode(wid, item)
         else:
             toks = list(item)
         if truncate:
             toks = toks[:ctx]
         if not toks:
-            raise AdmissionError(ErrorCode.INVALID_REQUEST, f"{what} is empty")
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, f"{what} is empty", "input")
         if len(toks) > ctx:
             raise AdmissionError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"{what} holds {len(toks)} tokens, over the context length ({ctx})",
+                "input",
             )
-        check_prompt_tokens(toks, vocab_size(wid), ctx, what=what)
+        check_prompt_tokens(toks, vocab_size(wid), ctx, what=what, param="input")
         lists.append(toks)
     parts: list[np.ndarray] = []
     start = 0

@@ -72,6 +72,7 @@ class Limit:
             raise AdmissionError(
                 ErrorCode.INVALID_REQUEST,
                 f"request {request_id!r}: {self.field} must be {kind} in {self.describe()}, got {value!r}",
+                self.field,
             )
 
 
@@ -90,8 +91,8 @@ GENERATE_LIMITS: tuple[Limit, ...] = (
 """Every numeric field of ``Generate`` with its bounds (README "Limits" lists them)."""
 
 
-def _invalid(request_id: str, message: str) -> AdmissionError:
-    return AdmissionError(ErrorCode.INVALID_REQUEST, f"request {request_id!r}: {message}")
+def _invalid(request_id: str, message: str, param: str | None = None) -> AdmissionError:
+    return AdmissionError(ErrorCode.INVALID_REQUEST, f"request {request_id!r}: {message}", param)
 
 
 def check_generate(gen: api.Generate) -> None:
@@ -99,42 +100,47 @@ def check_generate(gen: api.Generate) -> None:
     docstring). Raises ``AdmissionError``; changes nothing."""
     rid = gen.request_id
     if not rid:
-        raise _invalid(rid, "request_id is empty")
+        raise _invalid(rid, "request_id is empty", "request_id")
     if len(rid) > MAX_REQUEST_ID_CHARS:
         raise AdmissionError(
-            ErrorCode.INVALID_REQUEST, f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters"
+            ErrorCode.INVALID_REQUEST,
+            f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters",
+            "request_id",
         )
     if (gen.prompt is None) == (gen.prompt_tokens is None):
-        raise _invalid(rid, "give exactly one of prompt and prompt_tokens")
+        raise _invalid(rid, "give exactly one of prompt and prompt_tokens", "prompt")
     if (gen.prompt is not None and gen.prompt == "") or (
         gen.prompt_tokens is not None and not gen.prompt_tokens
     ):
-        raise AdmissionError(ErrorCode.EMPTY_PROMPT, f"request {rid!r}: the prompt is empty")
+        raise AdmissionError(ErrorCode.EMPTY_PROMPT, f"request {rid!r}: the prompt is empty", "prompt")
     if len(gen.model) > MAX_MODEL_CHARS:
-        raise _invalid(rid, f"model is longer than {MAX_MODEL_CHARS} characters")
+        raise _invalid(rid, f"model is longer than {MAX_MODEL_CHARS} characters", "model")
     for limit in GENERATE_LIMITS:
         limit.check(getattr(gen, limit.field), rid)
     bias = gen.logit_bias
     if len(bias) > MAX_LOGIT_BIAS:
-        raise _invalid(rid, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        raise _invalid(rid, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
     lo, hi = LOGIT_BIAS_RANGE
     for token, value in bias.items():
         if token < 0 or token > U32_MAX:
-            raise _invalid(rid, f"logit_bias: token id {token} is not a token id")
+            raise _invalid(rid, f"logit_bias: token id {token} is not a token id", "logit_bias")
         if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
             raise _invalid(
-                rid, f"logit_bias[{token}] must be a finite number in [{lo:g}, {hi:g}], got {value!r}"
+                rid,
+                f"logit_bias[{token}] must be a finite number in [{lo:g}, {hi:g}], got {value!r}",
+                "logit_bias",
             )
     if len(gen.stop) > MAX_STOPS:
-        raise _invalid(rid, f"stop: at most {MAX_STOPS} stop strings, got {len(gen.stop)}")
+        raise _invalid(rid, f"stop: at most {MAX_STOPS} stop strings, got {len(gen.stop)}", "stop")
     if any(len(s) > MAX_STOP_CHARS for s in gen.stop):
-        raise _invalid(rid, f"stop: each stop string is at most {MAX_STOP_CHARS} characters")
+        raise _invalid(rid, f"stop: each stop string is at most {MAX_STOP_CHARS} characters", "stop")
     for name in ("grammar", "regex"):
         text = getattr(gen, name)
         if text is not None and len(text) > MAX_GRAMMAR_CHARS:
-            raise _invalid(rid, f"{name} is longer than {MAX_GRAMMAR_CHARS} characters")
+            raise _invalid(rid, f"{name} is longer than {MAX_GRAMMAR_CHARS} characters", name)
     if gen.response_format is not None and len(msgspec.json.encode(gen.response_format)) > MAX_GRAMMAR_CHARS:
-        raise _invalid(rid, f"response_format is longer than {MAX_GRAMMAR_CHARS} bytes as JSON")
+        message = f"response_format is longer than {MAX_GRAMMAR_CHARS} bytes as JSON"
+        raise _invalid(rid, message, "response_format")
 
 
 def check_logit_bias(gen: api.Generate, vocab_size: int) -> None:
@@ -143,7 +149,9 @@ def check_logit_bias(gen: api.Generate, vocab_size: int) -> None:
     bad = [t for t in gen.logit_bias if not 0 <= t < vocab_size]
     if bad:
         raise _invalid(
-            gen.request_id, f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+            gen.request_id,
+            f"logit_bias: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})",
+            "logit_bias",
         )
 
 
@@ -152,28 +160,37 @@ def max_token_bytes(tokenizer: object) -> int:
     return 1 if getattr(tokenizer, "kind", "") == "bytes" else MAX_TOKEN_BYTES_GGUF
 
 
-def check_prompt_bytes(text: str, context_length: int, tokenizer: object, *, what: str = "prompt") -> None:
+def check_prompt_bytes(
+    text: str, context_length: int, tokenizer: object, *, what: str = "prompt", param: str = "prompt"
+) -> None:
     """Refuse, before tokenizing, a text that cannot fit ``context_length`` tokens whatever its
-    tokenization: CONTEXT_LENGTH_EXCEEDED. Costs O(1) for the usual case (characters <= bytes)."""
+    tokenization: CONTEXT_LENGTH_EXCEEDED naming ``param``. Costs O(1) for the usual case
+    (characters <= bytes)."""
     bound = context_length * max_token_bytes(tokenizer)
     if len(text) > bound or (len(text) * 4 > bound and len(text.encode("utf-8", "surrogatepass")) > bound):
         raise AdmissionError(
             ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             f"the {what} ({len(text)} characters) cannot fit the context length "
             f"({context_length} tokens of at most {max_token_bytes(tokenizer)} bytes)",
+            param,
         )
 
 
 def check_prompt_tokens(
-    tokens: list[int], vocab_size: int, max_len: int, *, what: str = "prompt_tokens"
+    tokens: list[int],
+    vocab_size: int,
+    max_len: int,
+    *,
+    what: str = "prompt_tokens",
+    param: str = "prompt_tokens",
 ) -> None:
     """Refuse token ids outside ``[0, vocab_size)`` (INVALID_REQUEST) and lists longer than
-    ``max_len`` (CONTEXT_LENGTH_EXCEEDED)."""
+    ``max_len`` (CONTEXT_LENGTH_EXCEEDED), naming ``param``."""
     if len(tokens) > max_len:
         raise AdmissionError(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{what} holds {len(tokens)} tokens, over {max_len}"
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{what} holds {len(tokens)} tokens, over {max_len}", param
         )
     if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
         raise AdmissionError(
-            ErrorCode.INVALID_REQUEST, f"{what} hold ids outside the vocabulary (0..{vocab_size - 1})"
+            ErrorCode.INVALID_REQUEST, f"{what} hold ids outside the vocabulary (0..{vocab_size - 1})", param
         )

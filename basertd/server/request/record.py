@@ -42,12 +42,14 @@ end-of-generation token, a cancel or disconnect, a failure."""
 
 class AdmissionError(Exception):
     """A Generate refused before anything was queued: ``code`` is the client ``ErrorCode``
-    (INVALID_REQUEST, EMPTY_PROMPT, CONTEXT_LENGTH_EXCEEDED, QUEUE_FULL, SHUTTING_DOWN, ...)."""
+    (INVALID_REQUEST, EMPTY_PROMPT, CONTEXT_LENGTH_EXCEEDED, QUEUE_FULL, SHUTTING_DOWN, ...);
+    ``param`` the ``Generate`` field refused, when one was (the HTTP dialects rename it to theirs)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 class RequestSink(Protocol):

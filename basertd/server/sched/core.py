@@ -81,11 +81,14 @@ class SchedulerCore(SchedulerState):
         lim = self.limits
         if self.stopping:
             raise AdmissionError(ErrorCode.SHUTTING_DOWN, "the daemon is shutting down")
+        # The field to shorten: the prompt when it alone overflows, else max_tokens.
+        param = "prompt" if prompt_len >= lim.context_length else "max_tokens"
         if prompt_len + max_tokens > lim.context_length:
             raise AdmissionError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length "
                 f"({lim.context_length} tokens)",
+                param,
             )
         if (
             reservation(prompt_len + max_tokens, lim.page_tokens) > lim.kv_tokens
@@ -94,6 +97,7 @@ class SchedulerCore(SchedulerState):
             raise AdmissionError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) does not fit the worker's KV pool",
+                "prompt" if prompt_len > lim.max_admit_tokens else param,
             )
         if acknowledged:
             return

@@ -85,7 +85,12 @@ class NativeService:
             await self._handlers.get(type(msg), self.control.handle)(conn, msg)
         except AdmissionError as exc:
             conn.send(
-                api.Error(code=exc.code, request_id=getattr(msg, "request_id", ""), message=exc.message)
+                api.Error(
+                    code=exc.code,
+                    request_id=getattr(msg, "request_id", ""),
+                    message=exc.message,
+                    param=exc.param,
+                )
             )
         except Exception as exc:  # a bug must not take the connection's other streams down
             log.exception("request_failed", kind=type(msg).__name__)

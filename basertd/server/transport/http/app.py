@@ -247,7 +247,7 @@ class HttpServer:
         except HttpError as err:
             return error_response(err, request.path)
         except AdmissionError as exc:
-            return error_response(from_admission(exc), request.path)
+            return error_response(from_admission(exc, request.path), request.path)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -99,6 +99,26 @@ def from_code(code: ErrorCode | str, message: str) -> HttpError:
     return HttpError(STATUS_OF.get(ec, 500), message, code=ec.value)
 
 
-def from_admission(exc: AdmissionError) -> HttpError:
-    """The ``HttpError`` of a refusal at admission."""
-    return from_code(exc.code, exc.message)
+PARAM_NAMES: dict[str, dict[str, str]] = {
+    "/v1/chat/completions": {"prompt": "messages", "prompt_tokens": "messages", "logprobs": "top_logprobs"},
+    "/v1/completions": {"prompt_tokens": "prompt"},
+    "/v1/responses": {
+        "prompt": "input",
+        "prompt_tokens": "input",
+        "max_tokens": "max_output_tokens",
+        "logprobs": "top_logprobs",
+        "response_format": "text.format",
+    },
+    "/v1/embeddings": {"prompt": "input", "prompt_tokens": "input"},
+}
+"""Per OpenAI-shaped endpoint, the request field each ``Generate`` field it translates into came
+from, where the names differ (a refusal's ``param`` names the client's field)."""
+
+
+def from_admission(exc: AdmissionError, path: str = "") -> HttpError:
+    """The ``HttpError`` of a refusal at admission of a request to ``path``; its ``param`` is the
+    refused field as that endpoint names it (``PARAM_NAMES``)."""
+    err = from_code(exc.code, exc.message)
+    if exc.param is not None:
+        err.param = PARAM_NAMES.get(path, {}).get(exc.param, exc.param)
+    return err
