@@ -147,7 +147,8 @@ class Fleet:
         self._tasks: dict[int, asyncio.Task] = {}
         self.changing = asyncio.Lock()  # one worker change (reload, restart) at a time
         self._bos: dict[int, bool] = {}
-        self._embed_locks: dict[int, asyncio.Lock] = {}  # one EMBED (packed, or a chunked input) at a time
+        self._embed_locks: dict[int, asyncio.Lock] = {}  # one EMBED message (or EMBED_CANCEL) at a time
+        self._input_locks: dict[int, asyncio.Lock] = {}  # one chunked input open at a time
         self._embed_open: dict[int, tuple[object, int]] = {}  # worker → (process, input id) maybe left open
         self._embed_ids = itertools.count(1)
         self.kv_events: KvEventsHub | None = None
@@ -504,30 +505,47 @@ class Fleet:
         EMBED, served between its ticks) as an ``(len(inputs), dim)`` float32 array. Raises
         ``AdmissionError``: WORKER_FAILED when the worker is not running or dies meanwhile,
         INVALID_REQUEST when its engine serves no embeddings or refuses an input, TIMEOUT after
-        ``EMBED_TIMEOUT_S``."""
+        ``EMBED_TIMEOUT_S``.
+
+        It runs between the chunks of a long input open on the worker (``embed_chunked``), in
+        the cells that input leaves; when it does not fit there (the worker answers EBUSY) it
+        waits for that input to finish and is sent again."""
         msg = link.Embed(
             tokens=np.fromiter(itertools.chain.from_iterable(inputs), np.uint32),
             lengths=np.array([len(x) for x in inputs], np.uint32),
         )
-        async with self._embed_lock(worker_id):
-            await self._close_left_open(worker_id)
-            reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+        while True:
+            async with self._embed_lock(worker_id):
+                beside = self._input_lock(worker_id).locked()  # a request has an input open
+                if not beside:
+                    await self._close_left_open(worker_id)  # none does: free a left one's cells
+                try:
+                    reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+                    break
+                except _StateLost as exc:  # EBUSY: no room beside the chunked input open now
+                    if not beside:
+                        raise AdmissionError(
+                            ErrorCode.WORKER_FAILED, f"worker {worker_id} refused EMBED: {exc}"
+                        ) from None
+            async with self._input_lock(worker_id):  # until that input is done
+                pass
         return reply.values.reshape(len(inputs), reply.dim)
 
     async def embed_chunked(self, worker_id: int, tokens: list[int], chunk_tokens: int) -> np.ndarray:
         """The pooled embedding of one long input ``tokens`` from worker ``worker_id``, sent as
         chunks of ``chunk_tokens`` tokens, one Link W EMBED each (``input_id`` set), so the
         worker's ticks run between them; a ``(dim,)`` float32 unit vector equal to the one-pass
-        one up to float noise (``schema.link.Embed``). The worker's embeddings are taken for the
-        whole input (other EMBEDs to it wait), so it holds one open input at a time; an input
-        left open by a cancelled or failed request is cancelled (EMBED_CANCEL) before the next
-        EMBED. Raises ``AdmissionError`` as ``embed`` does, and WORKER_FAILED when the worker
-        restarted between two chunks (the new incarnation has none of the input's state: the
-        client may send the request again)."""
+        one up to float noise (``schema.link.Embed``). The worker holds one open input at a time
+        (another chunked input waits for it; packed ``embed`` calls run between its chunks); an
+        input left open by a cancelled or failed request is cancelled (EMBED_CANCEL) before the
+        next one opens or a packed ``embed`` runs. Raises ``AdmissionError`` as ``embed`` does,
+        and WORKER_FAILED when the worker restarted between two chunks (the new incarnation has
+        none of the input's state: the client may send the request again)."""
         chunks = [tokens[i : i + chunk_tokens] for i in range(0, len(tokens), chunk_tokens)]
         input_id = next(self._embed_ids)
-        async with self._embed_lock(worker_id):
-            await self._close_left_open(worker_id)
+        async with self._input_lock(worker_id):
+            async with self._embed_lock(worker_id):
+                await self._close_left_open(worker_id)
             proc = self.members[worker_id].slot.proc
             self._embed_open[worker_id] = (proc, input_id)
             reply: Any = None
@@ -542,16 +560,25 @@ class Fleet:
                     last=k == len(chunks) - 1,
                 )
                 try:
-                    reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
+                    async with self._embed_lock(worker_id):  # packed embeds go between chunks
+                        reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
                 except _StateLost:
                     raise _lost(worker_id) from None
             del self._embed_open[worker_id]
         return reply.values.reshape(reply.dim)
 
     def _embed_lock(self, worker_id: int) -> asyncio.Lock:
+        """Held for one EMBED or EMBED_CANCEL exchange with worker ``worker_id``."""
         lock = self._embed_locks.get(worker_id)
         if lock is None:
             lock = self._embed_locks[worker_id] = asyncio.Lock()
+        return lock
+
+    def _input_lock(self, worker_id: int) -> asyncio.Lock:
+        """Held by the ``embed_chunked`` call whose input is open on worker ``worker_id``."""
+        lock = self._input_locks.get(worker_id)
+        if lock is None:
+            lock = self._input_locks[worker_id] = asyncio.Lock()
         return lock
 
     async def _close_left_open(self, worker_id: int) -> None:

@@ -111,3 +111,31 @@ def test_a_stream_gets_tokens_between_the_chunks(daemon, client):
     # 16 chunks each, 45 gaps between chunks in all. Measured: 109 deltas in flight (37, 37, 35);
     # sent in one EMBED as before, 11 (6, 2, 3), from the ticks before and after it
     assert sum(during) >= 2 * chunks, (during, chunks)
+
+
+def test_short_inputs_are_served_between_the_chunks_of_a_long_one(daemon, client):
+    """A short embedding request sent while a long input is in chunks goes between two of its
+    chunks (in the cells the open input leaves) instead of waiting for all of them. Counted, not
+    timed: short requests answered while the long one is in flight; one at a time, so each waits
+    at most one chunk. Waiting behind the whole input, at most two would be (one sent before its
+    first chunk, one racing its answer)."""
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, 290, CTX)]
+    alone = np.array(client.embeddings.create(model=daemon.model, input="hello world").data[0].embedding)
+    done = threading.Event()
+    out: dict = {}
+
+    def long() -> None:
+        out["long"] = client.embeddings.create(model=daemon.model, input=[ids]).data[0].embedding
+        done.set()
+
+    t = threading.Thread(target=long, daemon=True)
+    t.start()
+    during, shorts = 0, []
+    while not done.is_set():
+        shorts.append(client.embeddings.create(model=daemon.model, input="hello world").data[0].embedding)
+        during += not done.is_set()
+    t.join(120)
+    assert during >= 4, (during, -(-CTX // EMBED_PART_TOKENS))
+    assert all(np.allclose(s, alone, atol=1e-5) for s in shorts)  # beside the open input: the same
+    again = client.embeddings.create(model=daemon.model, input=[ids]).data[0].embedding
+    assert np.allclose(out["long"], again, atol=1e-6)  # and the long input was not disturbed

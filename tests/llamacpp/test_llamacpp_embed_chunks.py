@@ -1,7 +1,8 @@
 """The ``Embedder``'s chunked inputs (``worker/engines/llamacpp/embed.py``, Link W EMBED with
 ``input_id``): a long input embedded in chunks, its KV kept between the calls and the chunks'
 pooled means weighted by their lengths, equals its one-pass embedding; misuse of the chunk
-protocol gets a typed error, changes nothing and leaves the embedder usable."""
+protocol gets a typed error, changes nothing and leaves the embedder usable; packed embeddings
+run beside an open input (in the cells it leaves) and neither disturbs the other."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_misuse_is_refused_and_changes_nothing(embedder):
     refused(Status.REJECT_BOUNDS, embedder.embed_chunk, 5, 2, pieces[2], True)  # out of order
     refused(Status.EBUSY, embedder.embed_chunk, 5, 0, pieces[0], False)  # chunk 0 again: open already
     refused(Status.EBUSY, embedder.embed_chunk, 6, 0, pieces[0], False)  # a second input
-    refused(Status.EBUSY, embedder.embed, [pieces[0]])  # packed embeddings would clear its KV
+    refused(Status.EBUSY, embedder.embed, [tokens(MAX - 63, seed=8)])  # no room beside input 5
     refused(Status.ERR_UNKNOWN_HANDLE, embedder.embed_chunk, 6, 1, pieces[1], False)  # another's chunk
     refused(Status.REJECT_BOUNDS, embedder.embed_chunk, 5, 1, np.array([], np.uint32), False)
     refused(Status.REJECT_BOUNDS, embedder.embed_chunk, 5, 1, np.array([10**6], np.uint32), False)
@@ -88,6 +89,35 @@ def test_misuse_is_refused_and_changes_nothing(embedder):
     got = embedder.embed_chunk(5, 2, pieces[2], last=True)
     assert got is not None and np.allclose(got, want, atol=1e-5)
     refused(Status.ERR_UNKNOWN_HANDLE, embedder.embed_chunk, 5, 3, pieces[0], True)  # finished
+
+
+def test_embeddings_beside_an_open_input_match_their_own_and_leave_it_intact(embedder):
+    toks = tokens(192, seed=5)
+    pieces = [toks[:96], toks[96:160], toks[160:]]
+    short = [tokens(n, seed=10 + n) for n in (20, 44, 9, 17, 30)]
+    # the same calls without an open input: beside one, 3 sequences a call (sequence 0 is its)
+    # Another grouping changes the batch shape, and the vectors by float noise (~2e-4).
+    alone = np.concatenate([embedder.embed(short[:3]), embedder.embed(short[3:])])
+    want = chunked_as(embedder, pieces, input_id=10)
+    assert embedder.embed_chunk(11, 0, pieces[0], last=False) is None
+    beside = embedder.embed(short)  # 120 tokens in the 160 cells input 11 leaves
+    assert np.allclose(beside, alone, atol=1e-5)  # measured: 4e-7 (the cells' offsets)
+    assert embedder.embed_chunk(11, 1, pieces[1], last=False) is None
+    with pytest.raises(EngineError) as err:  # 96 cells left
+        embedder.embed([short[0], tokens(97, seed=9)])
+    assert err.value.status == Status.EBUSY and embedder.open_input == 11
+    assert np.allclose(embedder.embed(short[:2]), alone[:2], atol=1e-5)
+    got = embedder.embed_chunk(11, 2, pieces[2], last=True)
+    assert got is not None and np.allclose(got, want, atol=1e-6)  # measured: equal
+    assert np.allclose(embedder.embed(short[:3]), alone[:3], atol=1e-6)
+
+
+def chunked_as(e: Embedder, pieces: list[np.ndarray], input_id: int) -> np.ndarray:
+    for k, piece in enumerate(pieces[:-1]):
+        assert e.embed_chunk(input_id, k, piece, last=False) is None
+    out = e.embed_chunk(input_id, len(pieces) - 1, pieces[-1], last=True)
+    assert out is not None
+    return out
 
 
 def test_a_cancelled_input_frees_the_embedder(embedder):

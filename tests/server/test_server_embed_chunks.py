@@ -23,17 +23,28 @@ from basertd.server.workers.link_errors import WorkerError
 
 
 class FakeLink:
-    """Answers EMBED chunks as a worker with one open input; ``forget_after`` chunks, it loses it."""
+    """Answers EMBED chunks as a worker with one open input; ``forget_after`` chunks, it loses it.
+    A packed EMBED (no ``input_id``) is answered at once, or EBUSY while an input is open when
+    ``room_beside`` is False; ``gate``, when set, holds chunk 0's answer until it is set."""
 
-    def __init__(self, forget_after: int = 10**9, hang_at: int = -1) -> None:
+    def __init__(self, forget_after: int = 10**9, hang_at: int = -1, room_beside: bool = True) -> None:
         self.alive = True
         self.sent: list[object] = []
         self.forget_after = forget_after
         self.hang_at = hang_at
+        self.room_beside = room_beside
+        self.gate: asyncio.Event | None = None
         self.open = 0
 
     async def request(self, msg, timeout):
         self.sent.append(msg)
+        if isinstance(msg, link.Embed) and msg.input_id == 0:
+            if self.open and not self.room_beside:
+                raise WorkerError(Status.EBUSY, f"no room beside input {self.open}")
+            return link.EmbedResult(dim=2, values=np.tile([0.6, 0.8], len(msg.lengths)).astype(np.float32))
+        if isinstance(msg, link.Embed) and msg.chunk == 0 and self.gate is not None:
+            self.open = msg.input_id
+            await self.gate.wait()
         if isinstance(msg, link.EmbedCancel):
             if msg.input_id != self.open:
                 raise WorkerError(Status.ERR_UNKNOWN_HANDLE, "not open")
@@ -47,17 +58,17 @@ class FakeLink:
             self.open = msg.input_id
         elif msg.input_id != self.open:
             raise WorkerError(Status.ERR_UNKNOWN_HANDLE, f"input {msg.input_id} is not open")
-        return (
-            link.EmbedResult(dim=2, values=np.array([0.6, 0.8], np.float32))
-            if msg.last
-            else link.EmbedResult()
-        )
+        if not msg.last:
+            return link.EmbedResult()
+        self.open = 0  # the last chunk closes the input
+        return link.EmbedResult(dim=2, values=np.array([0.6, 0.8], np.float32))
 
 
 def fleet_of(fake: FakeLink) -> Fleet:
     fleet = Fleet.__new__(Fleet)
     fleet.members = [SimpleNamespace(slot=SimpleNamespace(proc=SimpleNamespace(link=fake)))]
-    fleet._embed_locks, fleet._embed_open, fleet._embed_ids = {}, {}, itertools.count(1)
+    fleet._embed_locks, fleet._input_locks, fleet._embed_open = {}, {}, {}
+    fleet._embed_ids = itertools.count(1)
     return fleet
 
 
@@ -113,3 +124,28 @@ def test_an_input_left_open_by_a_cancelled_request_is_cancelled_before_the_next_
     left = fake.sent[0].input_id
     assert isinstance(fake.sent[2], link.EmbedCancel) and fake.sent[2].input_id == left
     assert fake.open == 0 and fake.sent[3].input_id == 0  # then the packed EMBED
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_a_packed_embed_goes_between_the_chunks_or_waits_for_the_input(room):
+    """A short EMBED sent while a long input's chunk 0 is in flight goes right after it, before
+    chunk 1 (the worker serves it in the cells the open input leaves); when the worker has no room
+    beside the input (EBUSY) it is sent again once the input is done."""
+    fake = FakeLink(room_beside=room)
+    fake.gate = asyncio.Event()
+    fleet = fleet_of(fake)
+
+    async def run():
+        long = asyncio.create_task(fleet.embed_chunked(0, list(range(3, 303)), 128))
+        while not fake.sent:
+            await asyncio.sleep(0.001)
+        short = asyncio.create_task(fleet.embed(0, [[5, 6], [7]]))
+        await asyncio.sleep(0.01)  # the packed EMBED now waits for chunk 0's exchange
+        fake.gate.set()
+        return await long, await short
+
+    vec, rows = asyncio.run(run())
+    assert vec.tolist() == pytest.approx([0.6, 0.8]) and rows.shape == (2, 2)
+    order = [("packed" if m.input_id == 0 else m.chunk) for m in fake.sent]
+    assert order == ([0, "packed", 1, 2] if room else [0, "packed", 1, 2, "packed"])
+    assert not any(isinstance(m, link.EmbedCancel) for m in fake.sent)  # the open input was kept

@@ -21,7 +21,13 @@ call's outputs of the sequence while attending to its earlier KV, so the input's
 ``sum(len_i * mean_i) / sum(len_i)`` over the chunks' pooled outputs ``mean_i`` (accumulated in
 float64), then normalised: the one-pass vector up to float noise of the batch shape (measured on
 the tiny model and on the default model, cosine 1 - 1e-6 or closer). At most one input is open
-at a time; while it is, ``embed`` and a new chunk 0 are refused (EBUSY), so nothing clears its KV.
+at a time; a new chunk 0 is refused (EBUSY) while it is.
+
+``embed`` runs beside an open input, so short inputs are not held up by a long one: their
+sequences are 1 .. ``max_inputs - 1`` (the open input keeps sequence 0 and its cells), each
+group's cells are removed after its call (``llama_memory_seq_rm``), and an input sees only its
+own sequence's KV, as without the open one. Only the cells the open input leaves are theirs:
+inputs that do not fit beside it are refused (EBUSY) until it finishes.
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ EMBED_INPUTS = 16
 class Embedder:
     """Mean-pooled, L2-normalised embeddings of ``model`` (module docstring). ``dim`` is the
     model's hidden size. ``embed`` raises EngineError(REJECT_BOUNDS) for an empty input or one
-    over ``max_tokens`` tokens or an id outside the vocabulary, EngineError(EBUSY) while a chunked
-    input is open, EngineError(ERR_FATAL) when llama.cpp cannot make the context or decode (which
-    also drops an open input). ``embed_chunk`` and ``embed_cancel``: the chunked input (module
+    over ``max_tokens`` tokens or an id outside the vocabulary, EngineError(EBUSY) for an input
+    that does not fit beside the chunked input open now, EngineError(ERR_FATAL) when llama.cpp
+    cannot make the context or decode (which also drops an open input). ``embed_chunk`` and ``embed_cancel``: the chunked input (module
     docstring), errors in their docstrings; every refusal changes nothing."""
 
     def __init__(self, model: LlamaModel, *, max_tokens: int, max_inputs: int, n_threads: int) -> None:
@@ -87,45 +93,70 @@ class Embedder:
     def embed(self, inputs: Sequence[np.ndarray]) -> np.ndarray:
         """The embeddings of ``inputs`` (token-id arrays) as an ``(len(inputs), dim)`` float32
         array, row i of input i (class docstring for the errors)."""
-        self._refuse_while_open("embed")
         for i, toks in enumerate(inputs):
             if toks.shape[0] == 0 or toks.shape[0] > self.max_tokens:
                 raise EngineError(
                     Status.REJECT_BOUNDS, f"input {i}: {toks.shape[0]} tokens (1 .. {self.max_tokens})"
                 )
             self._check_vocab(toks, f"input {i}")
+        held = 0 if self._input is None else self._input.tokens  # cells of the open input
+        room, first_seq = self.max_tokens - held, 0 if self._input is None else 1
+        longest = max(int(t.shape[0]) for t in inputs)
+        if longest > room:
+            assert self._input is not None
+            raise EngineError(
+                Status.EBUSY,
+                f"embed: an input of {longest} tokens does not fit beside chunked input "
+                f"{self._input.input_id} ({room} of {self.max_tokens} cells free)",
+            )
         ctx = self._open()
         out = np.empty((len(inputs), self.dim), np.float32)
         group: list[int] = []
         used = 0
         for i, toks in enumerate(inputs):
-            if group and (used + toks.shape[0] > self.max_tokens or len(group) == self.max_inputs):
-                self._decode(ctx, inputs, group, out)
+            if group and (used + toks.shape[0] > room or first_seq + len(group) == self.max_inputs):
+                self._decode(ctx, inputs, group, out, first_seq)
                 group, used = [], 0
             group.append(i)
             used += toks.shape[0]
         if group:
-            self._decode(ctx, inputs, group, out)
+            self._decode(ctx, inputs, group, out, first_seq)
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         np.divide(out, norms, out=out, where=norms > 0)
         return out
 
     def _decode(
-        self, ctx: L.llama_context_p, inputs: Sequence[np.ndarray], group: list[int], out: np.ndarray
+        self,
+        ctx: L.llama_context_p,
+        inputs: Sequence[np.ndarray],
+        group: list[int],
+        out: np.ndarray,
+        first_seq: int,
     ) -> None:
+        """Pool ``group``'s inputs in one call on sequences ``first_seq`` .. on: with 0 the memory
+        is cleared first; with 1 (an input is open on sequence 0) only those sequences' cells go,
+        after the call too, so the open input keeps its KV and the room for its next chunk."""
         batch = self._batch
         assert batch is not None
-        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        mem = L.llama_get_memory(ctx)
+        seqs = range(first_seq, first_seq + len(group))
+        if first_seq == 0:
+            L.llama_memory_clear(mem, True)
         batch.clear()
-        for seq, i in enumerate(group):
+        for seq, i in zip(seqs, group, strict=True):
             batch.add(inputs[i].astype(np.int32, copy=False), 0, seq, want_last=True)
         batch.logits[: batch.n] = 1  # every token an output: llama.cpp pools a sequence's outputs
         try:
             batch.decode(ctx, lambda start, end: None)
-        except BatchDecodeError as exc:
+            for seq, i in zip(seqs, group, strict=True):
+                out[i] = _pooled(ctx, seq, self.dim)
+        except (BatchDecodeError, EngineError) as exc:
+            self._input = None  # its KV may be gone with the failed call
             raise EngineError(Status.ERR_FATAL, f"embeddings: {exc}") from None
-        for seq, i in enumerate(group):
-            out[i] = _pooled(ctx, seq, self.dim)
+        finally:
+            if first_seq:
+                for seq in seqs:
+                    L.llama_memory_seq_rm(mem, seq, -1, -1)
 
     def embed_chunk(self, input_id: int, chunk: int, tokens: np.ndarray, last: bool) -> np.ndarray | None:
         """Chunk ``chunk`` (0, 1, ... in order) of the chunked input ``input_id`` (non-zero, the
