@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,7 +102,9 @@ def test_a_full_state_dir_exits_74_and_a_start_on_it_refuses_to_become_ready(mod
         d.track_children()
         d.assert_released()  # workers reaped, socket and runtime files removed
         conf = Path(tempfile.mkdtemp(prefix="brt-c-", dir="/tmp")) / "basertd.toml"
-        conf.write_text(d.config_path.read_text())
+        # the next start's runtime directory lives beside its config: the daemon's own goes with
+        # cleanup(), and a start on it would create it again and leave it behind
+        conf.write_text(d.config_path.read_text().replace(str(d.runtime_dir), str(conf.parent / "rt")))
         d.cleanup()
         # some space back, still under min_free_bytes: the next start refuses, saying why
         filler = state / "filler"
@@ -110,8 +113,8 @@ def test_a_full_state_dir_exits_74_and_a_start_on_it_refuses_to_become_ready(mod
         assert out.returncode == 1, out.stderr
         assert "cannot start" in out.stderr and "min_free_bytes" in out.stderr, out.stderr
         assert "daemon_ready" not in out.stderr
-        conf.unlink()
-        conf.parent.rmdir()
+        assert not d.base.exists()
+        shutil.rmtree(conf.parent)
 
 
 def test_a_read_only_state_dir_refuses_to_become_ready(tmp_path):
