@@ -20,7 +20,9 @@ default model (or ``--model``). Each round runs every scenario on one server, th
 4. **returning prompt**: agent 0's prompt of the burst sent again after the shared-prefix burst
    pushed other traffic through the KV pool; its TTFT.
 5. **footprint**: the servers' RSS (every process of the server: basertd's coordinator and worker)
-   after the rounds, and start-to-ready seconds (spawn to /health 200).
+   after the rounds, and start-to-ready seconds (spawn to /health 200): the median of ``--starts``
+   starts of each, alternating, the first being the one the rounds ran on (the others follow the
+   rounds, one server at a time).
 
 Targets (ratios to llama-server in the same run): agents' wall <= 0.9x, 1 stream >= 1.0x,
 8 streams >= 1.05x, returning TTFT <= 1.0x, RSS <= 1.0x, start <= 1.5x; absolute: interactive TTFT
@@ -30,7 +32,7 @@ Targets (ratios to llama-server in the same run): agents' wall <= 0.9x, 1 stream
 ``-ngl 99``; a CUDA build of each).
 
     .venv/bin/python bench/bench_vs_llama_server.py [--rounds 3] [--threads 2] [--only 1,8,burst,prefix]
-        [--device cpu|cuda] [--model PATH]
+        [--starts 1] [--device cpu|cuda] [--model PATH]
 """
 
 from __future__ import annotations
@@ -281,20 +283,27 @@ def main() -> int:
     p.add_argument("--delay", type=float, default=2.0)
     p.add_argument("--only", default="1,8,burst,prefix")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--starts", type=int, default=1, help="starts of each server whose median is 'ready'")
     a = p.parse_args()
     gpu = a.device == "cuda"
     a.only = set(a.only.split(","))
     model = a.model or str(default_model_path())
     a.tokens_per_word = tokens_per_word(model)
-    t0 = time.monotonic()
-    ours_d = BenchDaemon(
-        workers_toml(model=model, lanes=a.lanes, context_length=a.context, threads=a.threads,
-                     device="cuda:0" if gpu else None),
-        prefix="brt-vs-", http=True,
-    )  # fmt: skip
-    ours_ready = time.monotonic() - t0
-    theirs_s = LlamaServer(model, ctx=a.lanes * a.context, parallel=a.lanes, threads=a.threads,
+    workers = workers_toml(model=model, lanes=a.lanes, context_length=a.context, threads=a.threads,
+                           device="cuda:0" if gpu else None)  # fmt: skip
+
+    def start_ours() -> tuple[BenchDaemon, float]:
+        t0 = time.monotonic()
+        d = BenchDaemon(workers, prefix="brt-vs-", http=True)
+        return d, time.monotonic() - t0
+
+    def start_theirs() -> LlamaServer:
+        return LlamaServer(model, ctx=a.lanes * a.context, parallel=a.lanes, threads=a.threads,
                            extra=("-ngl", "99" if gpu else "0"))  # fmt: skip
+
+    ours_d, ours_ready = start_ours()
+    theirs_s = start_theirs()
+    readies = {"basertd": [ours_ready], "llama-server": [theirs_s.ready_s]}
     try:
         ours = Server("basertd", ours_d.url or "", lambda: [ours_d.proc.pid], True, ours_ready)
         theirs = Server("llama-server", theirs_s.url, lambda: theirs_s.pids, False, theirs_s.ready_s)
@@ -311,10 +320,22 @@ def main() -> int:
         }
         for srv in (ours, theirs):
             med[srv.name]["rss"] = rss_mib(srv.pids())
-            med[srv.name]["ready"] = srv.ready_s
     finally:
         ours_d.close()
         theirs_s.close()
+    for i in range(1, a.starts):
+        for name in ("basertd", "llama-server") if i % 2 else ("llama-server", "basertd"):
+            if name == "basertd":
+                d, ready = start_ours()
+                d.close()
+            else:
+                srv_l = start_theirs()
+                ready = srv_l.ready_s
+                srv_l.close()
+            readies[name].append(ready)
+            print(f"start {i + 1}/{a.starts}: {name} ready in {ready:.2f} s ({load()})", flush=True)
+    for name, rs in readies.items():
+        med[name]["ready"] = statistics.median(rs)
     print(f"\nmedians of {a.rounds} rounds; model {Path(model).name}, {a.lanes} lanes x {a.context}, "
           f"{a.threads} threads, {a.device}; {load()}")  # fmt: skip
     return 0 if table(med["basertd"], med["llama-server"]) else 1
