@@ -367,7 +367,8 @@ class Frontend:
             prompt = await self.encode(wid, gen.prompt)
         else:
             prompt = list(gen.prompt_tokens or [])
-            check_prompt_tokens(prompt, m.tokenizer.vocab_size, m.config.context_length)
+            # the dialects send their rendered prompts as tokens: name it for what it is to all
+            check_prompt_tokens(prompt, m.tokenizer.vocab_size, m.config.context_length, what="the prompt")
         self._admissible()  # the daemon may have begun draining while the prompt was tokenized
         if sink.closed:
             raise AdmissionError(ErrorCode.CANCELLED, "the client went away before its request was queued")

@@ -187,10 +187,8 @@ def check_prompt_tokens(
     """Refuse token ids outside ``[0, vocab_size)`` (INVALID_REQUEST) and lists longer than
     ``max_len`` (CONTEXT_LENGTH_EXCEEDED), naming ``param``."""
     if len(tokens) > max_len:
-        raise AdmissionError(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED, f"{what} holds {len(tokens)} tokens, over {max_len}", param
-        )
+        message = f"{what} holds {len(tokens)} tokens, over the limit ({max_len})"
+        raise AdmissionError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, param)
     if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
-        raise AdmissionError(
-            ErrorCode.INVALID_REQUEST, f"{what} hold ids outside the vocabulary (0..{vocab_size - 1})", param
-        )
+        message = f"{what}: token ids outside the vocabulary (0..{vocab_size - 1})"
+        raise AdmissionError(ErrorCode.INVALID_REQUEST, message, param)
