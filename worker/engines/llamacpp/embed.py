@@ -52,8 +52,9 @@ class Embedder:
     model's hidden size. ``embed`` raises EngineError(REJECT_BOUNDS) for an empty input or one
     over ``max_tokens`` tokens or an id outside the vocabulary, EngineError(EBUSY) for an input
     that does not fit beside the chunked input open now, EngineError(ERR_FATAL) when llama.cpp
-    cannot make the context or decode (which also drops an open input). ``embed_chunk`` and ``embed_cancel``: the chunked input (module
-    docstring), errors in their docstrings; every refusal changes nothing."""
+    cannot make the context or decode (which also drops an open input). ``embed_chunk`` and
+    ``embed_cancel``: the chunked input (module docstring), errors in their docstrings; every
+    refusal changes nothing."""
 
     def __init__(self, model: LlamaModel, *, max_tokens: int, max_inputs: int, n_threads: int) -> None:
         self.model = model
