@@ -6,18 +6,16 @@ coordinator-side tokenizer of its vocabulary (workers sharing a vocabulary share
 the questions the front end and the operator verbs ask about the workers: which worker serves a
 model and holds the longest cached prefix of a prompt (``route``), whether prompts start with
 BOS, which models are served, how loaded the workers are, and each worker's engine counters
-(``worker_stats``, a PONG). It owns no client and no request: DESIGN.md "Scheduling" and
+(``worker_stats``, a PONG); embeddings and prompt scores go through ``between_ticks``
+(``basertd.server.workers.between_ticks``). It owns no client and no request: DESIGN.md "Scheduling" and
 "Prefix cache policy" for what the schedulers do with what it routes to them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import structlog
@@ -25,7 +23,6 @@ import zmq
 
 from basertd.schema import client as api
 from basertd.schema import link
-from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
 from basertd.server.cache.policy import WorkerCache
 from basertd.server.cache.policy import route as route_by_prefix
@@ -39,7 +36,8 @@ from basertd.server.request.tokenizer import Tokenizer, TokenizerError, make_tok
 from basertd.server.sched.loop import Scheduler, WorkerLimits
 from basertd.server.states import SlotState
 from basertd.server.tasks import cancel_and_wait
-from basertd.server.workers.link_errors import LinkError, LinkTimeout, WorkerError
+from basertd.server.workers.between_ticks import BetweenTicks
+from basertd.server.workers.link_errors import LinkError
 from basertd.server.workers.process import SpawnedWorker, WorkerSpec
 from basertd.server.workers.slot import WorkerSlot
 from basertd.server.workers.specs import daemon_worker_spec, prefix_cache_usable
@@ -52,8 +50,6 @@ SCHEDULER_RECANCEL_S = 0.5
 WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
-EMBED_TIMEOUT_S = 120.0
-"""Seconds one EMBED or SCORE may take (it waits for the tick in flight, then runs between ticks)."""
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
 
 
@@ -147,10 +143,7 @@ class Fleet:
         self._tasks: dict[int, asyncio.Task] = {}
         self.changing = asyncio.Lock()  # one worker change (reload, restart) at a time
         self._bos: dict[int, bool] = {}
-        self._embed_locks: dict[int, asyncio.Lock] = {}  # one EMBED message (or EMBED_CANCEL) at a time
-        self._input_locks: dict[int, asyncio.Lock] = {}  # one chunked input open at a time
-        self._embed_open: dict[int, tuple[object, int]] = {}  # worker → (process, input id) maybe left open
-        self._embed_ids = itertools.count(1)
+        self.between_ticks = BetweenTicks(lambda worker_id: self.members[worker_id].slot.proc)
         self.kv_events: KvEventsHub | None = None
 
     # --- construction and lifecycle --------------------------------------------------------------
@@ -501,132 +494,16 @@ class Fleet:
         return stats
 
     async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray:
-        """The pooled embeddings of ``inputs`` (token-id lists) from worker ``worker_id`` (Link W
-        EMBED, served between its ticks) as an ``(len(inputs), dim)`` float32 array. Raises
-        ``AdmissionError``: WORKER_FAILED when the worker is not running or dies meanwhile,
-        INVALID_REQUEST when its engine serves no embeddings or refuses an input, TIMEOUT after
-        ``EMBED_TIMEOUT_S``.
-
-        It runs between the chunks of a long input open on the worker (``embed_chunked``), in
-        the cells that input leaves; when it does not fit there (the worker answers EBUSY) it
-        waits for that input to finish and is sent again."""
-        msg = link.Embed(
-            tokens=np.fromiter(itertools.chain.from_iterable(inputs), np.uint32),
-            lengths=np.array([len(x) for x in inputs], np.uint32),
-        )
-        while True:
-            async with self._embed_lock(worker_id):
-                beside = self._input_lock(worker_id).locked()  # a request has an input open
-                if not beside:
-                    await self._close_left_open(worker_id)  # none does: free a left one's cells
-                try:
-                    reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
-                    break
-                except _StateLost as exc:  # EBUSY: no room beside the chunked input open now
-                    if not beside:
-                        raise AdmissionError(
-                            ErrorCode.WORKER_FAILED, f"worker {worker_id} refused EMBED: {exc}"
-                        ) from None
-            async with self._input_lock(worker_id):  # until that input is done
-                pass
-        return reply.values.reshape(len(inputs), reply.dim)
+        """``BetweenTicks.embed`` on worker ``worker_id``."""
+        return await self.between_ticks.embed(worker_id, inputs)
 
     async def embed_chunked(self, worker_id: int, tokens: list[int], chunk_tokens: int) -> np.ndarray:
-        """The pooled embedding of one long input ``tokens`` from worker ``worker_id``, sent as
-        chunks of ``chunk_tokens`` tokens, one Link W EMBED each (``input_id`` set), so the
-        worker's ticks run between them; a ``(dim,)`` float32 unit vector equal to the one-pass
-        one up to float noise (``schema.link.Embed``). The worker holds one open input at a time
-        (another chunked input waits for it; packed ``embed`` calls run between its chunks); an
-        input left open by a cancelled or failed request is cancelled (EMBED_CANCEL) before the
-        next one opens or a packed ``embed`` runs. Raises ``AdmissionError`` as ``embed`` does,
-        and WORKER_FAILED when the worker restarted between two chunks (the new incarnation has
-        none of the input's state: the client may send the request again)."""
-        chunks = [tokens[i : i + chunk_tokens] for i in range(0, len(tokens), chunk_tokens)]
-        input_id = next(self._embed_ids)
-        async with self._input_lock(worker_id):
-            async with self._embed_lock(worker_id):
-                await self._close_left_open(worker_id)
-            proc = self.members[worker_id].slot.proc
-            self._embed_open[worker_id] = (proc, input_id)
-            reply: Any = None
-            for k, chunk in enumerate(chunks):
-                if self.members[worker_id].slot.proc is not proc:
-                    raise _lost(worker_id)
-                msg = link.Embed(
-                    tokens=np.array(chunk, np.uint32),
-                    lengths=np.array([len(chunk)], np.uint32),
-                    input_id=input_id,
-                    chunk=k,
-                    last=k == len(chunks) - 1,
-                )
-                try:
-                    async with self._embed_lock(worker_id):  # packed embeds go between chunks
-                        reply = await self._between_ticks(worker_id, msg, "serves no embeddings")
-                except _StateLost:
-                    raise _lost(worker_id) from None
-            del self._embed_open[worker_id]
-        return reply.values.reshape(reply.dim)
-
-    def _embed_lock(self, worker_id: int) -> asyncio.Lock:
-        """Held for one EMBED or EMBED_CANCEL exchange with worker ``worker_id``."""
-        lock = self._embed_locks.get(worker_id)
-        if lock is None:
-            lock = self._embed_locks[worker_id] = asyncio.Lock()
-        return lock
-
-    def _input_lock(self, worker_id: int) -> asyncio.Lock:
-        """Held by the ``embed_chunked`` call whose input is open on worker ``worker_id``."""
-        lock = self._input_locks.get(worker_id)
-        if lock is None:
-            lock = self._input_locks[worker_id] = asyncio.Lock()
-        return lock
-
-    async def _close_left_open(self, worker_id: int) -> None:
-        """EMBED_CANCEL the chunked input a cancelled or failed ``embed_chunked`` may have left
-        open on worker ``worker_id``'s current incarnation (under its embed lock); a worker that
-        has none of it (restarted, or the input never opened) answers ERR_UNKNOWN_HANDLE, which
-        is what was wanted."""
-        left = self._embed_open.pop(worker_id, None)
-        if left is None:
-            return
-        proc, input_id = left
-        if proc is not self.members[worker_id].slot.proc:
-            return
-        with contextlib.suppress(AdmissionError, _StateLost):
-            await self._between_ticks(worker_id, link.EmbedCancel(input_id=input_id), "serves no embeddings")
+        """``BetweenTicks.embed_chunked`` on worker ``worker_id``."""
+        return await self.between_ticks.embed_chunked(worker_id, tokens, chunk_tokens)
 
     async def score(self, worker_id: int, tokens: list[int], top_k: int) -> link.ScoreResult:
-        """Prompt log-probabilities of ``tokens`` from worker ``worker_id`` (Link W SCORE, between
-        its ticks): ``logprobs`` of tokens 1.. given the ones before, ``top_k`` alternatives each.
-        Raises ``AdmissionError`` as ``embed`` does."""
-        msg = link.Score(tokens=np.array(tokens, np.uint32), top_k=top_k)
-        return await self._between_ticks(worker_id, msg, "scores no prompts")
-
-    async def _between_ticks(self, worker_id: int, msg: object, unsupported: str) -> Any:
-        """The reply to ``msg``, a Link W request the worker serves between ticks (EMBED, SCORE),
-        within ``EMBED_TIMEOUT_S``; its failures as ``AdmissionError`` (``embed``), an engine
-        without the capability as "worker N's engine ``unsupported``"."""
-        proc = self.members[worker_id].slot.proc
-        if proc is None or not proc.link.alive:
-            raise AdmissionError(ErrorCode.WORKER_FAILED, f"worker {worker_id} is not running")
-        what = type(msg).__name__.upper()
-        try:
-            return await proc.link.request(msg, timeout=EMBED_TIMEOUT_S)
-        except WorkerError as exc:
-            if exc.status in (Status.ERR_UNKNOWN_HANDLE, Status.EBUSY):  # a chunked EMBED's state
-                raise _StateLost(exc.message) from None
-            if exc.status == Status.REJECT_BOUNDS:  # what is out of bounds, from the engine's checks
-                raise AdmissionError(ErrorCode.INVALID_REQUEST, exc.message) from None
-            why = unsupported if exc.status == Status.ERR_OP_UNSUPPORTED else f"failed {what}"
-            raise AdmissionError(ErrorCode.INVALID_REQUEST, f"worker {worker_id}'s engine {why}") from None
-        except LinkTimeout:
-            raise AdmissionError(
-                ErrorCode.TIMEOUT, f"worker {worker_id} did not answer {what} in time"
-            ) from None
-        except LinkError:
-            raise AdmissionError(
-                ErrorCode.WORKER_FAILED, f"worker {worker_id} failed during {what}"
-            ) from None
+        """``BetweenTicks.score`` on worker ``worker_id``."""
+        return await self.between_ticks.score(worker_id, tokens, top_k)
 
     def live_state(self, in_flight: int, draining: bool) -> LiveState:
         """Every worker's snapshot now with the model it serves (call on the event loop), and the
@@ -638,15 +515,3 @@ class Fleet:
             in_flight=in_flight,
             draining=draining,
         )
-
-
-class _StateLost(Exception):
-    """A chunked EMBED answered ERR_UNKNOWN_HANDLE or EBUSY: the worker has not got the input
-    open (a restarted incarnation), or has another one open."""
-
-
-def _lost(worker_id: int) -> AdmissionError:
-    return AdmissionError(
-        ErrorCode.WORKER_FAILED,
-        f"worker {worker_id} lost the state of a chunked embedding (it restarted); send the request again",
-    )

@@ -1,4 +1,4 @@
-"""``Fleet.embed_chunked``'s handling of a worker that loses a chunked input between two chunks
+"""``BetweenTicks.embed_chunked``'s handling of a worker that loses a chunked input between two chunks
 (a restart: the new incarnation answers ERR_UNKNOWN_HANDLE, or the slot holds another process)
 and of an input left open by a cancelled request. The worker side is a recording stand-in for
 ``WorkerLink.request``: a restart cannot be timed between two chunks of a real worker (the chunk
@@ -8,7 +8,6 @@ tests/llamacpp/test_llamacpp_embed_chunks.py)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,8 +16,8 @@ import pytest
 from basertd.schema import link
 from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
-from basertd.server.fleet import Fleet
 from basertd.server.request.record import AdmissionError
+from basertd.server.workers.between_ticks import BetweenTicks
 from basertd.server.workers.link_errors import WorkerError
 
 
@@ -64,17 +63,17 @@ class FakeLink:
         return link.EmbedResult(dim=2, values=np.array([0.6, 0.8], np.float32))
 
 
-def fleet_of(fake: FakeLink) -> Fleet:
-    fleet = Fleet.__new__(Fleet)
-    fleet.members = [SimpleNamespace(slot=SimpleNamespace(proc=SimpleNamespace(link=fake)))]
-    fleet._embed_locks, fleet._input_locks, fleet._embed_open = {}, {}, {}
-    fleet._embed_ids = itertools.count(1)
-    return fleet
+def between_of(fake: FakeLink) -> BetweenTicks:
+    """Worker 0's exchanges, its process in ``procs[0]`` (a test replaces it: a respawn)."""
+    procs = [SimpleNamespace(link=fake)]
+    between = BetweenTicks(lambda worker_id: procs[worker_id])
+    between.procs = procs
+    return between
 
 
 def test_chunks_go_in_order_and_the_last_returns_the_vector():
     fake = FakeLink()
-    vec = asyncio.run(fleet_of(fake).embed_chunked(0, list(range(3, 303)), 128))
+    vec = asyncio.run(between_of(fake).embed_chunked(0, list(range(3, 303)), 128))
     assert vec.tolist() == pytest.approx([0.6, 0.8])
     assert [(m.chunk, m.last, len(m.tokens)) for m in fake.sent] == [
         (0, False, 128),
@@ -87,38 +86,38 @@ def test_chunks_go_in_order_and_the_last_returns_the_vector():
 def test_a_worker_that_lost_the_input_ends_the_request_with_worker_failed():
     fake = FakeLink(forget_after=1)  # restarted after chunk 0
     with pytest.raises(AdmissionError) as err:
-        asyncio.run(fleet_of(fake).embed_chunked(0, list(range(3, 303)), 128))
+        asyncio.run(between_of(fake).embed_chunked(0, list(range(3, 303)), 128))
     assert err.value.code == ErrorCode.WORKER_FAILED and "lost the state" in str(err.value)
 
 
 def test_a_new_process_between_chunks_ends_the_request_with_worker_failed():
     fake = FakeLink()
-    fleet = fleet_of(fake)
+    between = between_of(fake)
 
     async def restart_after_chunk_0(msg, timeout, request=fake.request):
         reply = await request(msg, timeout)
-        fleet.members[0].slot.proc = SimpleNamespace(link=FakeLink())  # the slot respawned it
+        between.procs[0] = SimpleNamespace(link=FakeLink())  # the slot respawned it
         return reply
 
     fake.request = restart_after_chunk_0
     with pytest.raises(AdmissionError) as err:
-        asyncio.run(fleet.embed_chunked(0, list(range(3, 303)), 128))
+        asyncio.run(between.embed_chunked(0, list(range(3, 303)), 128))
     assert err.value.code == ErrorCode.WORKER_FAILED and len(fake.sent) == 1
 
 
 def test_an_input_left_open_by_a_cancelled_request_is_cancelled_before_the_next_embed():
     fake = FakeLink(hang_at=1)
-    fleet = fleet_of(fake)
+    between = between_of(fake)
 
     async def run():
-        task = asyncio.create_task(fleet.embed_chunked(0, list(range(3, 303)), 128))
+        task = asyncio.create_task(between.embed_chunked(0, list(range(3, 303)), 128))
         while len(fake.sent) < 2:
             await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         fake.hang_at = -1
-        return await fleet.embed(0, [[5, 6]])
+        return await between.embed(0, [[5, 6]])
 
     asyncio.run(run())
     left = fake.sent[0].input_id
@@ -133,13 +132,13 @@ def test_a_packed_embed_goes_between_the_chunks_or_waits_for_the_input(room):
     beside the input (EBUSY) it is sent again once the input is done."""
     fake = FakeLink(room_beside=room)
     fake.gate = asyncio.Event()
-    fleet = fleet_of(fake)
+    between = between_of(fake)
 
     async def run():
-        long = asyncio.create_task(fleet.embed_chunked(0, list(range(3, 303)), 128))
+        long = asyncio.create_task(between.embed_chunked(0, list(range(3, 303)), 128))
         while not fake.sent:
             await asyncio.sleep(0.001)
-        short = asyncio.create_task(fleet.embed(0, [[5, 6], [7]]))
+        short = asyncio.create_task(between.embed(0, [[5, 6], [7]]))
         await asyncio.sleep(0.01)  # the packed EMBED now waits for chunk 0's exchange
         fake.gate.set()
         return await long, await short

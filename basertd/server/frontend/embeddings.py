@@ -72,7 +72,7 @@ async def embed(
     an empty input, ids outside the vocabulary, an engine without embeddings),
     CONTEXT_LENGTH_EXCEEDED (an input over the context length, unless ``truncate``: then only its
     first context-length tokens are embedded), WORKER_FAILED (also: the worker restarted in the
-    middle of a long input), TIMEOUT (one part or chunk took over ``fleet.EMBED_TIMEOUT_S``)."""
+    middle of a long input), TIMEOUT (one part or chunk took over ``between_ticks.EMBED_TIMEOUT_S``)."""
     if not inputs:
         raise AdmissionError(
             ErrorCode.INVALID_REQUEST, "input must hold at least one text or token list", "input"
