@@ -176,7 +176,7 @@ class StatusResult(_Msg, tag="status_result"):
     lanes_busy: int = 0
     lanes_max: int = 0
     queued: int = 0
-    requests_total: int = 0
+    requests_total: int = 0  # generations accepted and embedding requests answered since the start
     problems: list[str] = msgspec.field(default_factory=list)
     speculation: list[SpeculationRow] = msgspec.field(default_factory=list)
 

@@ -151,3 +151,13 @@ def test_a_generation_runs_on_while_its_worker_embeds(daemon, client):
     rest = list(it)
     assert rest[-1].choices[0].finish_reason == "length"
     assert base64  # the base64 path is what the openai package used above
+
+
+def test_status_counts_an_answered_embedding_request_once(daemon, client):
+    """``basertctl status``'s requests: one per embeddings request answered (however many
+    inputs and parts it took), none for a refused one."""
+    before = daemon.status().requests_total
+    client.embeddings.create(model=daemon.llama_model, input=TEXTS)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=daemon.llama_model, input="")
+    assert daemon.status().requests_total == before + 1

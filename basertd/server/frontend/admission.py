@@ -106,7 +106,7 @@ class Frontend:
         self._state = state
         self._pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
         self._pending = 0
-        self.requests_total = 0
+        self.requests_total = 0  # generations accepted and embedding requests answered
         cc = fleet.config.compile
         self.specs = SpecCompiler(
             metrics,
@@ -212,7 +212,7 @@ class Frontend:
         """Pooled embeddings of ``inputs`` (``frontend.embeddings.embed``: its errors, and
         SHUTTING_DOWN / DRAINING as for a generation)."""
         self._admissible()
-        return await embeddings.embed(
+        out = await embeddings.embed(
             self.fleet,
             lambda wid, text: self.encode(wid, text),
             lambda wid: self.fleet[wid].tokenizer.vocab_size,
@@ -221,6 +221,8 @@ class Frontend:
             inputs,
             truncate=truncate,
         )
+        self.requests_total += 1
+        return out
 
     def pieces(self, model: str, tokens: list[int]) -> list[bytes]:
         """The bytes of each of ``tokens`` in ``model``'s vocabulary (ids already checked)."""
