@@ -2,11 +2,12 @@
 
 One ``Overview`` control request per refresh (``basertd.schema.control.OverviewResult``, built by
 ``basertd.server.observe.overview``), drawn with rich's ``Live`` display: the daemon summary, one
-row per worker (state, lanes busy/total, queue, KV and pool use, tokens, preemptions, crash
-resumes), every live lane (request, class, phase, tokens, age), the queue per QoS class, tokens/s
-in and out, TTFT and inter-token latency p50/p95 over the last minute, the prefix-cache hit ratio
-and the WAL fsync time. ``q`` quits (the terminal is put in cbreak mode while it runs and restored
-on every exit path); ``--once`` prints one frame without the live display (for scripts and pipes).
+row per worker (state, lanes busy/total, queue, KV and pool use) and its counters since start
+(ticks, tokens, preemptions, crash resumes, respawns), every live lane (request, class, phase,
+tokens, age), the queue per QoS class, tokens/s in and out, TTFT and inter-token latency p50/p95
+over the last minute, the prefix-cache hit ratio and the WAL fsync time. ``q`` quits (the terminal
+is put in cbreak mode while it runs and restored on every exit path); ``--once`` prints one frame
+without the live display (for scripts and pipes).
 
 ``render(result)`` is pure (an ``OverviewResult`` in, a rich renderable out); ``run`` does the
 I/O. Errors from the daemon surface as ``basertd.client.ClientError`` (the caller maps them to
@@ -24,6 +25,7 @@ import time
 import tty
 from collections.abc import Callable, Iterator
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -51,6 +53,41 @@ def _latency(name: str, q: control.Quantiles) -> str:
     return f"{name} p50 {_ms(q.p50_s)} p95 {_ms(q.p95_s)} (n={q.count})"
 
 
+def _count(n: int) -> str:
+    """``n`` in at most 6 characters: 999999, then 1.23M, 12.3M, 123M, 1.23G."""
+    if n < 1_000_000:
+        return str(n)
+    for unit, scale in (("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        if n < scale * 1000 or unit == "T":
+            v = n / scale
+            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
+    raise AssertionError("unreachable")
+
+
+def _table(title: str, columns: tuple[str, ...], left: int) -> Table:
+    """A borderless table (a rule under the header, one space between columns: 100 terminal
+    columns hold a lane's whole 32-character request id) whose first ``left`` columns are
+    left-justified and the rest, numbers, right-justified; no cell wraps (a worker's model, the
+    one free-text column, is cut with an ellipsis when the terminal is narrow)."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=0,
+        pad_edge=False,
+        expand=False,
+    )
+    for i, col in enumerate(columns):
+        table.add_column(
+            col,
+            justify="left" if i < left else "right",
+            no_wrap=col != "model",
+            min_width=32 if col == "request" else None,  # an id to copy whole
+        )
+    return table
+
+
 def render(o: control.OverviewResult) -> RenderableType:
     """One frame of ``top`` for the overview ``o`` (module docstring)."""
     busy = sum(w.lanes_busy for w in o.workers)
@@ -75,11 +112,12 @@ def render(o: control.OverviewResult) -> RenderableType:
         "queue  "
         + "  ".join(f"{q.qos} {q.depth}" + (f" ({q.oldest_wait_s:.1f}s)" if q.depth else "") for q in o.queue)
     )
-    workers = Table(title="workers", title_justify="left", expand=False, pad_edge=False)
-    for col in ("worker", "model", "state", "pid", "lanes", "queued", "KV", "pool", "ticks"):
-        workers.add_column(col)
-    for col in ("prefilled", "decoded", "preempt", "crash res", "respawns"):
-        workers.add_column(col, justify="right")
+    workers = _table("workers", ("worker", "model", "state", "pid", "lanes", "queued", "KV", "pool"), 4)
+    counters = _table(
+        "since start",
+        ("worker", "ticks", "prefilled", "decoded", "preempted", "crash resumes", "respawns"),
+        1,
+    )
     for w in o.workers:
         kv = _pct(w.kv_reserved_tokens / w.kv_capacity_tokens) if w.kv_capacity_tokens else "-"
         pool = f"{w.pool_blocks_used}/{w.pool_blocks_total}" if w.pool_blocks_total else "-"
@@ -92,18 +130,24 @@ def render(o: control.OverviewResult) -> RenderableType:
             str(w.queue_depth),
             kv,
             pool,
-            str(w.ticks_run),
-            str(w.prefill_tokens),
-            str(w.decode_tokens),
-            str(w.preemptions),
-            str(w.crash_resumes),
-            str(w.respawns),
         )
-    lanes = Table(title="lanes", title_justify="left", expand=False, pad_edge=False)
-    for col in ("worker", "lane", "request", "class", "phase"):
-        lanes.add_column(col)
-    for col in ("prompt", "generated", "cached", "age"):
-        lanes.add_column(col, justify="right")
+        counters.add_row(
+            str(w.worker_id),
+            *(
+                _count(n)
+                for n in (
+                    w.ticks_run,
+                    w.prefill_tokens,
+                    w.decode_tokens,
+                    w.preemptions,
+                    w.crash_resumes,
+                    w.respawns,
+                )
+            ),
+        )
+    lanes = _table(
+        "lanes", ("worker", "lane", "request", "class", "phase", "prompt", "generated", "cached", "age"), 5
+    )
     for lane in o.lanes[:LANE_ROWS]:
         lanes.add_row(
             str(lane.worker_id),
@@ -116,7 +160,8 @@ def render(o: control.OverviewResult) -> RenderableType:
             str(lane.cached_tokens),
             f"{lane.age_s:.1f}s",
         )
-    parts: list[RenderableType] = [head, rates, cache, queue, workers, lanes]
+    gap = Text("")
+    parts: list[RenderableType] = [head, rates, cache, queue, gap, workers, gap, counters, gap, lanes]
     if len(o.lanes) > LANE_ROWS:
         parts.append(Text(f"... and {len(o.lanes) - LANE_ROWS} more lanes"))
     if not o.lanes:

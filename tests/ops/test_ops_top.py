@@ -90,7 +90,7 @@ def test_top_shows_the_lanes_of_a_running_request_and_q_quits(daemon):
         try:
             # a frame with the lane: worker 0, the request id, its class and phase
             wait_until(
-                lambda: re.search(r"top-lane\s*│\s*interactive\s*│\s*decode", top.pump()),
+                lambda: re.search(r"top-lane\s+interactive\s+decode", top.pump()),
                 timeout=60,
                 what="a frame listing the lane of top-lane",
             )
@@ -123,7 +123,7 @@ def test_top_once_prints_one_frame_and_json_one_document(daemon):
         r = daemon.ctl("top", "--once", timeout=60)
         assert r.returncode == 0, r.stderr
         assert time.monotonic() - t0 < 30  # one frame, not a live loop
-        assert re.search(r"top-once\s*│\s*batch\s*│\s*(prefill|decode)", r.stdout), r.stdout
+        assert re.search(r"top-once\s+batch\s+(prefill|decode)", r.stdout), r.stdout
         assert "\x1b[" not in r.stdout  # a pipe gets plain text
         r = daemon.ctl("--json", "top", timeout=60)
         assert r.returncode == 0, r.stderr
@@ -151,3 +151,46 @@ def test_top_against_no_daemon_is_one_line_and_exit_3(tmp_path):
         timeout=60,
     )
     assert r.returncode == 3 and r.stderr.count("\n") == 1 and "not running" in r.stderr, r
+
+
+def test_a_frame_at_100_columns_keeps_every_number_and_request_id_whole():
+    """``render`` drawn at 100 terminal columns (the width of a split pane): a lane's 32-character
+    request id, a worker's pid and counters and every header come out whole, nothing cut with an
+    ellipsis; counters past six digits are shortened to three figures."""
+    from rich.console import Console
+
+    from basertd.ctl_top import render
+
+    worker = control.OverviewWorker(
+        worker_id=0, model="gemma-3-270m-q4_k_m", engine="llamacpp", state="ready", pid=4187321,
+        lanes_busy=3, lanes_max=16, queue_depth=2, kv_reserved_tokens=5000, kv_capacity_tokens=32768,
+        pool_blocks_used=310, pool_blocks_total=2048, ticks_run=902331, prefill_tokens=12_345_678,
+        decode_tokens=2_345_678, preemptions=12, crash_resumes=1, respawns=3,
+    )  # fmt: skip
+    ids = [f"{i:x}" * 32 for i in range(10, 13)]
+    lanes = [
+        control.LaneRow(
+            worker_id=0,
+            lane_tag=1000 + i,
+            request_id=rid,
+            qos="interactive",
+            state="prefill",
+            prompt_tokens=17400,
+            generated_tokens=1000,
+            cached_tokens=10240,
+            age_s=123.4,
+        )
+        for i, rid in enumerate(ids)
+    ]
+    overview = control.OverviewResult(version="0.1.0", state="ready", workers=[worker, worker], lanes=lanes)
+    console = Console(width=100, force_terminal=False, record=True)
+    console.print(render(overview))
+    text = console.export_text()
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    for rid in ids:
+        assert re.search(rf"\b{rid}\s+interactive\s+prefill\s+17400\s+1000\s+10240\s+123\.4s", text), text
+    assert re.search(r"gemma-3-270m-q4_k_m\s+ready\s+4187321\s+3/16\s+2\s+15%\s+310/2048", text), text
+    assert re.search(r"\b0\s+902331\s+12\.3M\s+2\.35M\s+12\s+1\s+3\n", text), text
+    for header in ("prefilled", "decoded", "preempted", "crash resumes", "respawns", "generated", "cached"):
+        assert header in text
