@@ -51,6 +51,8 @@ WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
+RESPAWN_WAIT_S = 120.0
+"""Seconds an embedding or scoring request waits for its dead worker's next incarnation."""
 
 
 class CapabilityGatedCache(WorkerCache):
@@ -143,7 +145,11 @@ class Fleet:
         self._tasks: dict[int, asyncio.Task] = {}
         self.changing = asyncio.Lock()  # one worker change (reload, restart) at a time
         self._bos: dict[int, bool] = {}
-        self.between_ticks = BetweenTicks(lambda worker_id: self.members[worker_id].slot.proc)
+        self.between_ticks = BetweenTicks(
+            lambda worker_id: self.members[worker_id].slot.proc,
+            lambda worker_id: self.members[worker_id].slot.live(RESPAWN_WAIT_S),
+            lambda: self.config.scheduler.max_crash_resumes,  # a reload replaces the config
+        )
         self.kv_events: KvEventsHub | None = None
 
     # --- construction and lifecycle --------------------------------------------------------------

@@ -1,10 +1,13 @@
 """A long embedding input over HTTP goes to the worker in chunks of ``EMBED_PART_TOKENS``
-(``Fleet.embed_chunked``, Link W EMBED with ``input_id``), on a llama.cpp worker serving the tiny
-GGUF with a 2,048-token context: its vector equals llama-cpp-python's one-pass embedding, and a
-generation stream on the same worker gets tokens between the chunks."""
+(``BetweenTicks.embed_chunked``, Link W EMBED with ``input_id``), on a llama.cpp worker serving the tiny
+GGUF with a 2,048-token context: its vector equals llama-cpp-python's one-pass embedding, a
+generation stream on the same worker gets tokens between the chunks, short inputs go between them,
+and a worker killed in the middle of one is a preemption (the request is answered all the same)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import httpx
@@ -139,3 +142,32 @@ def test_short_inputs_are_served_between_the_chunks_of_a_long_one(daemon, client
     assert all(np.allclose(s, alone, atol=1e-5) for s in shorts)  # beside the open input: the same
     again = client.embeddings.create(model=daemon.model, input=[ids]).data[0].embedding
     assert np.allclose(out["long"], again, atol=1e-6)  # and the long input was not disturbed
+
+
+def test_a_worker_killed_during_a_long_input_is_a_preemption(daemon, client):
+    """SIGKILL the worker while a long input is between its chunks (a short request answered
+    while it is in flight says it is open): the request is still answered, by the respawned
+    worker, with the vector the input has without a kill (``BetweenTicks``: sent again whole)."""
+    ids = [int(t) for t in np.random.default_rng(2).integers(3, 290, CTX)]
+    want = np.array(client.embeddings.create(model=daemon.model, input=[ids]).data[0].embedding)
+    pid = daemon.workers()[0].pid
+    out: dict = {}
+    done = threading.Event()
+
+    def long() -> None:
+        try:
+            out["long"] = client.embeddings.create(model=daemon.model, input=[ids]).data[0].embedding
+        except Exception as exc:
+            out["error"] = exc
+        done.set()
+
+    t = threading.Thread(target=long, daemon=True)
+    t.start()
+    client.embeddings.create(model=daemon.model, input="hello")  # goes between two of its chunks
+    assert not done.is_set(), "the long input ended before a short one came back"
+    os.kill(pid, signal.SIGKILL)
+    t.join(120)
+    assert "error" not in out, out
+    assert np.allclose(out["long"], want, atol=1e-6)
+    assert daemon.workers()[0].pid != pid
+    assert any(e["event"] == "between_ticks_resent" for e in daemon.log_events())

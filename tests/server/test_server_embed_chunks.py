@@ -1,8 +1,10 @@
-"""``BetweenTicks.embed_chunked``'s handling of a worker that loses a chunked input between two chunks
-(a restart: the new incarnation answers ERR_UNKNOWN_HANDLE, or the slot holds another process)
-and of an input left open by a cancelled request. The worker side is a recording stand-in for
-``WorkerLink.request``: a restart cannot be timed between two chunks of a real worker (the chunk
-protocol itself runs on real workers in tests/http/test_http_embeddings_chunks.py and
+"""``BetweenTicks``: a worker that loses a chunked input between two chunks (a restart: the slot
+holds another process, which gets the input again from its first chunk; the same process answering
+ERR_UNKNOWN_HANDLE ends the request), a worker dying during an exchange (sent again to the next
+incarnation, up to the bound), an input left open by a cancelled request, and packed embeddings
+between a long input's chunks. The worker side is a recording stand-in for ``WorkerLink.request``:
+a restart cannot be timed between two chunks of a real worker (the chunk protocol and a worker
+killed during a long input run on real workers in tests/http/test_http_embeddings_chunks.py and
 tests/llamacpp/test_llamacpp_embed_chunks.py)."""
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from basertd.schema.abi import Status
 from basertd.schema.client import ErrorCode
 from basertd.server.request.record import AdmissionError
 from basertd.server.workers.between_ticks import BetweenTicks
-from basertd.server.workers.link_errors import WorkerError
+from basertd.server.workers.link_errors import LinkError, WorkerError
+
+MAX_CRASH_RESUMES = 3
 
 
 class FakeLink:
@@ -34,9 +38,13 @@ class FakeLink:
         self.room_beside = room_beside
         self.gate: asyncio.Event | None = None
         self.open = 0
+        self.die_at = 0  # the link fails on this message (1-based), the process gone
 
     async def request(self, msg, timeout):
         self.sent.append(msg)
+        if self.die_at == len(self.sent):
+            self.alive = False
+            raise LinkError("the worker died")
         if isinstance(msg, link.Embed) and msg.input_id == 0:
             if self.open and not self.room_beside:
                 raise WorkerError(Status.EBUSY, f"no room beside input {self.open}")
@@ -64,10 +72,20 @@ class FakeLink:
 
 
 def between_of(fake: FakeLink) -> BetweenTicks:
-    """Worker 0's exchanges, its process in ``procs[0]`` (a test replaces it: a respawn)."""
+    """Worker 0's exchanges, its process in ``procs[0]`` (a test replaces it: a respawn; a
+    respawn waited for takes ``respawns``' next link)."""
     procs = [SimpleNamespace(link=fake)]
-    between = BetweenTicks(lambda worker_id: procs[worker_id])
-    between.procs = procs
+    respawns: list[FakeLink] = []
+
+    async def respawned(worker_id):
+        if procs[worker_id] is None or not procs[worker_id].link.alive:
+            if not respawns:
+                return None
+            procs[worker_id] = SimpleNamespace(link=respawns.pop(0))
+        return procs[worker_id]
+
+    between = BetweenTicks(lambda worker_id: procs[worker_id], respawned, lambda: MAX_CRASH_RESUMES)
+    between.procs, between.respawns = procs, respawns
     return between
 
 
@@ -90,19 +108,47 @@ def test_a_worker_that_lost_the_input_ends_the_request_with_worker_failed():
     assert err.value.code == ErrorCode.WORKER_FAILED and "lost the state" in str(err.value)
 
 
-def test_a_new_process_between_chunks_ends_the_request_with_worker_failed():
-    fake = FakeLink()
+def test_a_new_process_between_chunks_gets_the_input_again_from_its_first_chunk():
+    """A crash is a preemption: the respawned worker is sent the whole input again and the
+    request is answered."""
+    fake, fresh = FakeLink(), FakeLink()
     between = between_of(fake)
 
     async def restart_after_chunk_0(msg, timeout, request=fake.request):
         reply = await request(msg, timeout)
-        between.procs[0] = SimpleNamespace(link=FakeLink())  # the slot respawned it
+        between.procs[0] = SimpleNamespace(link=fresh)  # the slot respawned it
         return reply
 
     fake.request = restart_after_chunk_0
+    vec = asyncio.run(between.embed_chunked(0, list(range(3, 303)), 128))
+    assert vec.tolist() == pytest.approx([0.6, 0.8])
+    assert len(fake.sent) == 1 and [(m.chunk, m.last) for m in fresh.sent] == [
+        (0, False),
+        (1, False),
+        (2, True),
+    ]
+    assert fresh.sent[0].input_id != fake.sent[0].input_id and fresh.open == 0
+
+
+def test_a_worker_restarting_on_every_pass_ends_the_request_with_worker_failed():
+    between = between_of(FakeLink())
+    incarnations: list[FakeLink] = []
+
+    def respawning(link: FakeLink) -> FakeLink:
+        async def restart_after_chunk_0(msg, timeout, request=link.request):
+            reply = await request(msg, timeout)
+            incarnations.append(new := respawning(FakeLink()))
+            between.procs[0] = SimpleNamespace(link=new)
+            return reply
+
+        link.request = restart_after_chunk_0
+        return link
+
+    between.procs[0].link = respawning(between.procs[0].link)
     with pytest.raises(AdmissionError) as err:
         asyncio.run(between.embed_chunked(0, list(range(3, 303)), 128))
-    assert err.value.code == ErrorCode.WORKER_FAILED and len(fake.sent) == 1
+    assert err.value.code == ErrorCode.WORKER_FAILED and "lost the state" in str(err.value)
+    assert len(incarnations) == MAX_CRASH_RESUMES  # each pass got one chunk in before its restart
 
 
 def test_an_input_left_open_by_a_cancelled_request_is_cancelled_before_the_next_embed():
@@ -148,3 +194,45 @@ def test_a_packed_embed_goes_between_the_chunks_or_waits_for_the_input(room):
     order = [("packed" if m.input_id == 0 else m.chunk) for m in fake.sent]
     assert order == ([0, "packed", 1, 2] if room else [0, "packed", 1, 2, "packed"])
     assert not any(isinstance(m, link.EmbedCancel) for m in fake.sent)  # the open input was kept
+
+
+def test_a_worker_dying_during_a_chunk_gets_the_input_again_once_it_respawned():
+    fake, fresh = FakeLink(), FakeLink()
+    fake.die_at = 2  # chunk 1
+    between = between_of(fake)
+    between.respawns.append(fresh)
+    vec = asyncio.run(between.embed_chunked(0, list(range(3, 303)), 128))
+    assert vec.tolist() == pytest.approx([0.6, 0.8])
+    assert [m.chunk for m in fake.sent] == [0, 1] and [m.chunk for m in fresh.sent] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("deaths", [MAX_CRASH_RESUMES - 1, MAX_CRASH_RESUMES])
+def test_a_packed_embed_survives_its_worker_dying_up_to_the_bound(deaths):
+    """``deaths`` incarnations die on their first message; the request is answered by the
+    first that lives, or fails WORKER_FAILED at its ``max_crash_resumes``-th death."""
+    dying = [FakeLink() for _ in range(deaths)]
+    for link_ in dying:
+        link_.die_at = 1
+    between = between_of(dying[0])
+    between.respawns.extend([*dying[1:], FakeLink()])
+
+    async def run():
+        return await between.embed(0, [[5, 6]])
+
+    if deaths < MAX_CRASH_RESUMES:
+        assert asyncio.run(run()).shape == (1, 2)
+        assert between.procs[0].link.sent and not between.respawns
+    else:
+        with pytest.raises(AdmissionError) as err:
+            asyncio.run(run())
+        assert err.value.code == ErrorCode.WORKER_FAILED and "failed during EMBED" in str(err.value)
+        assert len(between.respawns) == 1  # the living one was never reached
+
+
+def test_no_incarnation_coming_fails_the_request_at_once():
+    fake = FakeLink()
+    fake.die_at = 1
+    between = between_of(fake)  # no respawn: the slot gave up
+    with pytest.raises(AdmissionError) as err:
+        asyncio.run(between.embed(0, [[5, 6]]))
+    assert err.value.code == ErrorCode.WORKER_FAILED and len(fake.sent) == 1

@@ -1,10 +1,17 @@
 """Requests a worker serves between its ticks: embeddings (Link W EMBED, packed or one long
 input in chunks, and EMBED_CANCEL) and prompt scoring (SCORE).
 
-``BetweenTicks(proc_of)``: ``proc_of(worker_id)`` is that worker's current process (a
-``WorkerProcess``, or None while it is not running); the fleet passes its slots' view. Every
-failure reaches the caller as an ``AdmissionError`` (``embed``), so the front end refuses the one
-request it belongs to and nothing else.
+``BetweenTicks(proc_of, respawned, max_crash_resumes)``: ``proc_of(worker_id)`` is that worker's current
+process (a ``WorkerProcess``, or None while it is not running) and ``respawned(worker_id)`` waits
+for its next live one (falsy when none comes: ``WorkerSlot.live``); the fleet passes its slots', and
+``max_crash_resumes()`` the configured bound. Every failure reaches the caller as an ``AdmissionError``
+(``embed``), so the front end refuses the one request it belongs to and nothing else.
+
+A worker that dies or restarts during an exchange is a preemption, as for a generation (DESIGN.md,
+"Crash = preemption"): the request is sent again, whole, to the next incarnation (a long input
+from its first chunk: the new process has none of its cells); it fails at its
+``[scheduler] max_crash_resumes``-th death, as a generation does, so an input that kills its
+worker cannot crash-loop it.
 
 A long input is sent as chunks so the worker's ticks run between them; the worker keeps one such
 input open at a time (its KV cells stay between chunks, DESIGN.md "Client API"). Two locks per
@@ -20,10 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import structlog
 
 from basertd.schema import link
 from basertd.schema.abi import Status
@@ -34,12 +42,21 @@ from basertd.server.workers.link_errors import LinkError, LinkTimeout, WorkerErr
 EMBED_TIMEOUT_S = 120.0
 """Seconds one EMBED or SCORE may take (it waits for the tick in flight, then runs between ticks)."""
 
+log = structlog.get_logger("basertd.between_ticks")
+
 
 class BetweenTicks:
     """EMBED, EMBED_CANCEL and SCORE exchanges with the workers (module docstring)."""
 
-    def __init__(self, proc_of: Callable[[int], Any]) -> None:
+    def __init__(
+        self,
+        proc_of: Callable[[int], Any],
+        respawned: Callable[[int], Awaitable[object]],
+        max_crash_resumes: Callable[[], int] = lambda: 2,
+    ) -> None:
         self._proc_of = proc_of
+        self._respawned = respawned
+        self.max_crash_resumes = max_crash_resumes
         self._embed_locks: dict[int, asyncio.Lock] = {}
         self._input_locks: dict[int, asyncio.Lock] = {}
         self._embed_open: dict[int, tuple[object, int]] = {}  # worker → (process, input id) maybe left open
@@ -48,8 +65,9 @@ class BetweenTicks:
     async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray:
         """The pooled embeddings of ``inputs`` (token-id lists) from worker ``worker_id`` as an
         ``(len(inputs), dim)`` float32 array. Raises ``AdmissionError``: WORKER_FAILED when the
-        worker is not running or dies meanwhile, INVALID_REQUEST when its engine serves no
-        embeddings or refuses an input, TIMEOUT after ``EMBED_TIMEOUT_S``.
+        worker is not running and none respawns, or it died ``max_crash_resumes`` times during
+        the request; INVALID_REQUEST when its engine serves no embeddings or refuses an input, TIMEOUT
+        after ``EMBED_TIMEOUT_S``.
 
         It runs between the chunks of a long input open on the worker (``embed_chunked``), in
         the cells that input leaves; when it does not fit there (the worker answers EBUSY) it
@@ -58,21 +76,24 @@ class BetweenTicks:
             tokens=np.fromiter(itertools.chain.from_iterable(inputs), np.uint32),
             lengths=np.array([len(x) for x in inputs], np.uint32),
         )
-        while True:
-            async with self._embed_lock(worker_id):
-                beside = self._input_lock(worker_id).locked()  # a request has an input open
-                if not beside:
-                    await self._close_left_open(worker_id)  # none does: free a left one's cells
-                try:
-                    reply = await self._request(worker_id, msg, "serves no embeddings")
-                    break
-                except _StateLost as exc:  # EBUSY: no room beside the chunked input open now
+
+        async def attempt() -> Any:
+            while True:
+                async with self._embed_lock(worker_id):
+                    beside = self._input_lock(worker_id).locked()  # a request has an input open
                     if not beside:
-                        raise AdmissionError(
-                            ErrorCode.WORKER_FAILED, f"worker {worker_id} refused EMBED: {exc}"
-                        ) from None
-            async with self._input_lock(worker_id):  # until that input is done
-                pass
+                        await self._close_left_open(worker_id)  # none does: free a left one's cells
+                    try:
+                        return await self._request(worker_id, msg, "serves no embeddings")
+                    except _StateLost as exc:  # EBUSY: no room beside the chunked input open now
+                        if not beside:
+                            raise AdmissionError(
+                                ErrorCode.WORKER_FAILED, f"worker {worker_id} refused EMBED: {exc}"
+                            ) from None
+                async with self._input_lock(worker_id):  # until that input is done
+                    pass
+
+        reply = await self._surviving(worker_id, attempt)
         return reply.values.reshape(len(inputs), reply.dim)
 
     async def embed_chunked(self, worker_id: int, tokens: list[int], chunk_tokens: int) -> np.ndarray:
@@ -81,41 +102,66 @@ class BetweenTicks:
         unit vector equal to the one-pass one up to float noise (``schema.link.Embed``). Another
         chunked input waits for this one; packed ``embed`` calls run between its chunks. An input
         left open by a cancelled or failed request is cancelled (EMBED_CANCEL) before the next one
-        opens or a packed ``embed`` runs. Raises ``AdmissionError`` as ``embed`` does, and
-        WORKER_FAILED when the worker restarted between two chunks (the new incarnation has none
-        of the input's state: the client may send the request again)."""
+        opens or a packed ``embed`` runs. A worker that restarts meanwhile has none of the input's
+        state: the new incarnation is sent the input again from its first chunk (module
+        docstring). Raises ``AdmissionError`` as ``embed`` does, and WORKER_FAILED when the same
+        incarnation lost the input."""
         chunks = [tokens[i : i + chunk_tokens] for i in range(0, len(tokens), chunk_tokens)]
-        input_id = next(self._embed_ids)
         async with self._input_lock(worker_id):
-            async with self._embed_lock(worker_id):
-                await self._close_left_open(worker_id)
-            proc = self._proc_of(worker_id)
-            self._embed_open[worker_id] = (proc, input_id)
-            reply: Any = None
-            for k, chunk in enumerate(chunks):
-                if self._proc_of(worker_id) is not proc:
-                    raise _lost(worker_id)
-                msg = link.Embed(
-                    tokens=np.array(chunk, np.uint32),
-                    lengths=np.array([len(chunk)], np.uint32),
-                    input_id=input_id,
-                    chunk=k,
-                    last=k == len(chunks) - 1,
-                )
-                try:
-                    async with self._embed_lock(worker_id):  # packed embeds go between chunks
-                        reply = await self._request(worker_id, msg, "serves no embeddings")
-                except _StateLost:
-                    raise _lost(worker_id) from None
-            del self._embed_open[worker_id]
-        return reply.values.reshape(reply.dim)
+            return await self._surviving(worker_id, lambda: self._send_input(worker_id, chunks))
 
     async def score(self, worker_id: int, tokens: list[int], top_k: int) -> link.ScoreResult:
         """Prompt log-probabilities of ``tokens`` from worker ``worker_id`` (SCORE): ``logprobs``
         of tokens 1.. given the ones before, ``top_k`` alternatives each. Raises
         ``AdmissionError`` as ``embed`` does."""
         msg = link.Score(tokens=np.array(tokens, np.uint32), top_k=top_k)
-        return await self._request(worker_id, msg, "scores no prompts")
+        return await self._surviving(worker_id, lambda: self._request(worker_id, msg, "scores no prompts"))
+
+    async def _surviving(self, worker_id: int, attempt: Callable[[], Awaitable[Any]]) -> Any:
+        """``attempt()``'s result, run again on the next incarnation each time worker
+        ``worker_id`` dies or restarts during it; the last failure is raised at the
+        ``max_crash_resumes()``-th death or when no incarnation comes
+        (``respawned``)."""
+        for restarts in itertools.count():
+            try:
+                return await attempt()
+            except (_WorkerLost, _Restarted) as exc:
+                if restarts + 1 >= self.max_crash_resumes() or not await self._respawned(worker_id):
+                    if isinstance(exc, _Restarted):
+                        raise _lost(worker_id) from None
+                    raise
+                log.info("between_ticks_resent", worker_id=worker_id, deaths=restarts + 1)
+        raise AssertionError("unreachable")
+
+    async def _send_input(self, worker_id: int, chunks: list[list[int]]) -> np.ndarray:
+        """One pass of ``embed_chunked`` over ``chunks`` (its input lock held). Raises
+        ``_Restarted`` when the worker's process changed since the first chunk (or answered
+        without the input after a change)."""
+        input_id = next(self._embed_ids)
+        async with self._embed_lock(worker_id):
+            await self._close_left_open(worker_id)
+        proc = self._proc_of(worker_id)
+        self._embed_open[worker_id] = (proc, input_id)
+        reply: Any = None
+        for k, chunk in enumerate(chunks):
+            if self._proc_of(worker_id) is not proc:
+                raise _Restarted
+            msg = link.Embed(
+                tokens=np.array(chunk, np.uint32),
+                lengths=np.array([len(chunk)], np.uint32),
+                input_id=input_id,
+                chunk=k,
+                last=k == len(chunks) - 1,
+            )
+            try:
+                async with self._embed_lock(worker_id):  # packed embeds go between chunks
+                    reply = await self._request(worker_id, msg, "serves no embeddings")
+            except _StateLost:
+                if self._proc_of(worker_id) is not proc:
+                    raise _Restarted from None
+                raise _lost(worker_id) from None
+        del self._embed_open[worker_id]
+        return reply.values.reshape(reply.dim)
 
     def _embed_lock(self, worker_id: int) -> asyncio.Lock:
         return self._embed_locks.setdefault(worker_id, asyncio.Lock())
@@ -143,7 +189,7 @@ class BetweenTicks:
         ERR_UNKNOWN_HANDLE and EBUSY (a chunked input's state) as ``_StateLost``."""
         proc = self._proc_of(worker_id)
         if proc is None or not proc.link.alive:
-            raise AdmissionError(ErrorCode.WORKER_FAILED, f"worker {worker_id} is not running")
+            raise _WorkerLost(ErrorCode.WORKER_FAILED, f"worker {worker_id} is not running")
         what = type(msg).__name__.upper()
         try:
             return await proc.link.request(msg, timeout=EMBED_TIMEOUT_S)
@@ -159,9 +205,15 @@ class BetweenTicks:
                 ErrorCode.TIMEOUT, f"worker {worker_id} did not answer {what} in time"
             ) from None
         except LinkError:
-            raise AdmissionError(
-                ErrorCode.WORKER_FAILED, f"worker {worker_id} failed during {what}"
-            ) from None
+            raise _WorkerLost(ErrorCode.WORKER_FAILED, f"worker {worker_id} failed during {what}") from None
+
+
+class _WorkerLost(AdmissionError):
+    """WORKER_FAILED: the worker is not running, or its link failed during the exchange."""
+
+
+class _Restarted(Exception):
+    """The worker's process changed in the middle of a chunked input."""
 
 
 class _StateLost(Exception):

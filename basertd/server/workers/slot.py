@@ -109,6 +109,21 @@ class WorkerSlot:
                 return proc
             await self._changed.wait()
 
+    async def live(self, timeout_s: float) -> WorkerProcess | None:
+        """The live worker, waiting up to ``timeout_s`` seconds for one (a respawn after a death);
+        None when the time passes, or the slot has given up or is stopping."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            proc = self.proc
+            if proc is not None and proc.link.alive:
+                return proc
+            left = deadline - asyncio.get_running_loop().time()
+            if self._stopping or self.state in (SlotState.GIVEN_UP, SlotState.STOPPED) or left <= 0:
+                return None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
+
     async def settled(self) -> SlotState:
         """Wait until the slot serves (READY) or has given up (GIVEN_UP); returns which."""
         while self.state not in (SlotState.READY, SlotState.GIVEN_UP):
