@@ -499,6 +499,13 @@ class Fleet:
         m.cache.engine_reported(stats)
         return stats
 
+    def embedding_dim(self, worker_id: int) -> int | None:
+        """The dimensions of worker ``worker_id``'s embeddings, as its engine reports them
+        (capability ``extra["embedding_dim"]``); None when it is not running or does not say."""
+        proc = self.members[worker_id].slot.proc
+        dim = proc.capabilities.extra.get("embedding_dim", "") if proc is not None else ""
+        return int(dim) if dim.isdigit() else None
+
     async def embed(self, worker_id: int, inputs: list[list[int]]) -> np.ndarray:
         """``BetweenTicks.embed`` on worker ``worker_id``."""
         return await self.between_ticks.embed(worker_id, inputs)

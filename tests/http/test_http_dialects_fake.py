@@ -235,9 +235,13 @@ class FakeFrontend:
         top = np.array([[t] * top_k for t in tokens[1:]], np.uint32).reshape(n, top_k)
         return PromptScores(lps, top, np.repeat(lps[:, None], top_k, axis=1))
 
-    async def embed(self, model: str, inputs: list[Any], *, truncate: bool = False) -> Embeddings:
+    async def embed(
+        self, model: str, inputs: list[Any], *, truncate: bool = False, dimensions: int | None = None
+    ) -> Embeddings:
         """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8."""
         self.route(model)
+        if dimensions not in (None, 8):
+            raise AdmissionError(ErrorCode.INVALID_REQUEST, "dimensions must be 8", "dimensions")
         lists = [ids(x) if isinstance(x, str) else list(x) for x in inputs]
         vecs = np.zeros((len(lists), 8), np.float32)
         for i, toks in enumerate(lists):

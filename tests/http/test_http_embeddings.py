@@ -160,4 +160,20 @@ def test_status_counts_an_answered_embedding_request_once(daemon, client):
     client.embeddings.create(model=daemon.llama_model, input=TEXTS)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=daemon.llama_model, input="")
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=daemon.llama_model, input=TEXTS, dimensions=7)
     assert daemon.status().requests_total == before + 1
+
+
+def test_dimensions_are_checked_before_anything_is_embedded(daemon, client):
+    """The engine reports its embeddings' size (capability ``embedding_dim``), so a request for
+    other ``dimensions`` is refused before its inputs are looked at, let alone embedded: its
+    refusal names ``dimensions`` even when an input is also bad; the model's own size is served."""
+    dim = len(client.embeddings.create(model=daemon.llama_model, input="x").data[0].embedding)
+    assert client.embeddings.create(model=daemon.llama_model, input="x", dimensions=dim).data
+    for dialect, body in (
+        ("/v1/embeddings", {"input": [[1, 2, 10**9]], "dimensions": dim // 2}),
+        ("/api/embed", {"input": "word " * 2000, "truncate": False, "dimensions": dim // 2}),
+    ):
+        r = httpx.post(daemon.http_url + dialect, json={"model": daemon.llama_model, **body}, timeout=60)
+        assert r.status_code == 400 and f"dimensions must be {dim}" in r.text, r.text

@@ -207,7 +207,12 @@ class Frontend:
             raise AdmissionError(ErrorCode.INVALID_REQUEST, str(exc)) from None
 
     async def embed(
-        self, model: str, inputs: list[str] | list[list[int]], *, truncate: bool = False
+        self,
+        model: str,
+        inputs: list[str] | list[list[int]],
+        *,
+        truncate: bool = False,
+        dimensions: int | None = None,
     ) -> embeddings.Embeddings:
         """Pooled embeddings of ``inputs`` (``frontend.embeddings.embed``: its errors, and
         SHUTTING_DOWN / DRAINING as for a generation)."""
@@ -220,6 +225,7 @@ class Frontend:
             model,
             inputs,
             truncate=truncate,
+            dimensions=dimensions,
         )
         self.requests_total += 1
         return out

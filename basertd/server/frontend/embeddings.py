@@ -56,6 +56,8 @@ class EmbedFleet(Protocol):
 
     async def embed_chunked(self, worker_id: int, tokens: list[int], chunk_tokens: int) -> np.ndarray: ...
 
+    def embedding_dim(self, worker_id: int) -> int | None: ...
+
 
 async def embed(
     fleet: EmbedFleet,
@@ -66,13 +68,16 @@ async def embed(
     inputs: list[str] | list[list[int]],
     *,
     truncate: bool = False,
+    dimensions: int | None = None,
 ) -> Embeddings:
     """The embeddings of ``inputs`` with ``model`` ("" = any). Raises ``AdmissionError``:
     NOT_FOUND (no worker serves the model), INVALID_REQUEST (no input, over ``MAX_EMBED_INPUTS``,
     an empty input, ids outside the vocabulary, an engine without embeddings),
     CONTEXT_LENGTH_EXCEEDED (an input over the context length, unless ``truncate``: then only its
-    first context-length tokens are embedded), WORKER_FAILED (also: the worker restarted in the
-    middle of a long input), TIMEOUT (one part or chunk took over ``between_ticks.EMBED_TIMEOUT_S``)."""
+    first context-length tokens are embedded; ``dimensions`` other than the model's, checked before
+    any input is embedded when the engine reports its size), WORKER_FAILED (its worker died
+    ``max_crash_resumes`` times, or none serves), TIMEOUT (one part or chunk took over
+    ``between_ticks.EMBED_TIMEOUT_S``)."""
     if not inputs:
         raise AdmissionError(
             ErrorCode.INVALID_REQUEST, "input must hold at least one text or token list", "input"
@@ -82,6 +87,8 @@ async def embed(
             ErrorCode.INVALID_REQUEST, f"input holds {len(inputs)} items, at most {MAX_EMBED_INPUTS}", "input"
         )
     wid = fleet.route(model)
+    if dimensions is not None:
+        _check_dimensions(dimensions, fleet.embedding_dim(wid))
     ctx = fleet.context_length(wid)
     lists: list[list[int]] = []
     for i, item in enumerate(inputs):
@@ -120,4 +127,19 @@ async def embed(
             end += 1
         parts.append(await fleet.embed(wid, lists[start:end]))
         start = end
-    return Embeddings(np.concatenate(parts), sum(len(t) for t in lists))
+    vectors = np.concatenate(parts)
+    if dimensions is not None:  # an engine that does not report its size: known now
+        _check_dimensions(dimensions, vectors.shape[1])
+    return Embeddings(vectors, sum(len(t) for t in lists))
+
+
+def _check_dimensions(asked: int, dim: int | None) -> None:
+    """INVALID_REQUEST (param ``dimensions``) unless ``asked`` is the model's ``dim`` (None:
+    not known yet, nothing checked): the model is not trained for shorter vectors."""
+    if dim is not None and asked != dim:
+        raise AdmissionError(
+            ErrorCode.INVALID_REQUEST,
+            f"dimensions must be {dim}: this model's embeddings have {dim} dimensions and it is not "
+            "trained for shorter ones",
+            "dimensions",
+        )

@@ -108,7 +108,8 @@ class LlamaModel:
     """One loaded GGUF (weights on the CPU; ``n_gpu_layers`` offloads on a GPU build).
 
     Facts are in tokens and bytes: ``n_vocab``, ``n_ctx_train``, ``n_swa`` (sliding window in
-    tokens, 0 = none), ``kv_bytes_per_token`` (K+V of every layer at F16), ``eog_ids`` (sorted),
+    tokens, 0 = none), ``n_embd`` (the hidden size: a pooled embedding's dimensions),
+    ``kv_bytes_per_token`` (K+V of every layer at F16), ``eog_ids`` (sorted),
     ``bos_id`` (-1 when none), ``add_bos``. ``repack`` False keeps llama.cpp from repacking CPU
     weights into its batched GEMM layouts (``use_extra_bufts``), so every batch size runs the same
     dot-product kernels. Raises EngineError(ERR_FATAL) when the file is missing
@@ -144,7 +145,7 @@ class LlamaModel:
         self.n_ctx_train = int(L.llama_model_n_ctx_train(m))
         self.n_swa = int(L.llama_model_n_swa(m))
         self.n_layer = int(L.llama_model_n_layer(m))
-        n_embd = int(L.llama_model_n_embd(m))
+        self.n_embd = n_embd = int(L.llama_model_n_embd(m))
         n_head = int(L.llama_model_n_head(m))
         n_head_kv = int(L.llama_model_n_head_kv(m))
         arch = _meta(m, "general.architecture") or "llama"

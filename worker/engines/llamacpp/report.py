@@ -65,6 +65,7 @@ class Report:
             extra={
                 "arch": m.arch,
                 "n_swa": str(e.n_swa),
+                "embedding_dim": str(m.n_embd),
                 "kv_cells": str(e.n_cells),
                 "n_batch": str(e.n_batch),
                 "step_tokens": str(e.step_rows),

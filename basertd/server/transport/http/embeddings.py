@@ -88,14 +88,7 @@ class EmbeddingsApi:
         req = body.decode(await body.read(request), OpenAiEmbeddingsRequest)
         if req.encoding_format not in ("float", "base64"):
             raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
-        out = await self.frontend.embed(req.model, _inputs(req.input, tokens=True))
-        dim = out.vectors.shape[1]
-        if req.dimensions is not None and req.dimensions != dim:
-            raise bad_request(
-                f"dimensions must be {dim}: this model's embeddings have {dim} dimensions and it is not "
-                "trained for shorter ones",
-                "dimensions",
-            )
+        out = await self.frontend.embed(req.model, _inputs(req.input, tokens=True), dimensions=req.dimensions)
         data = []
         for i, v in enumerate(out.vectors):
             vec: Any = (
@@ -112,10 +105,11 @@ class EmbeddingsApi:
         t0 = time.monotonic()
         req = body.decode(await body.read(request), OllamaEmbedRequest)
         out = await self.frontend.embed(
-            req.model.removesuffix(":latest"), _inputs(req.input, tokens=False), truncate=req.truncate
+            req.model.removesuffix(":latest"),
+            _inputs(req.input, tokens=False),
+            truncate=req.truncate,
+            dimensions=req.dimensions,
         )
-        if req.dimensions is not None and req.dimensions != out.vectors.shape[1]:
-            raise bad_request(f"dimensions must be {out.vectors.shape[1]} for this model", "dimensions")
         took = int((time.monotonic() - t0) * NANOS)
         return body.json_response(
             {

@@ -147,11 +147,16 @@ class FrontendPort(Protocol):
         ...
 
     async def embed(
-        self, model: str, inputs: list[str] | list[list[int]], *, truncate: bool = False
+        self,
+        model: str,
+        inputs: list[str] | list[list[int]],
+        *,
+        truncate: bool = False,
+        dimensions: int | None = None,
     ) -> Embeddings:
         """Pooled, unit-length embeddings of texts or token lists, row i of input i (``truncate``:
-        an input over the context length keeps its first tokens). Raises ``AdmissionError``
-        (INVALID_REQUEST for an engine without embeddings)."""
+        an input over the context length keeps its first tokens; ``dimensions``: refused unless the
+        model's). Raises ``AdmissionError`` (INVALID_REQUEST for an engine without embeddings)."""
         ...
 
     async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
