@@ -376,13 +376,16 @@ def top(ctx: click.Context, once: bool, interval: float, as_json: bool) -> None:
     WAL; `q` quits. --json prints one overview document."""
     from basertd import ctl_top
 
+    as_json = as_json or bool(ctx.obj.get("json"))
+    if not (once or as_json or sys.stdout.isatty()):
+        raise click.UsageError("the live view needs a terminal: use --once (or --json) to print one frame")
     with _connect(ctx) as client:
 
         def fetch() -> control.OverviewResult:
             return client.request(control.Overview())
 
         try:
-            if as_json or ctx.obj.get("json"):
+            if as_json:
                 click.echo(json.dumps(_plain(fetch()), indent=2, sort_keys=True))
                 return
             ctl_top.run(fetch, once=once, interval_s=interval)

@@ -65,10 +65,10 @@ def _count(n: int) -> str:
 
 
 def _table(title: str, columns: tuple[str, ...], left: int) -> Table:
-    """A borderless table (a rule under the header, one space between columns: 100 terminal
-    columns hold a lane's whole 32-character request id) whose first ``left`` columns are
-    left-justified and the rest, numbers, right-justified; no cell wraps (a worker's model, the
-    one free-text column, is cut with an ellipsis when the terminal is narrow)."""
+    """A borderless table (a rule under the header, one space between columns) whose first
+    ``left`` columns are left-justified and the rest, numbers, right-justified; no cell wraps (a
+    worker's model, the one free-text column, is cut with an ellipsis when the terminal is
+    narrow)."""
     table = Table(
         title=title,
         title_justify="left",
@@ -83,7 +83,6 @@ def _table(title: str, columns: tuple[str, ...], left: int) -> Table:
             col,
             justify="left" if i < left else "right",
             no_wrap=col != "model",
-            min_width=32 if col == "request" else None,  # an id to copy whole
         )
     return table
 
@@ -98,15 +97,16 @@ def render(o: control.OverviewResult) -> RenderableType:
         (o.state, "green" if o.state == "ready" else "yellow"),
         f"  up {o.uptime_s:.0f}s  lanes {busy}/{total}  in flight {o.in_flight}  requests {o.requests_total}",
     )
+    # one line per window, each within 100 columns
     rates = Text(
-        f"tokens/s in {o.tokens_in_per_s:.1f}  out {o.tokens_out_per_s:.1f} "
-        f"(last {o.rate_window_s:.0f}s)   {_latency('TTFT', o.ttft)}   {_latency('ITL', o.itl)}   "
-        f"(last {o.window_s:.0f}s)"
+        f"tokens/s in {o.tokens_in_per_s:.1f}  out {o.tokens_out_per_s:.1f} (last {o.rate_window_s:.0f}s)   "
+        f"KV pool {_pct(o.pool_usage_ratio)}  preemptions {sum(w.preemptions for w in o.workers)}  "
+        f"crash resumes {sum(w.crash_resumes for w in o.workers)}"
     )
+    latency = Text(f"{_latency('TTFT', o.ttft)}   {_latency('ITL', o.itl)}   (last {o.window_s:.0f}s)")
     cache = Text(
-        f"prefix cache hit {_pct(o.cache_hit_ratio)}  KV pool {_pct(o.pool_usage_ratio)}  "
-        f"preemptions {sum(w.preemptions for w in o.workers)}  "
-        f"crash resumes {sum(w.crash_resumes for w in o.workers)}  {_latency('WAL fsync', o.wal_fsync)}"
+        f"prefix cache hit {_pct(o.cache_hit_ratio)}   {_latency('WAL fsync', o.wal_fsync)}   "
+        f"(last {o.window_s:.0f}s)"
     )
     queue = Text(
         "queue  "
@@ -145,12 +145,23 @@ def render(o: control.OverviewResult) -> RenderableType:
                 )
             ),
         )
-    lanes = _table(
-        "lanes", ("worker", "lane", "request", "class", "phase", "prompt", "generated", "cached", "age"), 5
+    # one worker: no worker column (a chat request id is 43 characters, and the row fits 100)
+    many = len(o.workers) > 1
+    lane_cols = ("worker",) * many + (
+        "lane",
+        "request",
+        "class",
+        "phase",
+        "prompt",
+        "output",
+        "cached",
+        "age",
     )
+    lanes = _table("lanes", lane_cols, 4 + many)
+    lanes.columns[lane_cols.index("request")].min_width = max((len(x.request_id) for x in o.lanes), default=7)
     for lane in o.lanes[:LANE_ROWS]:
         lanes.add_row(
-            str(lane.worker_id),
+            *(str(lane.worker_id),) * many,
             str(lane.lane_tag),
             lane.request_id,
             str(lane.qos),
@@ -161,7 +172,19 @@ def render(o: control.OverviewResult) -> RenderableType:
             f"{lane.age_s:.1f}s",
         )
     gap = Text("")
-    parts: list[RenderableType] = [head, rates, cache, queue, gap, workers, gap, counters, gap, lanes]
+    parts: list[RenderableType] = [
+        head,
+        rates,
+        latency,
+        cache,
+        queue,
+        gap,
+        workers,
+        gap,
+        counters,
+        gap,
+        lanes,
+    ]
     if len(o.lanes) > LANE_ROWS:
         parts.append(Text(f"... and {len(o.lanes) - LANE_ROWS} more lanes"))
     if not o.lanes:

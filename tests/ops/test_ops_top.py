@@ -153,10 +153,31 @@ def test_top_against_no_daemon_is_one_line_and_exit_3(tmp_path):
     assert r.returncode == 3 and r.stderr.count("\n") == 1 and "not running" in r.stderr, r
 
 
-def test_a_frame_at_100_columns_keeps_every_number_and_request_id_whole():
-    """``render`` drawn at 100 terminal columns (the width of a split pane): a lane's 32-character
-    request id, a worker's pid and counters and every header come out whole, nothing cut with an
-    ellipsis; counters past six digits are shortened to three figures."""
+def test_the_live_view_to_a_pipe_says_it_needs_a_terminal(tmp_path):
+    """Without ``--once`` or ``--json`` and with stdout not a terminal, ``top`` exits 2 at once
+    naming ``--once`` (it used to wait forever, printing nothing)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "basertd.ctl", "--socket", str(tmp_path / "none.sock"), "top"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "needs a terminal" in r.stderr and "--once" in r.stderr, r
+    assert r.stdout == ""
+
+
+QOS_CLASSES = ("interactive", "batch", "background")
+
+
+@pytest.mark.parametrize(
+    ("workers", "rid"),
+    [(1, "chatcmpl-{:032x}-0"), (2, "{:032x}")],  # an OpenAI chat id is 43 characters, a native one 32
+)
+def test_a_frame_at_100_columns_keeps_every_number_and_request_id_whole(workers, rid):
+    """``render`` drawn at 100 terminal columns (the width of a split pane): every line fits, and
+    the lanes' request ids, a worker's pid and counters, the latency lines and every header come
+    out whole, nothing cut with an ellipsis; counters past six digits are shortened to three
+    figures. One worker's lanes have no worker column."""
     from rich.console import Console
 
     from basertd.ctl_top import render
@@ -167,30 +188,40 @@ def test_a_frame_at_100_columns_keeps_every_number_and_request_id_whole():
         pool_blocks_used=310, pool_blocks_total=2048, ticks_run=902331, prefill_tokens=12_345_678,
         decode_tokens=2_345_678, preemptions=12, crash_resumes=1, respawns=3,
     )  # fmt: skip
-    ids = [f"{i:x}" * 32 for i in range(10, 13)]
+    ids = [rid.format(i * 0x1111_1111_1111_1111) for i in range(10, 13)]
     lanes = [
         control.LaneRow(
             worker_id=0,
             lane_tag=1000 + i,
-            request_id=rid,
+            request_id=x,
             qos="interactive",
-            state="prefill",
+            state="retiring",
             prompt_tokens=17400,
             generated_tokens=1000,
             cached_tokens=10240,
             age_s=123.4,
         )
-        for i, rid in enumerate(ids)
+        for i, x in enumerate(ids)
     ]
-    overview = control.OverviewResult(version="0.1.0", state="ready", workers=[worker, worker], lanes=lanes)
+    slow = control.Quantiles(p50_s=12.345, p95_s=123.456, count=123456)
+    overview = control.OverviewResult(
+        version="0.1.0", state="ready", uptime_s=1_234_567, requests_total=12_345_678, in_flight=123,
+        workers=[worker] * workers, lanes=lanes, ttft=slow, itl=slow, wal_fsync=slow,
+        tokens_in_per_s=12345.6, tokens_out_per_s=1234.5,
+        queue=[control.QueueRow(qos=q, depth=1234, oldest_wait_s=123.4) for q in QOS_CLASSES],
+    )  # fmt: skip
     console = Console(width=100, force_terminal=False, record=True)
     console.print(render(overview))
     text = console.export_text()
     assert "…" not in text, text
-    assert max(len(line) for line in text.splitlines()) <= 100
-    for rid in ids:
-        assert re.search(rf"\b{rid}\s+interactive\s+prefill\s+17400\s+1000\s+10240\s+123\.4s", text), text
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    worker_col = r"0\s+" if workers > 1 else ""
+    for x in ids:
+        assert re.search(
+            rf"\n{worker_col}\d+\s+{x}\s+interactive\s+retiring\s+17400\s+1000\s+10240\s+123\.4s", text
+        ), text
     assert re.search(r"gemma-3-270m-q4_k_m\s+ready\s+4187321\s+3/16\s+2\s+15%\s+310/2048", text), text
     assert re.search(r"\b0\s+902331\s+12\.3M\s+2\.35M\s+12\s+1\s+3\n", text), text
-    for header in ("prefilled", "decoded", "preempted", "crash resumes", "respawns", "generated", "cached"):
+    assert text.count("p50 12.3 s p95 123.5 s (n=123456)") == 3  # TTFT, ITL, WAL fsync
+    for header in ("prefilled", "decoded", "preempted", "crash resumes", "respawns", "output", "cached"):
         assert header in text
