@@ -97,7 +97,10 @@ class Replies:
             return None
         fut = self.pending.pop(env.corr, None)
         if fut is None or fut.done():
-            self.log.warning("late_reply", msg_type=int(mt), corr=env.corr)
+            # a PONG past ``worker_stats``' short wait is expected while the worker runs a long
+            # step between ticks (an embedding chunk): the operator view went without its counters
+            late = self.log.debug if mt == MsgType.PONG else self.log.warning
+            late("late_reply", msg_type=int(mt), corr=env.corr)
             return None
         fut.set_result((env, body, None))
         return None
