@@ -18,6 +18,8 @@ from typing import Any
 
 import structlog
 
+from basertd.json_logs import route_stdlib
+
 CONTENT_KEYS = frozenset(
     {"prompt", "text", "tokens", "token_ids", "completion", "content", "messages", "data", "logits", "body"}
 )
@@ -45,11 +47,20 @@ def configure(
 
     ``level``: one of ``level_names()`` (raises KeyError otherwise). ``stream``: where the lines go
     (default ``sys.stderr``). Idempotent enough to call once per process at startup."""
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    pid = os.getpid()
+
+    def ours(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        event_dict.update(worker_id=worker_id, pid=pid)
+        return event_dict
+
+    # llama.cpp's warnings (``basertd.llamacpp``) and other ``logging`` records: JSON lines as well
+    route_stdlib(_LEVELS[level], [ours, stamp, drop_content, structlog.processors.format_exc_info], stream)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            stamp,
             drop_content,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(sort_keys=False),
@@ -58,4 +69,4 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(file=stream if stream is not None else sys.stderr),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger("basertd.worker").bind(worker_id=worker_id, pid=os.getpid())
+    return structlog.get_logger("basertd.worker").bind(worker_id=worker_id, pid=pid)

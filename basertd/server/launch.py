@@ -38,6 +38,7 @@ from pathlib import Path
 
 import structlog
 
+from basertd.json_logs import route_stdlib
 from basertd.server.config import Config
 from basertd.server.durability.wal import Journal
 from basertd.server.durability.wal_disk import open_journal
@@ -53,11 +54,13 @@ log = structlog.get_logger("basertd.daemon")
 
 def configure_logging(level: str = "info") -> None:
     """structlog JSON lines on stderr at ``level`` (content-free: no prompt text is ever logged); a
-    line logged with ``exc_info`` (``log.exception``) carries the traceback in ``exception``."""
+    line logged with ``exc_info`` (``log.exception``) carries the traceback in ``exception``. The
+    ``logging`` module's records become JSON lines too (``basertd.json_logs``)."""
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            stamp,
             structlog.processors.format_exc_info,  # ``exc_info`` -> an "exception" traceback field
             structlog.processors.JSONRenderer(),
         ],
@@ -65,6 +68,7 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.WriteLoggerFactory(sys.stderr),  # one write(2) per line
         cache_logger_on_first_use=False,
     )
+    route_stdlib(getattr(logging, level.upper()), [stamp, structlog.processors.format_exc_info])
 
 
 @dataclass
