@@ -8,6 +8,7 @@ ticks."""
 from __future__ import annotations
 
 import base64
+import re
 
 import httpx
 import llama_cpp
@@ -153,16 +154,25 @@ def test_a_generation_runs_on_while_its_worker_embeds(daemon, client):
     assert base64  # the base64 path is what the openai package used above
 
 
+def admission_errors(daemon) -> float:
+    text = httpx.get(daemon.http_url + "/metrics", timeout=60).text
+    return sum(
+        float(v)
+        for v in re.findall(r'^basertd_admission_errors_total\{code="invalid_request"\} (\S+)$', text, re.M)
+    )
+
+
 def test_status_counts_an_answered_embedding_request_once(daemon, client):
     """``basertctl status``'s requests: one per embeddings request answered (however many
-    inputs and parts it took), none for a refused one."""
-    before = daemon.status().requests_total
+    inputs and parts it took), none for a refused one; the refusals are admission errors."""
+    before, refused = daemon.status().requests_total, admission_errors(daemon)
     client.embeddings.create(model=daemon.llama_model, input=TEXTS)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=daemon.llama_model, input="")
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=daemon.llama_model, input=TEXTS, dimensions=7)
     assert daemon.status().requests_total == before + 1
+    assert admission_errors(daemon) == refused + 2
 
 
 def test_dimensions_are_checked_before_anything_is_embedded(daemon, client):

@@ -215,18 +215,23 @@ class Frontend:
         dimensions: int | None = None,
     ) -> embeddings.Embeddings:
         """Pooled embeddings of ``inputs`` (``frontend.embeddings.embed``: its errors, and
-        SHUTTING_DOWN / DRAINING as for a generation)."""
-        self._admissible()
-        out = await embeddings.embed(
-            self.fleet,
-            lambda wid, text: self.encode(wid, text),
-            lambda wid: self.fleet[wid].tokenizer.vocab_size,
-            lambda wid: self.fleet[wid].tokenizer,
-            model,
-            inputs,
-            truncate=truncate,
-            dimensions=dimensions,
-        )
+        SHUTTING_DOWN / DRAINING as for a generation; each error counted in
+        ``basertd_admission_errors_total``)."""
+        try:
+            self._admissible()
+            out = await embeddings.embed(
+                self.fleet,
+                lambda wid, text: self.encode(wid, text),
+                lambda wid: self.fleet[wid].tokenizer.vocab_size,
+                lambda wid: self.fleet[wid].tokenizer,
+                model,
+                inputs,
+                truncate=truncate,
+                dimensions=dimensions,
+            )
+        except AdmissionError as exc:
+            self.metrics.admission_error(exc.code)
+            raise
         self.requests_total += 1
         return out
 
