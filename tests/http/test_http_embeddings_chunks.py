@@ -16,7 +16,9 @@ import numpy as np
 import openai
 import pytest
 from daemon_harness import Daemon
+from proc_testutil import wait_until
 
+from basertd.schema import control
 from basertd.server.frontend.embeddings import EMBED_PART_TOKENS
 
 CTX = 2048
@@ -171,3 +173,37 @@ def test_a_worker_killed_during_a_long_input_is_a_preemption(daemon, client):
     assert np.allclose(out["long"], want, atol=1e-6)
     assert daemon.workers()[0].pid != pid
     assert any(e["event"] == "between_ticks_resent" for e in daemon.log_events())
+
+
+def in_flight(daemon: Daemon) -> int:
+    with daemon.client() as c:
+        return c.request(control.Overview()).in_flight
+
+
+def test_a_stop_waits_for_the_embeddings_being_served(tiny_gguf):
+    """SIGTERM while an embedding request runs: the stop's drain waits for it (it is in flight,
+    though it holds no lane), the client gets its vectors, and the daemon exits 0. It used to
+    drain at once and close the connection under the request."""
+    workers = (
+        f'[[workers]]\nengine = "llamacpp"\nmodel = "{tiny_gguf}"\n'
+        f"lanes = 2\ncontext_length = {CTX}\nthreads = 1\n"
+    )
+    inputs = [[int(t) for t in np.random.default_rng(k).integers(3, 290, CTX)] for k in range(4)]
+    with Daemon(workers + '[http]\nlisten = ["127.0.0.1:0"]\n') as d:
+        url = "http://" + d.http_addresses()[0]
+        out: dict = {}
+
+        def embed() -> None:
+            out["r"] = httpx.post(url + "/v1/embeddings", json={"model": "", "input": inputs}, timeout=120)
+
+        t = threading.Thread(target=embed, daemon=True)
+        t.start()
+        wait_until(lambda: in_flight(d) == 1, timeout=30, what="the embedding request in flight")
+        d.proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert d.proc.wait(60) == 0
+        r = out["r"]
+        assert r.status_code == 200 and len(r.json()["data"]) == 4, r.text[:300]
+        started = [e for e in d.log_events() if e["event"] == "drain_started"]
+        assert started and started[0]["in_flight"] == 1, started
+        assert any(e["event"] == "drained" for e in d.log_events())

@@ -219,16 +219,17 @@ class Frontend:
         ``basertd_admission_errors_total``)."""
         try:
             self._admissible()
-            out = await embeddings.embed(
-                self.fleet,
-                lambda wid, text: self.encode(wid, text),
-                lambda wid: self.fleet[wid].tokenizer.vocab_size,
-                lambda wid: self.fleet[wid].tokenizer,
-                model,
-                inputs,
-                truncate=truncate,
-                dimensions=dimensions,
-            )
+            with self.drainer.serving():  # a drain (and a stop) waits for it
+                out = await embeddings.embed(
+                    self.fleet,
+                    lambda wid, text: self.encode(wid, text),
+                    lambda wid: self.fleet[wid].tokenizer.vocab_size,
+                    lambda wid: self.fleet[wid].tokenizer,
+                    model,
+                    inputs,
+                    truncate=truncate,
+                    dimensions=dimensions,
+                )
         except AdmissionError as exc:
             self.metrics.admission_error(exc.code)
             raise

@@ -1,16 +1,20 @@
 """Drain: stop taking requests, let the accepted ones finish, cancel what is left (DESIGN.md "Operators").
 
 ``Drainer`` holds the daemon's drain state and the set of accepted requests that have not ended
-(queued or running; the request observer adds and discards them). ``drain(timeout_s, code)``:
+(queued or running; the request observer adds and discards them), and counts the embedding
+requests being served (``serving()``: they hold no lane and are never queued, but a drain waits
+for them too). ``drain(timeout_s, code)``:
 
 1. from the first call on, ``draining`` is True (health says so at once); after ``grace_s``
    seconds (``[operators] drain_grace_s``, 0 by default: at once) the daemon refuses every new
    Generate with a typed error (``refusal()``: DRAINING, or SHUTTING_DOWN for a drain before a
    stop). During the grace requests are still accepted, so a router whose health checks see the
    drain stops sending before anything is refused;
-2. requests already accepted keep being served, queued ones included (they were acknowledged);
-3. at ``timeout_s`` whatever is still in flight is cancelled with ``code`` through its scheduler
-   (its lane retires in the next plan, the client gets ``Error(code)`` after the tokens it had);
+2. requests already accepted keep being served, queued ones included (they were acknowledged),
+   and so are the embedding requests being served;
+3. at ``timeout_s`` whatever generation is still in flight is cancelled with ``code`` through its
+   scheduler (its lane retires in the next plan, the client gets ``Error(code)`` after the tokens
+   it had); an embedding still running is not cancelled (the drain is then not clean);
 4. it returns a ``DrainOutcome`` (drained cleanly or not, requests cancelled, seconds waited).
 
 ``resume()`` ends a drain: new requests are accepted again and pending ``drain`` calls return at
@@ -23,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +60,7 @@ class Drainer:
     def __init__(self, cancel: Callable[[GenerationRequest, ErrorCode, str], None]) -> None:
         self._cancel = cancel
         self._live: dict[int, GenerationRequest] = {}
+        self._serving = 0  # embedding requests being served
         self._idle = asyncio.Event()
         self._idle.set()
         self._resumed = asyncio.Event()
@@ -67,8 +72,8 @@ class Drainer:
 
     @property
     def in_flight(self) -> int:
-        """Accepted requests that have not ended."""
-        return len(self._live)
+        """Accepted requests that have not ended, and embedding requests being served."""
+        return len(self._live) + self._serving
 
     def requests(self) -> list[GenerationRequest]:
         """The accepted requests that have not ended (acceptance order)."""
@@ -82,8 +87,20 @@ class Drainer:
     def ended(self, req: GenerationRequest) -> None:
         """``req`` sent Done or Error."""
         self._live.pop(req.key, None)
-        if not self._live:
+        if not self.in_flight:
             self._idle.set()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count an embedding request in flight while the block runs (a drain waits for it)."""
+        self._serving += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._serving -= 1
+            if not self.in_flight:
+                self._idle.set()
 
     # --- drain -----------------------------------------------------------------------------------
 
@@ -128,15 +145,21 @@ class Drainer:
             woke.cancel()
         waited = time.monotonic() - t0
         if resumed.is_set():
-            return DrainOutcome(drained=not self._live, cancelled=0, waited_s=waited, resumed=True)
+            return DrainOutcome(drained=not self.in_flight, cancelled=0, waited_s=waited, resumed=True)
         left = self.requests()
         for req in left:
             self._cancel(req, code, f"drain timeout: cancelled after {timeout_s:g} s")
-        if left:
-            log.warning("drain_timeout", cancelled=len(left), timeout_s=timeout_s, code=str(code))
+        if left or self._serving:
+            log.warning(
+                "drain_timeout",
+                cancelled=len(left),
+                embeddings_running=self._serving,
+                timeout_s=timeout_s,
+                code=str(code),
+            )
         else:
             log.info("drained", waited_s=round(waited, 3))
-        return DrainOutcome(drained=not left, cancelled=len(left), waited_s=waited)
+        return DrainOutcome(drained=not (left or self._serving), cancelled=len(left), waited_s=waited)
 
     def resume(self) -> bool:
         """Accept new requests again; True when a drain was in progress. A drain before a stop
