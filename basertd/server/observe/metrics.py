@@ -135,7 +135,7 @@ class _LiveCollector(Collector):
         yield q
         yield GaugeMetricFamily(
             f"{NAMESPACE}_requests_in_flight",
-            "Accepted requests not finished yet (queued or running).",
+            "Accepted requests not finished yet (queued or running), and embedding requests being served.",
             value=float(state.in_flight),
         )
         yield GaugeMetricFamily(
