@@ -57,11 +57,12 @@ def _count(n: int) -> str:
     """``n`` in at most 6 characters: 999999, then 1.23M, 12.3M, 123M, 1.23G."""
     if n < 1_000_000:
         return str(n)
-    for unit, scale in (("M", 1e6), ("G", 1e9), ("T", 1e12)):
-        if n < scale * 1000 or unit == "T":
-            v = n / scale
-            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
-    raise AssertionError("unreachable")
+    v, unit = n / 1e6, "M"
+    for bigger in ("G", "T"):
+        if v < 1000:
+            break
+        v, unit = v / 1000, bigger
+    return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
 
 
 def _table(title: str, columns: tuple[str, ...], left: int) -> Table:

@@ -1,14 +1,14 @@
 """The fleet: every configured worker with its supervisor, scheduler and tokenizer, and routing.
 
-``Fleet(config, workers_dir, metrics)`` builds, per ``[[workers]]`` table, one ``WorkerSlot``
-(the supervisor: spawn, respawn, give up), one ``Scheduler`` (its plans and ticks) and the
+``Fleet(config, workers_dir, metrics)`` builds, per ``[[workers]]`` table, one ``WorkerSlot`` (the
+supervisor: spawn, respawn, give up), one ``Scheduler`` (its plans and ticks) and the
 coordinator-side tokenizer of its vocabulary (workers sharing a vocabulary share one). It answers
 the questions the front end and the operator verbs ask about the workers: which worker serves a
-model and holds the longest cached prefix of a prompt (``route``), whether prompts start with
-BOS, which models are served, how loaded the workers are, and each worker's engine counters
+model and holds the longest cached prefix of a prompt (``route``), whether prompts start with BOS,
+which models are served, how loaded the workers are, and each worker's engine counters
 (``worker_stats``, a PONG); embeddings and prompt scores go through ``between_ticks``
-(``basertd.server.workers.between_ticks``). It owns no client and no request: DESIGN.md "Scheduling" and
-"Prefix cache policy" for what the schedulers do with what it routes to them.
+(``basertd.server.workers.between_ticks``). It owns no client and no request: DESIGN.md "Scheduling"
+and "Prefix cache policy" for what the schedulers do with what it routes to them.
 """
 
 from __future__ import annotations
