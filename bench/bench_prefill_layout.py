@@ -8,9 +8,9 @@ Two parts, each a plain low-level llama.cpp loop (``TokenBatch`` of the engine, 
 Prints B, tok/s and the ratio to the best B. The scheduler should pick chunk sizes from this
 curve (``prefill_curve`` returns it).
 
-``layout``: for the unified cache (``kv_unified`` true, ``swa_full`` true: the engine today) and
-llama-server's layout (``kv_unified`` false: one KV stream per lane, ``swa_full`` false: a
-window-sized sliding-window cache), 8 lanes each get a ``--layout-prompt``-token prompt prefilled
+``layout``: for each of ``--layouts`` (``kv_unified`` true: one cache all lanes share, the
+engine's; false: one KV stream per lane, llama-server's; ``swa_full`` true: a full-size
+sliding-window cache, the engine's default; false: a window-sized one, llama-server's), 8 lanes each get a ``--layout-prompt``-token prompt prefilled
 one after another in 2,048-token batches (seconds per prompt), then ``--new`` greedy tokens are
 decoded for the 8 lanes together (ms per 8-lane step). Then batch invariance: each lane's greedy
 output decoded alone (a fresh context holding only that lane) against the output among the 7
@@ -33,7 +33,12 @@ import numpy as np
 from basertd.worker.engines.llamacpp.batch import TokenBatch
 from basertd.worker.engines.llamacpp.model import LlamaModel
 
-LAYOUTS = {"unified+swa_full": (True, True), "per-lane+swa_window": (False, False)}
+LAYOUTS = {
+    "unified+swa_full": (True, True),
+    "unified+swa_window": (True, False),
+    "per-lane+swa_full": (False, True),
+    "per-lane+swa_window": (False, False),
+}
 
 
 class Ctx:
@@ -167,10 +172,13 @@ def parting(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def layout_bench(model: LlamaModel, threads: int, plen: int, n_new: int) -> None:
+def layout_bench(
+    model: LlamaModel, threads: int, plen: int, n_new: int, names: list[str], invariance: bool
+) -> None:
     toks = prompts(model, 8, plen)
     per_lane = -(-(plen + n_new) // 256) * 256
-    for name, (unified, swa_full) in LAYOUTS.items():
+    for name in names:
+        unified, swa_full = LAYOUTS[name]
         kw = dict(n_ctx=8 * per_lane, n_batch=2048, threads=threads, unified=unified, swa_full=swa_full)
         c = Ctx(model, n_seq=8, **kw)
         try:
@@ -178,7 +186,7 @@ def layout_bench(model: LlamaModel, threads: int, plen: int, n_new: int) -> None
         finally:
             c.close()
         parts = []
-        for s in range(8):
+        for s in range(8 if invariance else 0):
             c = Ctx(model, n_seq=8, **kw)  # same context shape, only this lane in it
             try:
                 alone, _, _ = greedy(c, [s], toks, n_new)
@@ -188,7 +196,8 @@ def layout_bench(model: LlamaModel, threads: int, plen: int, n_new: int) -> None
         parted = [p for p in parts if p is not None]
         print(
             f"{name:22s} prefill/prompt {np.mean(pre):6.2f} s (first {pre[0]:.2f}, last {pre[-1]:.2f})  "
-            f"8-lane step {1000 * np.median(steps):6.1f} ms  parted alone vs among 7: {len(parted)}/8"
+            f"8-lane step {1000 * np.median(steps):6.1f} ms"
+            + (f"  parted alone vs among 7: {len(parted)}/8" if invariance else "")
             + (f" at tokens {sorted(parted)}" if parted else "")
         )
         sys.stdout.flush()
@@ -204,6 +213,10 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the engine's default: 512)")
     ap.add_argument("--layout-prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help=f"layout: which of {', '.join(LAYOUTS)}"
+    )
+    ap.add_argument("--no-invariance", action="store_true", help="layout: skip the alone-vs-among runs")
     ap.add_argument("--no-repack", action="store_true", help="load without CPU weight repacking")
     args = ap.parse_args()
     logging.getLogger("basertd.llamacpp").setLevel(logging.ERROR)
@@ -230,7 +243,10 @@ def main() -> int:
                 print(f"  chunk {b:5d}  {r:8.1f} tok/s  {r / best:5.2f} of best")
             sys.stdout.flush()
         if args.part in ("layout", "all"):
-            layout_bench(model, args.threads, args.layout_prompt, args.new)
+            names = args.layouts.split(",")
+            if unknown := set(names) - set(LAYOUTS):
+                ap.error(f"unknown layouts {sorted(unknown)}; known: {', '.join(LAYOUTS)}")
+            layout_bench(model, args.threads, args.layout_prompt, args.new, names, not args.no_invariance)
     finally:
         model.close()
     return 0
