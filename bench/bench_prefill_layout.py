@@ -8,13 +8,13 @@ Two parts, each a plain low-level llama.cpp loop (``TokenBatch`` of the engine, 
 Prints B, tok/s and the ratio to the best B. The scheduler should pick chunk sizes from this
 curve (``prefill_curve`` returns it).
 
-``layout``: for each of ``--layouts`` (``kv_unified`` true: one cache all lanes share, the
-engine's; false: one KV stream per lane, llama-server's; ``swa_full`` true: a full-size
-sliding-window cache, the engine's default; false: a window-sized one, llama-server's), 8 lanes each get a ``--layout-prompt``-token prompt prefilled
-one after another in 2,048-token batches (seconds per prompt), then ``--new`` greedy tokens are
-decoded for the 8 lanes together (ms per 8-lane step). Then batch invariance: each lane's greedy
-output decoded alone (a fresh context holding only that lane) against the output among the 7
-others; prints how many of the 8 part and at which token.
+``layout``: for each of ``--layouts`` (``kv_unified`` true: one cache all lanes share, the engine's;
+false: one KV stream per lane, llama-server's; ``swa_full`` true: a full-size sliding-window cache,
+the engine's default; false: a window-sized one, llama-server's), 8 lanes each get a
+``--layout-prompt``-token prompt prefilled one after another in 2,048-token batches (seconds per prompt), then
+``--new`` greedy tokens are decoded for the 8 lanes together (ms per 8-lane step). Then batch
+invariance: each lane's greedy output decoded alone (a fresh context holding only that lane) against
+the output among the 7 others; prints how many of the 8 part and at which token.
 
     .venv/bin/python bench/bench_prefill_layout.py [--model PATH] [--threads 2] [curve|layout|all]
 """
@@ -213,9 +213,7 @@ def main() -> int:
     ap.add_argument("--ubatch", type=int, default=512, help="n_ubatch (the engine's default: 512)")
     ap.add_argument("--layout-prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument(
-        "--layouts", default=",".join(LAYOUTS), help=f"layout: which of {', '.join(LAYOUTS)}"
-    )
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"layout: which of {', '.join(LAYOUTS)}")
     ap.add_argument("--no-invariance", action="store_true", help="layout: skip the alone-vs-among runs")
     ap.add_argument("--no-repack", action="store_true", help="load without CPU weight repacking")
     args = ap.parse_args()

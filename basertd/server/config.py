@@ -1,8 +1,8 @@
 """The daemon's configuration: one TOML file, validated with msgspec.
 
 Every key has a working default, so ``basertd serve`` with no file serves the default model on the
-llamacpp engine on CPU. An unknown key, a wrong type or a value out of range is a ``ConfigError``
-whose message names the key (``workers[0].lanse``), raised before anything starts.
+llamacpp engine on CPU. Unknown keys, wrong types and values out of range are a ``ConfigError``
+listing each one by its key (``workers[0].lanse``), raised before anything starts.
 
 Example (every key shown with its default)::
 
@@ -121,6 +121,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -144,7 +145,12 @@ from basertd.server.config_sections import (
 
 class ConfigError(ValueError):
     """The configuration cannot be used: unreadable file, bad TOML, unknown key, wrong type or a
-    value out of range. The message names the file and the key."""
+    value out of range. ``errors`` lists every error found, each naming the file and the key; the
+    message is those lines."""
+
+    def __init__(self, *errors: str) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
 
 
 def _default_workers() -> list[WorkerConfig]:
@@ -197,23 +203,71 @@ class Config(Section):
 _KEY_PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)")
 
 
-def _readable(exc: msgspec.ValidationError) -> str:
-    """msgspec says ``... - at `$.workers[0]```; operators read ``workers[0]``."""
+def _join(where: str, sub: str) -> str:
+    """``workers[0]`` + ``.lanes`` -> ``workers[0].lanes``; ``workers`` + ``[1]`` -> ``workers[1]``."""
+    sub = sub.lstrip(".")
+    if not where or not sub:
+        return where or sub
+    return where + sub if sub.startswith("[") else f"{where}.{sub}"
+
+
+def _readable(exc: msgspec.ValidationError, where: str = "") -> str:
+    """msgspec says ``... - at `$.lanes``` of the value at ``where``; operators read
+    ``workers[0].lanes``."""
     text = str(exc)
     m = re.search(r"unknown field `([^`]+)`(?: - at `\$([^`]*)`)?", text)
     if m:
-        where = (m.group(2) or "").lstrip(".")
-        key = f"{where}.{m.group(1)}" if where else m.group(1)
-        return f"unknown key {key!r}"
-    return _KEY_PATH.sub(lambda k: k.group(1).lstrip(".") or "(top level)", text.replace("`", ""))
+        return f"unknown key {_join(_join(where, m.group(2) or ''), m.group(1))!r}"
+    text = text.replace("`", "")
+    if _KEY_PATH.search(text) is None:
+        return f"{text} - at {where}" if where else text
+    return _KEY_PATH.sub(lambda k: _join(where, k.group(1)) or "(top level)", text)
+
+
+def _errors(value: Any, typ: Any, where: str) -> list[str]:
+    """Every error converting ``value`` to ``typ`` at key path ``where``, not only msgspec's first:
+    a table's keys and a list's items are checked one by one; a table's checks across keys run
+    over the keys that passed, and a list's length is checked when its items pass."""
+    try:
+        msgspec.convert(value, typ, strict=True)
+        return []
+    except msgspec.ValidationError as exc:
+        whole = [_readable(exc, where)]
+    inner = typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Annotated else typ
+    found: list[str] = []
+    if isinstance(inner, type) and issubclass(inner, msgspec.Struct) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in msgspec.structs.fields(inner)}
+        good = {}
+        for key, item in value.items():
+            if key not in fields:
+                found.append(f"unknown key {_join(where, str(key))!r}")
+            elif errors := _errors(item, fields[key], _join(where, str(key))):
+                found += errors
+            else:
+                good[key] = item
+        if found:  # the checks across keys, over the keys that passed (the rest at their defaults)
+            found += _errors(good, inner, where)
+    elif typing.get_origin(inner) is list and isinstance(value, list):
+        (item_type,) = typing.get_args(inner)
+        for i, item in enumerate(value):
+            found += _errors(item, item_type, f"{where}[{i}]")
+    return found or whole
+
+
+def config_errors(data: dict[str, Any], *, source: str = "<config>") -> list[str]:
+    """Every error ``parse_config`` would refuse ``data`` for, each naming ``source`` and the key
+    (``<source>: unknown key 'workers[0].lanse'``); [] when it parses."""
+    return [f"{source}: {e}" for e in _errors(data, Config, "")]
 
 
 def parse_config(data: dict[str, Any], *, source: str = "<config>") -> Config:
-    """A ``Config`` from already-parsed TOML data. Raises ``ConfigError`` naming the key."""
+    """A ``Config`` from already-parsed TOML data. Raises ``ConfigError`` listing every error
+    (``config_errors``), each naming the key."""
     try:
         return msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_readable(exc)}") from None
+        errors = config_errors(data, source=source) or [f"{source}: {_readable(exc)}"]
+        raise ConfigError(*errors) from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> Config:

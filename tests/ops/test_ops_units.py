@@ -150,9 +150,14 @@ def test_example_config_passes_config_check_and_a_broken_one_names_the_key(tmp_p
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ok"] is True
     bad = tmp_path / "bad.toml"
-    bad.write_text(example.read_text().replace("decode_grant = 8", "decode_grnt = 8"))
+    bad.write_text(
+        example.read_text()
+        .replace("decode_grant = 8", "decode_grnt = 8")
+        .replace('log_level = "info"', 'log_level = "loud"')
+    )
     r = subprocess.run([*ctl, "config", "check", str(bad)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "scheduler.decode_grnt" in r.stdout, r
+    assert "at log_level" in r.stdout and r.stdout.count("error: ") == 2, r.stdout  # every error
     bad.write_text("[scheduler\n")
     r = subprocess.run(
         [*ctl, "config", "check", "--json", str(bad)], capture_output=True, text=True, timeout=60

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from basertd.server import paths as cfg
-from basertd.server.config import Config, ConfigError, load_config, parse_config
+from basertd.server.config import Config, ConfigError, config_errors, load_config, parse_config
 
 
 def test_no_config_serves_the_default_model_on_llamacpp_cpu():
@@ -147,3 +147,37 @@ def test_a_squatted_per_user_runtime_dir_is_refused(tmp_path: Path, monkeypatch:
     squat.unlink()
     got = cfg.resolve_runtime_dir(Config())  # absent: created private, and used
     assert got == squat and stat.S_IMODE(got.stat().st_mode) == 0o700
+
+
+def test_every_error_is_listed_not_only_the_first():
+    data = {
+        "log_level": "loud",
+        "socket_mode": "999",
+        "workers": [{"lanes": 0, "lanse": 3}, {"threads": "two"}],
+        "scheduler": {"prefill_budget": -5, "decode_grant": "x"},
+        "bogus": {"a": 1},
+    }
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source="t.toml")
+    errors = info.value.errors
+    expected = [
+        "log_level",
+        "workers[0].lanes",
+        "'workers[0].lanse'",
+        "workers[1].threads",
+        "scheduler.prefill_budget",
+        "scheduler.decode_grant",
+        "'bogus'",
+        "socket_mode must be an octal mode",  # the check across keys, over the keys that passed
+    ]
+    assert len(errors) == len(expected), errors
+    for error, where in zip(errors, expected, strict=True):
+        assert error.startswith("t.toml: ") and where in error, (error, where)
+    assert str(info.value) == "\n".join(errors)
+
+
+def test_one_error_is_one_line_and_a_good_config_has_none():
+    with pytest.raises(ConfigError) as info:
+        parse_config({"scheduler": {"decode_grant": 0}}, source="t.toml")
+    assert info.value.errors == [str(info.value)] and "\n" not in str(info.value)
+    assert config_errors({"workers": [{"lanes": 2}], "scheduler": {"decode_grant": 4}}) == []

@@ -168,7 +168,7 @@ def check_config_text(text: str, source: str, running: Config | None = None) -> 
     except tomllib.TOMLDecodeError as exc:
         return control.ConfigCheckResult(ok=False, errors=[f"{source}: invalid TOML: {exc}"])
     except ConfigError as exc:
-        return control.ConfigCheckResult(ok=False, errors=[str(exc)])
+        return control.ConfigCheckResult(ok=False, errors=exc.errors)
     warnings = []
     for i, w in enumerate(cfg.workers):
         if w.model and not Path(w.model).expanduser().exists():
