@@ -146,6 +146,7 @@ class FakeFrontend:
     gens: list[tuple[api.Generate, str]] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     follows: list[tuple[str, int]] = field(default_factory=list)
+    embed_apis: list[str] = field(default_factory=list)
     bound: tuple[str, dict[str, Any]] = ("", {})
     """The requester and resume context the last admitted request was bound to."""
 
@@ -236,9 +237,17 @@ class FakeFrontend:
         return PromptScores(lps, top, np.repeat(lps[:, None], top_k, axis=1))
 
     async def embed(
-        self, model: str, inputs: list[Any], *, truncate: bool = False, dimensions: int | None = None
+        self,
+        model: str,
+        inputs: list[Any],
+        *,
+        truncate: bool = False,
+        dimensions: int | None = None,
+        api_name: str = "native",
     ) -> Embeddings:
-        """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8."""
+        """Unit vectors of 8 dimensions: each input's byte histogram folded mod 8; ``api_name``
+        recorded in ``embed_apis``."""
+        self.embed_apis.append(api_name)
         self.route(model)
         if dimensions not in (None, 8):
             raise AdmissionError(ErrorCode.INVALID_REQUEST, "dimensions must be 8", "dimensions")
@@ -247,7 +256,7 @@ class FakeFrontend:
         for i, toks in enumerate(lists):
             np.add.at(vecs[i], np.array(toks) % 8, 1.0)
         vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
-        return Embeddings(vecs, sum(map(len, lists)))
+        return Embeddings(vecs, sum(map(len, lists)), 7)
 
     def _replies(self, gen: api.Generate, prompt_len: int, after: int = 0) -> list[Any]:
         rid = gen.request_id
@@ -1165,6 +1174,7 @@ def test_embeddings_in_openais_and_ollamas_shapes():
     assert status == 200 and np.allclose(o["embedding"], out["data"][2]["embedding"])
     status, o = post(fake, "/api/embed", {"model": "nope", "input": "ab"})
     assert status == 404 and set(o) == {"error"}  # Ollama's error shape on /api/
+    assert fake.embed_apis == ["openai", "openai", "ollama", "ollama", "ollama"]  # for the access line
 
 
 def test_echo_starts_each_choice_with_its_prompt_and_its_logprobs():

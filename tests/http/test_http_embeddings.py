@@ -162,17 +162,30 @@ def admission_errors(daemon) -> float:
     )
 
 
-def test_status_counts_an_answered_embedding_request_once(daemon, client):
+def test_an_embedding_request_counts_once_and_logs_one_access_line(daemon, client):
     """``basertctl status``'s requests: one per embeddings request answered (however many
-    inputs and parts it took), none for a refused one; the refusals are admission errors."""
+    inputs and parts it took), none for a refused one; the refusals are admission errors. Each
+    request, answered or refused, ends with one content-free ``access`` line."""
     before, refused = daemon.status().requests_total, admission_errors(daemon)
-    client.embeddings.create(model=daemon.llama_model, input=TEXTS)
+    lines = len(daemon.log_events())
+    out = client.embeddings.create(model=daemon.llama_model, input=TEXTS)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=daemon.llama_model, input="")
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model=daemon.llama_model, input=TEXTS, dimensions=7)
     assert daemon.status().requests_total == before + 1
     assert admission_errors(daemon) == refused + 2
+    access = [e for e in daemon.log_events()[lines:] if e.get("event") == "access"]
+    assert [(e["kind"], e["api"], e.get("error_code")) for e in access] == [
+        ("embedding", "openai", None),
+        ("embedding", "openai", "invalid_request"),
+        ("embedding", "openai", "invalid_request"),
+    ], access
+    answered = access[0]
+    assert answered["inputs"] == len(TEXTS) and answered["prompt_tokens"] == out.usage.prompt_tokens
+    assert answered["worker_id"] == 0 and answered["total_s"] > 0
+    text = " ".join(map(str, access))
+    assert not any(t in text for t in TEXTS)  # content-free
 
 
 def test_dimensions_are_checked_before_anything_is_embedded(daemon, client):

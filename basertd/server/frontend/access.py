@@ -18,6 +18,10 @@ cached_tokens, completion_tokens, queue_s, ttft_s, tokens_per_s, total_s, finish
 preemptions (times the request was preempted for an interactive one), ttft_ticks (ticks from
 arrival to the tick that delivered its first token) and, for an Error, its code.
 Never prompt or output text or token ids.
+
+An embedding request (pooled between ticks, no lane) ends with one ``access`` line too, answered or
+not (``embedding_access``): kind ``embedding``, api, worker_id, inputs, prompt_tokens, total_s and,
+when refused or failed, error_code.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from basertd.schema import client as api
 
 if TYPE_CHECKING:
     from basertd.server.frontend.drain import Drainer
+    from basertd.server.frontend.embeddings import Embeddings
     from basertd.server.observe.metrics import Metrics
     from basertd.server.observe.tracing import RequestTrace
     from basertd.server.request.record import GenerationRequest, RequestSink
@@ -133,3 +138,27 @@ class ObservedSink:
         if code is not None:
             fields["error_code"] = code
         access_log.info("access", **fields)
+
+
+def embedding_access(
+    api_name: str,
+    inputs: int,
+    total_s: float,
+    out: Embeddings | None = None,
+    *,
+    error_code: str | None = None,
+) -> None:
+    """The access line of one embedding request (module docstring): ``inputs`` texts or token
+    lists, ``total_s`` seconds from its start to its end, ``out`` its result when answered,
+    ``error_code`` when not."""
+    fields: dict[str, object] = dict(
+        kind="embedding",
+        api=api_name,
+        worker_id=None if out is None else out.worker_id,
+        inputs=inputs,
+        prompt_tokens=0 if out is None else out.prompt_tokens,
+        total_s=round(total_s, 6),
+    )
+    if error_code is not None:
+        fields["error_code"] = error_code
+    access_log.info("access", **fields)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.durability.durable import Durability
 from basertd.server.fleet import Fleet
 from basertd.server.frontend import embeddings, scoring
-from basertd.server.frontend.access import ObservedSink
+from basertd.server.frontend.access import ObservedSink, embedding_access
 from basertd.server.frontend.drain import Drainer
 from basertd.server.frontend.limits import (
     check_generate,
@@ -213,10 +214,13 @@ class Frontend:
         *,
         truncate: bool = False,
         dimensions: int | None = None,
+        api_name: str = "native",
     ) -> embeddings.Embeddings:
         """Pooled embeddings of ``inputs`` (``frontend.embeddings.embed``: its errors, and
         SHUTTING_DOWN / DRAINING as for a generation; each error counted in
-        ``basertd_admission_errors_total``)."""
+        ``basertd_admission_errors_total``). Ends with one access line, answered or not
+        (``access.embedding_access``; ``api_name`` the API it came through)."""
+        t0 = time.monotonic()
         try:
             self._admissible()
             with self.drainer.serving():  # a drain (and a stop) waits for it
@@ -232,8 +236,10 @@ class Frontend:
                 )
         except AdmissionError as exc:
             self.metrics.admission_error(exc.code)
+            embedding_access(api_name, len(inputs), time.monotonic() - t0, error_code=str(exc.code))
             raise
         self.requests_total += 1
+        embedding_access(api_name, len(inputs), time.monotonic() - t0, out)
         return out
 
     def pieces(self, model: str, tokens: list[int]) -> list[bytes]:

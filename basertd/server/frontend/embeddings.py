@@ -39,10 +39,11 @@ long input comes in chunks of this size)."""
 @dataclass(frozen=True)
 class Embeddings:
     """``vectors``: ``(n, dim)`` float32, unit length, row i of input i; ``prompt_tokens``: the
-    tokens embedded, all inputs together."""
+    tokens embedded, all inputs together; ``worker_id``: the worker that pooled them."""
 
     vectors: np.ndarray
     prompt_tokens: int
+    worker_id: int
 
 
 class EmbedFleet(Protocol):
@@ -130,7 +131,7 @@ async def embed(
     vectors = np.concatenate(parts)
     if dimensions is not None:  # an engine that does not report its size: known now
         _check_dimensions(dimensions, vectors.shape[1])
-    return Embeddings(vectors, sum(len(t) for t in lists))
+    return Embeddings(vectors, sum(len(t) for t in lists), wid)
 
 
 def _check_dimensions(asked: int, dim: int | None) -> None:

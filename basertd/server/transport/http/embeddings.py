@@ -88,7 +88,9 @@ class EmbeddingsApi:
         req = body.decode(await body.read(request), OpenAiEmbeddingsRequest)
         if req.encoding_format not in ("float", "base64"):
             raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
-        out = await self.frontend.embed(req.model, _inputs(req.input, tokens=True), dimensions=req.dimensions)
+        out = await self.frontend.embed(
+            req.model, _inputs(req.input, tokens=True), dimensions=req.dimensions, api_name="openai"
+        )
         data = []
         for i, v in enumerate(out.vectors):
             vec: Any = (
@@ -109,6 +111,7 @@ class EmbeddingsApi:
             _inputs(req.input, tokens=False),
             truncate=req.truncate,
             dimensions=req.dimensions,
+            api_name="ollama",
         )
         took = int((time.monotonic() - t0) * NANOS)
         return body.json_response(
@@ -125,5 +128,7 @@ class EmbeddingsApi:
         req = body.decode(await body.read(request), OllamaEmbeddingsRequest)
         if not req.prompt:
             return body.json_response({"embedding": []})  # Ollama's answer to an empty prompt
-        out = await self.frontend.embed(req.model.removesuffix(":latest"), [req.prompt], truncate=True)
+        out = await self.frontend.embed(
+            req.model.removesuffix(":latest"), [req.prompt], truncate=True, api_name="ollama"
+        )
         return body.json_response({"embedding": out.vectors[0].tolist()})

@@ -153,10 +153,12 @@ class FrontendPort(Protocol):
         *,
         truncate: bool = False,
         dimensions: int | None = None,
+        api_name: str = "native",
     ) -> Embeddings:
         """Pooled, unit-length embeddings of texts or token lists, row i of input i (``truncate``:
         an input over the context length keeps its first tokens; ``dimensions``: refused unless the
-        model's). Raises ``AdmissionError`` (INVALID_REQUEST for an engine without embeddings)."""
+        model's; ``api_name``: the API, for the access line). Raises ``AdmissionError``
+        (INVALID_REQUEST for an engine without embeddings)."""
         ...
 
     async def compile_spec(self, model: str, qos: str, spec: GrammarSpec) -> GrammarSpec:
