@@ -79,7 +79,9 @@ async def _round(sock: Path, prompts: list[str]) -> tuple[list[Completion], floa
 
 def main() -> int:
     """Run the demo; returns the exit status."""
-    base = Path(tempfile.mkdtemp(prefix="basertd-demo-", dir="/tmp"))
+    # $TMPDIR, unless the socket's path would pass the 107 bytes a Unix socket address holds
+    tmp = tempfile.gettempdir()
+    base = Path(tempfile.mkdtemp(prefix="basertd-demo-", dir=tmp if len(tmp) <= 60 else "/tmp"))
     sock = base / "rt" / "basertd.sock"
     config = base / "basertd.toml"
     # a private runtime and state directory: the demo never meets another daemon's files
