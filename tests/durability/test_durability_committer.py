@@ -53,3 +53,58 @@ def test_a_committer_that_dies_of_any_exception_fails_closed_and_says_so(tmp_pat
     assert sent == []  # nothing acknowledged
     assert failure == "RuntimeError: histogram exploded"
     assert EXIT_JOURNAL_FAILED == 74
+
+
+def test_an_idle_journal_is_maintained_and_a_busy_one_is_not(tmp_path: Path, monkeypatch) -> None:
+    """``Journal.maintain`` (expired results leave the disk) runs once no commit happened for
+    ``MAINTAIN_EVERY_S``, checked by a timer every ``MAINTAIN_EVERY_S``; a commit within that time
+    puts it off."""
+    from basertd.server.durability import durable
+
+    monkeypatch.setattr(durable, "MAINTAIN_EVERY_S", 0.2)
+
+    async def scenario():
+        journal = open_journal(tmp_path, mode="write")
+        calls: list[float] = []
+        real = journal.maintain
+
+        def counted() -> bool:
+            calls.append(1.0)
+            return real()
+
+        journal.maintain = counted  # type: ignore[method-assign]
+        dur = Durability(journal, Metrics())
+        dur.start()
+        tok = BytesTokenizer()
+        busy_until = asyncio.get_running_loop().time() + 0.9
+        n = 0
+        while asyncio.get_running_loop().time() < busy_until:  # a commit every 50 ms
+            sink = Sink()
+            gen = api.Generate(request_id=f"r{n}", prompt="hi", max_tokens=4, temperature=0.0, seed=1)
+            req = GenerationRequest(
+                request_id=gen.request_id,
+                prompt=tok.encode("hi", add_bos=False),
+                max_tokens=4,
+                sampler=sampler_for(gen),
+                sink=sink,
+                tokenizer=tok,
+            )
+            accepted = dur.wrap(gen, req.prompt, req, sink)  # req.sink is the durable sink now
+            req.sink.send(accepted)
+            await dur.flush()
+            assert sink.sent, "the acceptance was released by its commit"
+            n += 1
+            await asyncio.sleep(0.05)
+        busy = len(calls)
+        for _ in range(100):  # idle: at most 2 x MAINTAIN_EVERY_S after the last commit
+            if len(calls) > busy:
+                break
+            await asyncio.sleep(0.05)
+        idle = len(calls)
+        await dur.close()
+        return busy, idle, dur.commits
+
+    busy, idle, commits = asyncio.run(scenario())
+    assert commits >= 10
+    assert busy == 0  # every check found a commit within MAINTAIN_EVERY_S
+    assert idle >= 1
