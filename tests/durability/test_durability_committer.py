@@ -11,14 +11,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from sink_testutil import Sink
+from sink_testutil import Sink, journaled_request
 
-from basertd.schema import client as api
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
 from basertd.server.durability.wal_disk import open_journal
 from basertd.server.observe.metrics import Metrics
-from basertd.server.request.record import GenerationRequest, sampler_for
-from basertd.server.request.tokenizer import BytesTokenizer
 
 
 @pytest.mark.parametrize("mode", ["write", "tick"])
@@ -32,18 +29,7 @@ def test_a_committer_that_dies_of_any_exception_fails_closed_and_says_so(tmp_pat
         dur = Durability(journal, Metrics(), on_failed=failed.set)
         dur.start()
         sink = Sink()
-        gen = api.Generate(request_id="a", prompt="hi", max_tokens=4, temperature=0.0, seed=1)
-        tok = BytesTokenizer()
-        req = GenerationRequest(
-            request_id="a",
-            prompt=tok.encode("hi", add_bos=False),
-            max_tokens=4,
-            sampler=sampler_for(gen),
-            sink=sink,
-            tokenizer=tok,
-        )
-        accepted = dur.wrap(gen, req.prompt, req, sink)
-        req.sink.send(accepted)  # held until its commit returns: that commit raises
+        journaled_request(dur, sink, max_tokens=4)  # held until its commit returns: that commit raises
         await asyncio.wait_for(failed.wait(), 10)
         failure = dur.failure
         await dur.close()
@@ -75,22 +61,11 @@ def test_an_idle_journal_is_maintained_and_a_busy_one_is_not(tmp_path: Path, mon
         journal.maintain = counted  # type: ignore[method-assign]
         dur = Durability(journal, Metrics())
         dur.start()
-        tok = BytesTokenizer()
         busy_until = asyncio.get_running_loop().time() + 0.9
         n = 0
         while asyncio.get_running_loop().time() < busy_until:  # a commit every 50 ms
             sink = Sink()
-            gen = api.Generate(request_id=f"r{n}", prompt="hi", max_tokens=4, temperature=0.0, seed=1)
-            req = GenerationRequest(
-                request_id=gen.request_id,
-                prompt=tok.encode("hi", add_bos=False),
-                max_tokens=4,
-                sampler=sampler_for(gen),
-                sink=sink,
-                tokenizer=tok,
-            )
-            accepted = dur.wrap(gen, req.prompt, req, sink)  # req.sink is the durable sink now
-            req.sink.send(accepted)
+            journaled_request(dur, sink, f"r{n}", max_tokens=4)
             await dur.flush()
             assert sink.sent, "the acceptance was released by its commit"
             n += 1

@@ -23,34 +23,15 @@ from pathlib import Path
 import pytest
 from daemon_harness import Daemon
 from serving_harness import ref_toml
-from sink_testutil import Sink
+from sink_testutil import Sink, journaled_request
 
 from basertd.client import ClientError
 from basertd.schema import client as api
 from basertd.server.durability.durable import EXIT_JOURNAL_FAILED, Durability
 from basertd.server.durability.wal_disk import open_journal
 from basertd.server.observe.metrics import Metrics
-from basertd.server.request.record import GenerationRequest, sampler_for
-from basertd.server.request.tokenizer import BytesTokenizer
 
 INTERVAL_S = 0.2
-
-
-def _request(dur: Durability, sink: Sink, rid: str = "a") -> GenerationRequest:
-    """A journaled streamed request whose replies go through ``dur`` to ``sink``; Accepted sent."""
-    gen = api.Generate(request_id=rid, prompt="hi", max_tokens=10_000, temperature=0.0, seed=1)
-    tok = BytesTokenizer()
-    req = GenerationRequest(
-        request_id=rid,
-        prompt=tok.encode("hi", add_bos=False),
-        max_tokens=10_000,
-        sampler=sampler_for(gen),
-        sink=sink,
-        tokenizer=tok,
-    )
-    accepted = dur.wrap(gen, req.prompt, req, sink)  # req.sink is now the journaling sink
-    req.sink.send(accepted)
-    return req
 
 
 async def _until(cond, timeout: float) -> None:
@@ -80,7 +61,7 @@ def test_commits_run_on_the_loop_and_fsyncs_are_coalesced_per_interval(tmp_path:
         dur = Durability(journal, Metrics(), sync_interval_s=INTERVAL_S)
         dur.start()
         sink = Sink()
-        req = _request(dur, sink)
+        req = journaled_request(dur, sink)
         t0 = time.monotonic()
         for i in range(120):  # a token every ~5 ms for about a second: many commits
             req.sink.send(api.Tokens(request_id="a", ids=[i]))
@@ -113,7 +94,7 @@ def test_a_close_fdatasyncs_what_no_sync_covered_yet(tmp_path: Path) -> None:
         dur = Durability(journal, Metrics(), sync_interval_s=3600.0)
         dur.start()
         sink = Sink()
-        req = _request(dur, sink)
+        req = journaled_request(dur, sink)
         await dur.flush()
         await _until(lambda: journal.unsynced_bytes == 0, 10)  # the first sync comes at once
         req.sink.send(api.Tokens(request_id="a", ids=[7, 8]))
@@ -150,7 +131,7 @@ def test_a_failed_fdatasync_stops_acknowledging_and_is_never_retried(
 
         dur = Durability(journal, Metrics(), on_failed=on_failed, sync_interval_s=0.02)
         dur.start()
-        req = _request(dur, sink)
+        req = journaled_request(dur, sink)
         req.sink.send(api.Tokens(request_id="a", ids=[1]))
         await dur.flush()
         await _until(lambda: journal.unsynced_bytes == 0, 10)
