@@ -212,8 +212,7 @@ class Daemon:
             fleet, self.metrics, self.drainer, self.public_state, self.durability, limiter
         )
         # One child process per sandbox pool now, so a request right after ready finds one; the
-        # rest once every worker is ready (``_notify_ready``): they are Python processes starting
-        # on the cores the workers load their models on.
+        # rest start one ahead of the jobs (``request.sandbox``).
         self.frontend.start(children=1)
         self.durability.start()
         resumed = requeue(self.durability, fleet, self.metrics, self.drainer)
@@ -307,10 +306,6 @@ class Daemon:
         self._status_line = self.status_line()
         self.notifier.ready(self._status_line)
         log.info("daemon_ready", workers=len(self.slots))
-        if self.frontend is not None:  # the sandbox children held back at start
-            self.frontend.start()
-        if self.http is not None:
-            self.http.start_children()
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
             self.publish_status()

@@ -6,6 +6,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 from daemon_harness import Daemon
 from proc_testutil import pid_alive
@@ -115,9 +116,10 @@ def test_a_clean_stop_logs_no_worker_death():
     assert not any(e.get("event") == "link_down" or "WorkerDied" in str(e) for e in events)
 
 
-def test_every_sandbox_child_is_started_once_the_daemon_is_ready():
-    """One child per sandbox pool starts with the daemon and the others once every worker is ready
-    (``Daemon._notify_ready``): ready, the daemon ends up with all of them (2 + 2 by default)."""
+def test_one_sandbox_child_per_pool_while_idle_and_one_ahead_of_the_jobs():
+    """One child per sandbox pool starts with the daemon and an idle daemon keeps just those; a
+    structured request takes the grammar pool's ready child, and the next starts ahead of the
+    next request (``request.sandbox``): 2 grammar children then, of the default 2."""
     from proc_testutil import children_of, wait_until
 
     def sandbox_children(pid: int) -> list[str]:
@@ -132,5 +134,15 @@ def test_every_sandbox_child_is_started_once_the_daemon_is_ready():
         return sorted(out)
 
     with Daemon(REF_WORKER + '[http]\nlisten = ["127.0.0.1:0"]\n') as d:
-        want = ["spec_check"] * 2 + ["template_render"] * 2
-        wait_until(lambda: sandbox_children(d.proc.pid) == want, timeout=30, what="every sandbox child")
+        one_each = ["spec_check", "template_render"]
+        wait_until(lambda: sandbox_children(d.proc.pid) == one_each, timeout=30, what="a child per pool")
+        with d.client() as c:
+            assert c.generate("hi", max_tokens=4, temperature=0).usage.completion_tokens >= 1
+            time.sleep(1.0)
+            assert sandbox_children(d.proc.pid) == one_each  # no structured work: no more processes
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+            out = c.generate("hi", max_tokens=4, temperature=0, response_format=fmt)
+            assert out.text.startswith("{"), out.text  # compiled (in the ready child), applied
+        want = ["spec_check", "spec_check", "template_render"]
+        wait_until(lambda: sandbox_children(d.proc.pid) == want, timeout=30, what="one grammar child ahead")

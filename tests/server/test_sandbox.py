@@ -93,9 +93,10 @@ def test_a_caller_cancelled_mid_job_kills_that_child_and_the_next_job_gets_its_o
     asyncio.run(main())
 
 
-def test_start_warms_the_children_asked_for_now_and_the_rest_later():
-    """The daemon warms one child per pool while it starts and the others once it is ready
-    (``SandboxPool.start(count)``, then ``start()``); no slot is warmed twice."""
+def test_start_warms_the_children_asked_for_and_jobs_start_the_rest_one_ahead():
+    """The daemon warms one child per pool while it starts (``SandboxPool.start(1)``); no slot is
+    warmed twice, and an idle pool stays at one process. A job that takes the last ready child
+    starts the next in the background, so a second job finds it ready; never more than ``size``."""
 
     async def main() -> None:
         p = pool(size=3)
@@ -103,13 +104,21 @@ def test_start_warms_the_children_asked_for_now_and_the_rest_later():
             p.start(1)
             (first,) = await wait_until_async(lambda: children_of(os.getpid()))
             await asyncio.sleep(0.3)
-            assert children_of(os.getpid()) == {first}
-            p.start()
+            assert children_of(os.getpid()) == {first}  # idle: one process
+            assert await p.run([["regex", "a+"]]) == 0  # took the only ready one: one more starts
+            (second,) = await wait_until_async(lambda: children_of(os.getpid()) - {first}, timeout=30)
+            await asyncio.sleep(0.3)
+            assert children_of(os.getpid()) == {first, second}  # one ahead, not all at once
+            # two jobs at once take both ready children: the third slot starts, no more
+            assert await asyncio.gather(p.run([["regex", "a+"]]), p.run([["regex", "b+"]])) == [0, 0]
             await wait_until_async(lambda: len(children_of(os.getpid())) == 3, timeout=30)
-            p.start()  # every slot was warmed: nothing more starts
+            for _ in range(3):
+                assert await asyncio.gather(*(p.run([["regex", "c+"]]) for _ in range(3))) == [0, 0, 0]
             await asyncio.sleep(0.3)
             assert len(children_of(os.getpid())) == 3
-            assert await p.run([["regex", "a+"]]) == 0
+            p.start()  # every slot holds a child: nothing more starts
+            await asyncio.sleep(0.3)
+            assert len(children_of(os.getpid())) == 3
         finally:
             await p.close()
         assert not children_of(os.getpid())

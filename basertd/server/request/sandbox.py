@@ -6,13 +6,18 @@ runs it (a Jinja chat template with a long loop; a grammar whose compilation ove
 llguidance's native stack and dies of SIGSEGV). A thread cannot be stopped and shares the
 coordinator's fate, so such work runs in ``SandboxPool``'s children: ``size`` processes
 (``python -m <module>``, the module calling ``serve(handler)``, which lives with the frame format in
-``sandbox_child``, a module a child imports without asyncio or structlog), started in the background by
-``start()`` (or on first use), each with
+``sandbox_child``, a module a child imports without asyncio or structlog), each with
 ``RLIMIT_AS`` of ``memory_bytes``, a nice value of ``CHILD_NICE`` (a spinning job yields the CPU to
 the coordinator and the engines), ``PR_SET_PDEATHSIG`` (it dies with the coordinator) and its
 stdin/stdout as the job pipe: a frame is a 4-byte little-endian length and a msgpack body
 (``msgspec``), one job in, one reply out. A child says it is ready (one frame) once its modules
 are imported; its start (``STARTUP_TIMEOUT_S`` at most) does not count against a job's time limit.
+
+Children start as they are needed, one ahead: ``start(n)`` warms ``n`` in the background (the
+daemon warms one per pool while it starts), and a job that takes the last child ready starts the
+next one in the background, so the next job finds one ready while an idle daemon keeps one process
+per pool (each is a Python process of about 20 MiB). A job that finds none ready and a slot free
+starts one itself.
 
 ``run(job)`` awaits an idle child (at most ``max_pending`` callers wait or run at once: more are
 ``SandboxBusy``), sends the job and waits ``timeout_s`` for the reply. A child that does not
@@ -159,12 +164,15 @@ class SandboxPool:
         self.max_pending = max_pending
         self.memory_bytes = memory_bytes
         self.size = size
-        self._idle: asyncio.Queue[_Child | None] = asyncio.Queue()
+        # idle slots, a started child (rank 0) before an empty slot (rank 1, None)
+        self._idle: asyncio.PriorityQueue[tuple[int, int, _Child | None]] = asyncio.PriorityQueue()
+        self._order = 0  # ties within a rank: first in, first out
+        self._ready = 0  # started children in ``_idle``
+        self._empty = 0  # empty slots in ``_idle``
         self._warming: set[asyncio.Task[None]] = set()
         self._reaping: set[asyncio.Task[int]] = set()
         for _ in range(size):
-            self._idle.put_nowait(None)  # a slot; its child starts on first use
-        self._unstarted = size  # slots ``start`` has not warmed yet
+            self._put(None)  # a slot; its child starts when needed
         self._children: set[_Child] = set()
         self._pending = 0
         self._closed = False
@@ -177,33 +185,67 @@ class SandboxPool:
         return self._pending
 
     def start(self, count: int | None = None) -> None:
-        """Start ``count`` children (default: every one not started yet) in the background, so a
-        job finds one ready instead of waiting for a Python process to start; call with the event
-        loop running. Children come up at the daemon's start, on the cores the workers load their
-        models on: the daemon starts one per pool then and the rest once it is ready."""
-        n = self._unstarted if count is None else min(count, self._unstarted)
-        self._unstarted -= n
+        """Start ``count`` children (default: one per empty slot) in the background, so a job
+        finds one ready instead of waiting for a Python process to start; call with the event loop
+        running. Later children start one ahead of the jobs (module docstring)."""
+        n = self._empty if count is None else min(count, self._empty)
         for _ in range(n):
-            self._background(self._warm())
+            if self._claim_empty():  # taken out now, so a second ``start`` does not warm it again
+                self._background(self._warm())
+
+    def _claim_empty(self) -> bool:
+        """Take an empty slot out of the idle queue now; False when it holds none."""
+        ready = []
+        found = False
+        while not self._idle.empty():
+            item = self._idle.get_nowait()
+            if item[2] is None:
+                found = True
+                self._empty -= 1
+                break
+            ready.append(item)  # started children sort first: put back
+        for item in ready:
+            self._idle.put_nowait(item)
+        return found
+
+    def _put(self, child: _Child | None) -> None:
+        self._order += 1
+        if child is None:
+            self._empty += 1
+        else:
+            self._ready += 1
+        self._idle.put_nowait((0 if child is not None else 1, self._order, child))
+
+    async def _get(self) -> _Child | None:
+        """The next idle slot: a started child if one is idle, else an empty slot (None)."""
+        _, _, child = await self._idle.get()
+        if child is None:
+            self._empty -= 1
+        else:
+            self._ready -= 1
+        return child
+
+    def _ahead(self) -> None:
+        """No started child is idle or starting and a slot is empty: start one in the background."""
+        if self._ready == 0 and self._empty > 0 and not self._warming and not self._closed:
+            self.start(1)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._warming.add(task)
         task.add_done_callback(self._warming.discard)
 
-    async def _warm(self, child: _Child | None = None, *, take: bool = True) -> None:
-        """Start a child for an empty slot: one taken from the idle queue (``take``), or the slot
-        of a child just dropped."""
-        if take:
-            child = await self._idle.get()
+    async def _warm(self) -> None:
+        """Start a child for a slot out of the idle queue (claimed by ``start``, or the slot of a
+        child just dropped) and put it there, ready, or empty again when it does not start."""
+        child: _Child | None = None
         try:
-            if child is None:
-                child = await self._spawn()
+            child = await self._spawn()
         except SandboxError:
             child = None
         finally:
             if not self._closed:
-                self._idle.put_nowait(child)
+                self._put(child)
             elif child is not None:
                 await self._drop(child)
 
@@ -239,10 +281,11 @@ class SandboxPool:
         payload = self._encode.encode(job)
         self._pending += 1
         try:
-            child = await self._idle.get()
+            child = await self._get()
         except BaseException:
             self._pending -= 1
             raise
+        self._ahead()  # the next job finds one ready
         clean = False  # the slot goes back with ``child`` only when no job is left half-done on it
         try:
             if child is None or not child.alive:
@@ -274,9 +317,9 @@ class SandboxPool:
                 if child is not None:
                     self._drop_now(child)
             elif child is None:  # dropped: its replacement starts now, not on the next job
-                self._background(self._warm(None, take=False))
+                self._background(self._warm())
             else:
-                self._idle.put_nowait(child)
+                self._put(child)
 
     def _drop_now(self, child: _Child) -> None:
         """Kill ``child`` without waiting; it is reaped in the background."""

@@ -148,14 +148,10 @@ class HttpServer:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def start_children(self) -> None:
-        """Start the chat-template processes ``start`` did not (in the background)."""
-        self.templates.pool.start()
-
     async def start(self, children: int | None = None) -> None:
         """Bind every listener (module docstring) and start ``children`` of the chat-template
-        processes (default: all; ``start_children`` starts the rest). Raises ``OSError``; nothing
-        stays bound then."""
+        processes (default: all; the rest start one ahead of the jobs, ``request.sandbox``).
+        Raises ``OSError``; nothing stays bound then."""
         self.templates.pool.start(children)
         self.door.fit_fd_limit(self.native_connections)
         accept_errors.install(asyncio.get_running_loop())
