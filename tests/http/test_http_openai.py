@@ -21,6 +21,8 @@ import pytest
 from daemon_harness import Daemon
 from serving_harness import ref_toml
 
+from basertd.server.sched.core import QUEUED_FIRST_S
+
 KEY = "sk-test-0123456789"
 LANES = 4
 
@@ -249,6 +251,38 @@ def test_queue_full_is_429_with_retry_after(daemon, client):
     finally:
         for s in streams:
             s.close()
+    wait_idle(daemon)
+
+
+def test_a_chat_stream_that_queues_reads_whole_in_the_openai_sdk(daemon, client):
+    """A chat stream's first chunk (the role) goes out at once, with an ``id:`` line; queue notices
+    after it are SSE comment lines with no blank line of their own: the ``openai`` SDK's decoder
+    makes an event of any blank line once it has seen an id, and then fails on its empty data."""
+    bg = {"X-Basertd-QoS": "background"}  # one background lane: the second background stream queues
+    holder = client.completions.create(model="", prompt="b", max_tokens=400, stream=True, extra_headers=bg)
+    try:
+        next(iter(holder))  # the lane is taken
+        stream = client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            stream=True,
+            extra_headers=bg,
+        )
+        first = next(iter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        waited = 0
+        while daemon.workers()[0].queue_depth == 0:  # the chat request is queued behind the holder
+            assert waited < 500, "the chat stream never queued"
+            time.sleep(0.01)
+            waited += 1
+        time.sleep(QUEUED_FIRST_S + 0.5)  # a queue notice goes out after the role chunk
+        holder.close()  # the lane frees: the queued chat runs
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        holder.close()
     wait_idle(daemon)
 
 

@@ -386,7 +386,7 @@ class OpenAiApi:
                 await resp.write(sse.DONE)
                 return resp
             elif isinstance(msg, api.Queued):
-                await resp.write(f": queued at position {msg.position}\n\n".encode())
+                await resp.write(sse.comment(f"queued at position {msg.position}"))
         if include_usage:
             usage = tr.usage([d for d in dones if d is not None], n)
             await resp.write(sse.event(shape.usage_chunk(usage), f"{ids[0]}:{sum(counts)}"))

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from basertd.server.transport.http import sse
 from basertd.server.transport.http.responses import wire
 
 _encode = msgspec.json.Encoder().encode
@@ -52,7 +53,7 @@ class OutputStream:
         await self.resp.write(b"event: " + kind.encode() + b"\ndata: " + _encode(data) + b"\n\n")
 
     async def comment(self, text: str) -> None:
-        await self.resp.write(f": {text}\n\n".encode())
+        await self.resp.write(sse.comment(text))
 
     async def begin(self) -> None:
         """``response.created`` and ``response.in_progress``."""
