@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from openai._streaming import SSEDecoder
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from openai._streaming import SSEDecoder
 
 from basertd.schema import client as api
 from basertd.schema.client import ErrorCode
