@@ -161,6 +161,13 @@ def test_stop_and_seed(client):
     a = client.completions.create(model="", prompt="s", max_tokens=10, temperature=1.0, seed=42)
     b = client.completions.create(model="", prompt="s", max_tokens=10, temperature=1.0, seed=42)
     assert a.choices[0].text == b.choices[0].text
+    # n choices with one seed: the first is the n = 1 answer, the others differ, a rerun repeats them
+    n3 = [
+        [c.text for c in client.completions.create(**params).choices]
+        for params in [dict(model="", prompt="s", max_tokens=10, temperature=1.0, seed=42, n=3)] * 2
+    ]
+    assert n3[0] == n3[1] and n3[0][0] == a.choices[0].text
+    assert len(set(n3[0])) == 3, n3[0]
 
 
 def test_models_health_metrics_tokenize(daemon, client, raw):

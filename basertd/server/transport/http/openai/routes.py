@@ -228,6 +228,7 @@ class OpenAiApi:
                 qos=qos,
                 stream=stream,
                 tool_spec=tools.spec if tools else None,
+                choice=j,
             )
             for i, (prompt, max_tokens) in enumerate(prompts)
             for j in range(n)

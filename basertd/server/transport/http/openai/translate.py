@@ -120,6 +120,21 @@ def logit_bias_of(req: Common) -> dict[int, float]:
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` of a request with ``seed`` (u64): choice 0 keeps it (so the
+    first of ``n`` choices is the ``n`` = 1 answer), each other a u64 mixed from both (splitmix64's
+    finalizer), so ``n`` choices with one seed differ and are reproducible."""
+    if choice == 0:
+        return seed
+    z = (seed + choice * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def generate_of(
     req: Common,
     request_id: str,
@@ -129,11 +144,13 @@ def generate_of(
     qos: str,
     stream: bool,
     tool_spec: GrammarSpec | None = None,
+    choice: int = 0,
 ) -> api.Generate:
     """The ``Generate`` of one choice (the limits table checks the values at admission).
     Structured output: the request's ``response_format`` / ``grammar`` / ``regex`` (validated at
     admission, an invalid one is a 400), or ``tool_spec``, the grammar of its tool calls (a 400
-    when the request also asks for one of those)."""
+    when the request also asks for one of those). ``choice``: the index among the prompt's ``n``
+    choices; with a ``seed`` each gets its own (``choice_seed``)."""
     structured: dict[str, Any] = {
         "response_format": req.response_format,
         "grammar": req.grammar,
@@ -154,6 +171,8 @@ def generate_of(
         if seed < -(1 << 63):
             raise bad_request(f"seed must be a signed or unsigned 64-bit integer, got {seed}", "seed")
         seed &= (1 << 64) - 1  # OpenAI clients send signed 64-bit seeds
+    if seed is not None:
+        seed = choice_seed(seed, choice)
     return api.Generate(
         request_id=request_id,
         prompt=prompt if isinstance(prompt, str) else None,
