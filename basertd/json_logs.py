@@ -6,9 +6,10 @@ warnings and errors, and the write-ahead log's ``basertd.wal``). With no handler
 such a record's bare message on stderr, one plain line among the JSON ones, which stops a reader of
 the log (``journalctl -u basertd -o cat | jq``). ``route_stdlib`` gives the root logger one
 handler that renders every record as one JSON object in one ``write(2)``: ``event`` the message,
-``logger`` its logger's name, ``level``, and what the caller's processors add (the timestamp, the
-worker's id). The coordinator (``basertd.server.launch.configure_logging``) and the worker
-(``basertd.worker.logging.configure``) call it.
+``logger`` its logger's name, ``level``, the record's ``EXTRA_FIELDS``, and what the caller's
+processors add (the timestamp, the worker's id). The coordinator
+(``basertd.server.launch.configure_logging``) and the worker (``basertd.worker.logging.configure``)
+call it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import Any, TextIO
 
 import structlog
 from structlog.stdlib import ProcessorFormatter
+
+EXTRA_FIELDS = ("error", "peer")
+"""Attributes a filter may set on a record (``record.error``) that become fields of its line."""
 
 
 def route_stdlib(level: int, pre_chain: Sequence[Any], stream: TextIO | None = None) -> None:
@@ -33,6 +37,7 @@ def route_stdlib(level: int, pre_chain: Sequence[Any], stream: TextIO | None = N
             foreign_pre_chain=[
                 structlog.stdlib.add_logger_name,
                 structlog.processors.add_log_level,
+                structlog.stdlib.ExtraAdder(allow=EXTRA_FIELDS),
                 *pre_chain,
             ],
         )

@@ -9,6 +9,8 @@ loopback listener (``origin``) and the JSON nesting and number bounds of every d
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import re
 import signal
@@ -292,6 +294,75 @@ def test_deep_json_and_long_numbers_are_400_on_every_dialect(daemon, path, body)
         r = h.post(path, content=body % ('"' + "[" * 1000 + "1" * 5000 + '"'))
         assert r.status_code != 500
     assert daemon.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    "path,body,shape",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, lambda j: j["error"]["code"]),
+        (
+            "/v1/messages",
+            {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            lambda j: j["type"] == "error" and j["error"]["type"],
+        ),
+        (
+            "/api/generate",
+            {"model": "", "prompt": "hi", "raw": True, "stream": False, "options": {"num_predict": 2}},
+            lambda j: j["error"],
+        ),
+    ],
+)
+def test_a_body_not_in_its_content_encoding_is_a_typed_400(daemon, path, body, shape):
+    """Plain JSON labelled gzip: the dialect's own 400 (not a 500) and the connection closed after
+    it, no error line in the log; the same body gzipped is served."""
+    before = len(daemon.log_events())
+    raw = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    with httpx.Client(base_url=daemon.http_url, timeout=30) as h:
+        r = h.post(path, content=raw, headers=headers)
+        assert r.status_code == 400 and shape(r.json()), r.text
+        assert "Content-Encoding gzip" in r.text and r.headers["Connection"] == "close", (r.headers, r.text)
+        r = h.post(path, content=gzip.compress(raw), headers=headers)
+        if path == "/v1/messages":  # read and parsed: the reference model has no chat template
+            assert r.status_code == 400 and "chat template" in r.text, r.text
+        else:
+            assert r.status_code == 200, r.text
+    errors = [e for e in daemon.log_events()[before:] if e.get("level") in ("error", "critical")]
+    assert not errors, [(e["event"], e.get("exception", "")[-3000:]) for e in errors]
+
+
+def test_a_body_declared_over_max_body_bytes_is_413_before_it_is_sent(daemon, client):
+    """A head whose Content-Length passes ``max_body_bytes`` is refused at once, not after the body
+    deadline."""
+    settle(daemon, client)
+    s = connect(daemon)
+    t0 = time.monotonic()
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 99999999999\r\n\r\n"
+    )
+    head = s.recv(4096)
+    s.close()
+    assert head.startswith(b"HTTP/1.1 413 ") and b"max_body_bytes" in head, head[:300]
+    assert time.monotonic() - t0 < 1.5  # the body deadline is 2 s: refused before it
+
+
+def test_a_malformed_request_head_is_400_and_an_info_line_without_a_traceback(daemon, client):
+    settle(daemon, client)
+    before = len(daemon.log_events())
+    s = connect(daemon)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 10_000 + b"\r\n\r\n")
+    assert status_of(s) == 400
+    s.close()
+    wait_until(
+        lambda: any(e.get("event") == "bad_http_request" for e in daemon.log_events()[before:]),
+        10,
+        what="the bad_http_request line",
+    )
+    lines = daemon.log_events()[before:]
+    (bad,) = [e for e in lines if e.get("event") == "bad_http_request"]
+    assert bad["level"] == "info" and bad["peer"] and "8190" in bad["error"] and "exception" not in bad
+    assert not [e for e in lines if e.get("level") in ("error", "critical")]
 
 
 def _raw_status(s: socket.socket) -> int | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import stat
@@ -41,6 +42,7 @@ from typing import Any
 import msgspec
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from basertd.server.config_sections import CompileConfig, HttpConfig, parse_listen
 from basertd.server.observe.metrics import Metrics
@@ -69,6 +71,38 @@ from basertd.server.transport.http.templates import Templates
 
 log = structlog.get_logger("basertd.http")
 
+
+class MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (a header over its limits, a bad request line, a
+    body in an encoding it cannot decode) with a plain-text 400 before any handler runs, and logs it
+    at error level with a traceback: any client could fill the log with errors and trip alerts. A
+    client's malformed request is not the server's failure: this filter, on the ``aiohttp.server``
+    logger, makes such a record info level, ``bad_http_request`` with ``error`` (the parser's
+    reason) and ``peer``, without the traceback. A body that cannot be decoded is answered 400 by
+    ``body.read``; aiohttp then meets the same error again draining the rest of it and reports
+    that as an unhandled exception: debug level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, web.RequestPayloadError) and isinstance(exc.__cause__, BadHttpMessage):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        if isinstance(exc, BadHttpMessage):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.peer = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
+            record.error = exc.message if isinstance(exc.message, str) else str(exc)
+            record.msg, record.args = "bad_http_request", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    """Install ``MalformedRequests`` on aiohttp's server logger once."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in logger.filters):
+        logger.addFilter(MalformedRequests())
+
+
 SHUTDOWN_TIMEOUT_S = 2.0
 """Seconds ``stop()`` lets running handlers finish (their requests already failed) before they
 are cancelled."""
@@ -83,7 +117,10 @@ def error_response(err: HttpError, path: str = "") -> web.Response:
         body = _json.encode(ollama_wire.error_body(err))
     else:
         body = err.encode()
-    return web.Response(body=body, status=err.status, headers=err.headers, content_type="application/json")
+    resp = web.Response(body=body, status=err.status, headers=err.headers, content_type="application/json")
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 class HttpServer:
@@ -120,6 +157,7 @@ class HttpServer:
         self.releaser = resume.Releaser(config.resume_grace_s)
         self._runner: web.AppRunner | None = None
         self._unix: list[tuple[Path, int]] = []
+        quiet_malformed_requests()
         self.addresses: list[str] = []
         app = web.Application(
             middlewares=[door_middleware(self.door), self._middleware], client_max_size=config.max_body_bytes
@@ -238,6 +276,8 @@ class HttpServer:
             self.hosts.check(request)
             public = request.path == "/health" or opsview.is_public(request.path)
             request[REQUESTER] = self.auth.check(sock, authorization, public=public)
+            if (request.content_length or 0) > self.config.max_body_bytes:  # refused before it is sent
+                raise web.HTTPRequestEntityTooLarge(self.config.max_body_bytes, request.content_length or 0)
             TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only
             return await handler(request)
         except HttpError as err:
@@ -251,7 +291,8 @@ class HttpServer:
             message = reason.get(exc.status, exc.reason)
             if exc.status == 413:
                 message = f"the request body is larger than max_body_bytes ({self.config.max_body_bytes})"
-            err = HttpError(exc.status, message, code=exc.reason.lower().replace(" ", "_"))
+            code = exc.reason.lower().replace(" ", "_")
+            err = HttpError(exc.status, message, code=code, close=exc.status == 413)  # body unread
             return error_response(err, request.path)
         except (asyncio.CancelledError, ConnectionResetError):
             raise

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from basertd.schema.client import QosClass
 from basertd.server.transport.http.errors import HttpError, bad_request
@@ -49,8 +50,9 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`")
 
 async def read(request: web.Request) -> bytes:
     """The body of ``request``, which must arrive within ``[http] body_timeout_s`` (the app's
-    ``BODY_TIMEOUT_S``). Raises a 400 ``HttpError`` when it is empty, a 408 when it is late (the
-    connection then closes, ``door``)."""
+    ``BODY_TIMEOUT_S``). Raises a 400 ``HttpError`` when it is empty or cannot be decoded (a
+    ``Content-Encoding`` its bytes are not in), a 408 when it is late (the connection then closes,
+    ``door``)."""
     timeout_s = request.config_dict.get(BODY_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S)
     try:
         async with asyncio.timeout(timeout_s):
@@ -58,6 +60,17 @@ async def read(request: web.Request) -> bytes:
     except TimeoutError:
         raise HttpError(
             408, f"request body incomplete after http.body_timeout_s ({timeout_s:g} s)", code="body_timeout"
+        ) from None
+    except web.RequestPayloadError as exc:
+        cause = exc.__cause__ or exc.__context__ or exc
+        reason = cause.message if isinstance(cause, BadHttpMessage) else str(cause)
+        encoding = request.headers.get("Content-Encoding", "none")
+        raise HttpError(
+            400,
+            f"the request body cannot be read as sent (Content-Encoding {encoding}): {reason}",
+            param="Content-Encoding",
+            code="bad_body_encoding",
+            close=True,
         ) from None
     if not body:
         raise bad_request(EMPTY_BODY)

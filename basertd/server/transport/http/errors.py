@@ -53,7 +53,9 @@ STATUS_OF: dict[ErrorCode, int] = {
 class HttpError(Exception):
     """A request that fails with ``status`` (module docstring). ``param`` names the offending
     request field when there is one; ``code`` is a machine-readable reason (the front end's
-    ``ErrorCode`` value for refusals it raised)."""
+    ``ErrorCode`` value for refusals it raised); ``close``: the connection closes after the answer
+    (``Connection: close``), for a request whose body was left unread or unreadable, which the
+    connection cannot go on past."""
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class HttpError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -70,6 +73,7 @@ class HttpError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.close = close
         if status in (429, 503):
             self.headers.setdefault("Retry-After", str(RETRY_AFTER_S))
 
