@@ -443,7 +443,7 @@ class Fleet:
         if not ids:
             served = ", ".join(sorted({m.model_name for m in self.members}))
             raise AdmissionError(
-                ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {served})"
+                ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {served})", "model"
             )
         staying = [i for i in ids if not self.members[i].leaving] or ids
         alive = [i for i in staying if not self.members[i].slot.given_up] or staying

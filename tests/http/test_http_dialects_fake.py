@@ -157,7 +157,9 @@ class FakeFrontend:
 
     def route(self, model: str) -> int:
         if model not in ("", MODEL):
-            raise AdmissionError(ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {MODEL})")
+            raise AdmissionError(
+                ErrorCode.NOT_FOUND, f"model {model!r} is not served here (served: {MODEL})", "model"
+            )
         return 7
 
     def context_length(self, worker: int) -> int:
@@ -677,7 +679,8 @@ def test_openai_bad_bodies_are_typed_400s_naming_the_field(body, param, phrase):
 def test_openai_unknown_model_and_context_overflow_are_typed_errors():
     fake = FakeFrontend()
     status, out = post(fake, "/v1/completions", {"model": "nope", "prompt": "x"})
-    assert status == 404 and out["error"]["code"] == "not_found" and "nope" in out["error"]["message"]
+    assert status == 404 and out["error"]["code"] == "model_not_found" and "nope" in out["error"]["message"]
+    assert out["error"]["param"] == "model"
     status, out = post(fake, "/v1/completions", {"prompt": "x", "max_tokens": CONTEXT})
     assert status == 400 and out["error"]["code"] == "context_length_exceeded"
     assert out["error"]["type"] == "invalid_request_error"

@@ -214,8 +214,13 @@ def test_error_classes(daemon, client):
         client.chat.completions.create(**chat, temperature=150.0)
     assert err.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(**chat, max_completion_tokens=600)
+        client.chat.completions.create(**chat, max_tokens=600)
     assert err.value.code == "context_length_exceeded" and err.value.param == "max_tokens"
+    for value, code in ((600, "context_length_exceeded"), (0, "invalid_request")):  # the field sent
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**chat, max_completion_tokens=value)
+        assert err.value.code == code and err.value.param == "max_completion_tokens"
+        assert "max_completion_tokens" in err.value.message and "max_tokens " not in err.value.message
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="", messages=[{"role": "user", "content": "x" * 600}])
     assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
@@ -227,8 +232,9 @@ def test_error_classes(daemon, client):
     assert err.value.param == "top_p"
     with pytest.raises(openai.BadRequestError, match="QoS"):
         client.completions.create(model="", prompt="x", max_tokens=2, extra_headers={"X-Basertd-QoS": "vip"})
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert (err.value.code, err.value.param) == ("model_not_found", "model")  # as GET /v1/models/nope
     bad = openai.OpenAI(base_url=daemon.http_url + "/v1", api_key="sk-wrong", max_retries=0)
     with bad, pytest.raises(openai.AuthenticationError):
         bad.models.list()

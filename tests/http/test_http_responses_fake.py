@@ -325,7 +325,7 @@ def test_a_failure_is_a_typed_error_before_a_stream_and_response_failed_during_o
     status, out = post(FakeFrontend(error_first=ErrorCode.WORKER_FAILED), "/v1/responses", {"input": "hi"})
     assert status == 503 and out["error"]["code"] == "worker_failed"
     status, out = post(FakeFrontend(), "/v1/responses", {"input": "hi", "model": "nope"})
-    assert status == 404 and out["error"]["code"] == "not_found"
+    assert status == 404 and out["error"]["code"] == "model_not_found"
     fake = FakeFrontend(fail=ErrorCode.WORKER_FAILED)
 
     async def fn(client: TestClient) -> Any:

@@ -54,8 +54,9 @@ class Limit:
     note: str = ""
 
     def describe(self) -> str:
-        lo = "-inf" if self.lo is None else f"{self.lo:g}"
-        hi = "+inf" if self.hi is None else f"{self.hi:g}"
+        fmt = (lambda v: f"{int(v)}") if self.integer else (lambda v: f"{v:g}")
+        lo = "-inf" if self.lo is None else fmt(self.lo)
+        hi = "+inf" if self.hi is None else fmt(self.hi)
         left = "(" if self.lo_open else "["
         return f"{left}{lo}, {hi}]"
 

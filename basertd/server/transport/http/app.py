@@ -57,7 +57,7 @@ from basertd.server.transport.http.auth import REQUESTER, Authorizer, load_api_k
 from basertd.server.transport.http.body import BODY_TIMEOUT_S, json_response
 from basertd.server.transport.http.door import Door, DoorRunner, door_middleware
 from basertd.server.transport.http.embeddings import EmbeddingsApi
-from basertd.server.transport.http.errors import HttpError, from_admission
+from basertd.server.transport.http.errors import PARAM_ALIASES, HttpError, from_admission
 from basertd.server.transport.http.ollama import wire as ollama_wire
 from basertd.server.transport.http.ollama.routes import OllamaApi
 from basertd.server.transport.http.openai.render import RenderApi
@@ -283,7 +283,8 @@ class HttpServer:
         except HttpError as err:
             return error_response(err, request.path)
         except AdmissionError as exc:
-            return error_response(from_admission(exc, request.path), request.path)
+            err = from_admission(exc, request.path, request.get(PARAM_ALIASES))
+            return error_response(err, request.path)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -9,7 +9,10 @@ draining / shutting down / no worker (with ``Retry-After``), 500 internal (never
 
 from __future__ import annotations
 
+import re
+
 import msgspec
+from aiohttp import web
 
 from basertd.schema.client import ErrorCode
 from basertd.server.request.record import AdmissionError
@@ -119,10 +122,24 @@ PARAM_NAMES: dict[str, dict[str, str]] = {
 from, where the names differ (a refusal's ``param`` names the client's field)."""
 
 
-def from_admission(exc: AdmissionError, path: str = "") -> HttpError:
+PARAM_ALIASES = web.RequestKey("param_aliases", dict)
+"""A request's own names for fields it sent under another of their names (chat's
+``max_completion_tokens`` for ``max_tokens``), set by its handler, used by ``from_admission``."""
+
+
+def from_admission(exc: AdmissionError, path: str = "", aliases: dict[str, str] | None = None) -> HttpError:
     """The ``HttpError`` of a refusal at admission of a request to ``path``; its ``param`` is the
-    refused field as that endpoint names it (``PARAM_NAMES``)."""
+    refused field as that endpoint names it (``PARAM_NAMES``), or as the request named it
+    (``aliases``: the message then says that name too). A model not served is OpenAI's
+    ``model_not_found``, as ``GET /v1/models/{model}`` answers it."""
     err = from_code(exc.code, exc.message)
+    if exc.code is ErrorCode.NOT_FOUND and exc.param == "model":
+        err.code = "model_not_found"
     if exc.param is not None:
-        err.param = PARAM_NAMES.get(path, {}).get(exc.param, exc.param)
+        alias = (aliases or {}).get(exc.param)
+        if alias is not None:
+            err.param = alias
+            err.message = re.sub(rf"\b{re.escape(exc.param)}\b", alias, err.message)
+        else:
+            err.param = PARAM_NAMES.get(path, {}).get(exc.param, exc.param)
     return err

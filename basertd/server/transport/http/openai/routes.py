@@ -24,7 +24,7 @@ from basertd.schema import client as api
 from basertd.server.transport.http import body, resume, sse, tool_calls
 from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
-from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.errors import PARAM_ALIASES, HttpError, bad_request, from_code
 from basertd.server.transport.http.openai import echo, wire
 from basertd.server.transport.http.openai import translate as tr
 from basertd.server.transport.http.openai.render import chat_max_tokens, chat_prompt
@@ -194,6 +194,8 @@ class OpenAiApi:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=True)
         req = body.decode(await body.read(request), wire.ChatRequest)
+        if req.max_completion_tokens is not None:  # a refusal names the field the client sent
+            request[PARAM_ALIASES] = {"max_tokens": "max_completion_tokens"}
         req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
