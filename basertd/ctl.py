@@ -558,7 +558,8 @@ def cache_unpin(ctx: click.Context, pin_id: int, as_json: bool) -> None:
 @json_flag
 @click.pass_context
 def cache_evict(ctx: click.Context, worker_id: int | None, bytes_target: int, as_json: bool) -> None:
-    """Evict unpinned prefixes (all of them unless --bytes)."""
+    """Evict unpinned prefixes from the KV pool (all of them unless --bytes); with a host tier
+    ([cache] host_bytes) they move to host memory and are still matched."""
     (result,) = _call(ctx, control.CacheEvict(worker_id=worker_id, bytes_target=bytes_target))
     _output(
         ctx,

@@ -842,6 +842,10 @@ def test_messages_prefill_continues_the_last_assistant_turn():
     messages[-1]["content"] = "Sure: "
     status, out = post(fake, "/v1/messages", msg_body(messages=messages))
     assert status == 400 and "trailing whitespace" in out["error"]["message"]
+    # a prefill alone leaves the template nothing to render it after: a clear 400, not its failure
+    status, out = post(fake, "/v1/messages", msg_body(messages=[{"role": "assistant", "content": "Sure:"}]))
+    assert status == 400 and "give a user message" in out["error"]["message"], out
+    assert len(fake.gens) == 1
 
 
 def test_messages_stream_is_anthropics_named_events():

@@ -114,7 +114,8 @@ def _turns(i: int, m: Message) -> list[dict[str, Any]]:
 
 def conversation(req: CountRequest) -> tuple[list[dict[str, Any]], str]:
     """``(messages for the chat template, assistant prefill)``. Raises 400 for thinking, blocks
-    we do not serve, an empty conversation or one whose first message is not the user's."""
+    we do not serve, an empty conversation, or one that is only an assistant prefill (nothing for
+    the chat template to render it after)."""
     if req.thinking:
         raise bad_request("thinking is not supported by this server yet", "thinking")
     if not req.messages:
@@ -131,6 +132,12 @@ def conversation(req: CountRequest) -> tuple[list[dict[str, Any]], str]:
         prefill = out.pop()["content"]
         if prefill != prefill.rstrip():
             raise bad_request("final assistant content cannot end with trailing whitespace", "messages")
+        if not out:
+            raise bad_request(
+                "messages: a final assistant message is a prefill the reply continues; give a user "
+                "message (or a system prompt) before it",
+                "messages",
+            )
     return out, prefill
 
 
