@@ -134,6 +134,24 @@ def test_a_smaller_draft_model_stays_exact(lc, bare, small_draft, lanes):
     assert 0 < accepted < drafted
 
 
+def test_drafting_is_timed_and_counted_in_the_verify_cost(lc, small_draft):
+    """Each draft call is timed per llama_decode; over the target's plain step of as many lanes it
+    is a drafted token's cost in target steps, which a draft-model lane's verify cost adds per
+    draft (``DraftModel.step_ratio``), reported as ``draft_step_permille``."""
+    eng, coord = lc
+    slot = register_draft(eng, small_draft, max_batch_lanes=8, min_accept_permille=0)
+    (drafter,) = set(eng.drafts.sources.values())
+    assert drafter.step_ratio(eng.rounds.speculator.cost.plain_ns) == 0.0  # nothing timed yet: free
+    prompts = {1: make_prompt(71, 12)}
+    kw = {1: dict(params=ignore_eos(), strategy_slot=slot)}
+    # a weak draft pays nothing: its lane pauses between tries, whose plain rounds time the step
+    run_checked(eng, coord, prompts, 160, per_tick=8, admit_kw=kw)
+    ratio = drafter.step_ratio(eng.rounds.speculator.cost.plain_ns)
+    assert 0.0 < ratio < 20.0, ratio  # a 1-layer draft of a 2-layer target: some of a step
+    assert eng.stats()["draft_step_permille"] == round(ratio * 1000)
+    assert drafter.step_ratio(lambda lanes: None) == 0.0  # no plain step known: nothing to scale by
+
+
 def test_draft_kv_follows_the_committed_tokens(lc, bare, small_draft):
     """Tick by tick, a lane's draft sequence holds a prefix of its tokens plus the round's drafts,
     rejected drafts cut back before the next round (``check_drafts`` after every tick)."""

@@ -39,13 +39,23 @@ feeds it again).
 A lane's draft sequence is released (``forget_gone``) at the start of the first tick's rounds
 after the lane left the engine (retired, cancelled, preempted, faulted): a draft sequence belongs
 to one ``Lane`` object, never to a tag alone.
+
+What drafting costs (``step_ratio``): each ``draft`` call is timed, per ``llama_decode`` it made
+(the feed and the ``m - 1`` single-token steps), into a window per number of drafting lanes; its
+median over the target's plain step of as many lanes (``verify_cost.VerifyCost.plain_ns``) is what
+one drafted token costs in the target's plain steps, which the verify cost of a draft-model lane
+adds per draft (``speculation.Speculator.verify``): a draft model is not free, and one as slow as
+the target never pays.
 """
 
 from __future__ import annotations
 
 import heapq
+import statistics
 import struct
-from collections.abc import Mapping
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,6 +105,12 @@ class _LaneDraft:
     seq: int
     toks: np.ndarray
     n: int = 0
+
+
+STEP_WINDOW = 15
+"""Timed draft calls per number of drafting lanes whose median is that size's draft step."""
+MIN_STEPS = 3
+"""Timed draft calls of a size before its step is used (until then drafting counts as free)."""
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -159,6 +175,9 @@ class DraftModel:
         self.lanes: dict[int, _LaneDraft] = {}  # lane tag -> its draft sequence
         self.batch = TokenBatch(max(64, lanes), self.n_batch)
         self.failures = 0  # llama_decode calls that failed (their rounds drafted nothing)
+        self._step_ns: dict[int, deque[float]] = {}  # drafting lanes -> ns per llama_decode
+        self._last_lanes = 0  # drafting lanes of the last timed call
+        self.last_ratio = 0.0  # the last ``step_ratio``, for stats
 
     # ------------------------------------------------------------------ sequences
 
@@ -212,6 +231,8 @@ class DraftModel:
             rows += n - keep
         if not seated:
             return {}
+        t0 = time.perf_counter_ns()
+        steps = max(m for _, _, m, _ in seated)  # llama_decode calls a full draft makes
         b = self.batch
         if rows > b.capacity:
             self.batch = b = TokenBatch(max(rows, 2 * b.capacity), self.n_batch)
@@ -236,7 +257,23 @@ class DraftModel:
             for st, lane, _, _ in step:
                 st.toks[st.n] = out[lane.tag][j - 1]
                 st.n += 1
+        window = self._step_ns.get(len(seated))
+        if window is None:
+            window = self._step_ns[len(seated)] = deque(maxlen=STEP_WINDOW)
+        window.append((time.perf_counter_ns() - t0) / steps)
+        self._last_lanes = len(seated)
         return out
+
+    def step_ratio(self, plain_ns: Callable[[int], float | None]) -> float:
+        """One drafted token's cost in the target's plain decode steps (module docstring): the
+        median draft step of the last call's lane count over ``plain_ns`` of that count; 0.0
+        until both are known (``MIN_STEPS`` timed calls)."""
+        window = self._step_ns.get(self._last_lanes)
+        plain = plain_ns(self._last_lanes) if window is not None and len(window) >= MIN_STEPS else None
+        if window is None or plain is None or plain <= 0:
+            return 0.0
+        self.last_ratio = float(statistics.median(window)) / plain
+        return self.last_ratio
 
     def _decode(
         self, runs: list[tuple[_LaneDraft, Lane, int, int]], out: dict[int, np.ndarray], j: int
@@ -324,14 +361,16 @@ class DraftHost:
 
     def stats(self) -> dict[str, int]:
         """Over every bound drafter: ``draft_models``, ``draft_bytes`` (weights files + KV caches,
-        bytes), ``draft_sequences`` (lanes holding a draft sequence) and
-        ``draft_failures_total`` (draft llama_decode calls that failed)."""
+        bytes), ``draft_sequences`` (lanes holding a draft sequence), ``draft_failures_total``
+        (draft llama_decode calls that failed) and ``draft_step_permille`` (the largest last
+        ``step_ratio``: a drafted token's cost in thousandths of a target step)."""
         ds = set(self.sources.values())
         return {
             "draft_models": len(ds),
             "draft_bytes": sum(d.nbytes for d in ds),
             "draft_sequences": sum(len(d.lanes) for d in ds),
             "draft_failures_total": sum(d.failures for d in ds),
+            "draft_step_permille": max((round(d.last_ratio * 1000) for d in ds), default=0),
         }
 
     def close(self) -> None:

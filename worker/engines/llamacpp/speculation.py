@@ -226,7 +226,8 @@ class Speculator:
     batch; the lanes of other certificates draft by prompt lookup): the same bounds on ``m``, drafts
     batched over the round's lanes after the bounds are set. ``cost`` measures what verification
     costs on this engine (``verify_cost``; ``rounds`` notes each decode-only ``llama_decode``): the
-    cost ``verify`` judges each lane's drafts by."""
+    cost ``verify`` judges each lane's drafts by, plus, for a draft-model lane, what each drafted
+    token cost the draft model (``DraftModel.step_ratio``)."""
 
     def __init__(
         self,
@@ -343,5 +344,9 @@ class Speculator:
                 lane.kv_len = keep
         drafted = int(drafts.shape[0])
         if lane.spec is not None:
-            lane.spec.note(drafted, accepted, self.cost.current())
+            cost = self.cost.current()
+            src = self.sources.get(lane.spec.cert_id)
+            if src is not None:  # its drafts cost the draft model's steps too (``draft_model``)
+                cost = Cost(cost.base, cost.per_draft + src.step_ratio(self.cost.plain_ns))
+            lane.spec.note(drafted, accepted, cost)
         tick.note_spec(tag, drafted, accepted)
