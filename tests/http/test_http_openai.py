@@ -221,6 +221,7 @@ def test_error_classes(daemon, client):
             client.chat.completions.create(**chat, max_completion_tokens=value)
         assert err.value.code == code and err.value.param == "max_completion_tokens"
         assert "max_completion_tokens" in err.value.message and "max_tokens " not in err.value.message
+        assert not err.value.message.startswith("request ")  # the server's own id is not the client's
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="", messages=[{"role": "user", "content": "x" * 600}])
     assert err.value.code == "context_length_exceeded" and err.value.param == "messages"

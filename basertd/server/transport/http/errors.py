@@ -122,6 +122,8 @@ PARAM_NAMES: dict[str, dict[str, str]] = {
 from, where the names differ (a refusal's ``param`` names the client's field)."""
 
 
+_REQUEST_PREFIX = re.compile(r"^request '[^']*': ")
+
 PARAM_ALIASES = web.RequestKey("param_aliases", dict)
 """A request's own names for fields it sent under another of their names (chat's
 ``max_completion_tokens`` for ``max_tokens``), set by its handler, used by ``from_admission``."""
@@ -131,8 +133,10 @@ def from_admission(exc: AdmissionError, path: str = "", aliases: dict[str, str] 
     """The ``HttpError`` of a refusal at admission of a request to ``path``; its ``param`` is the
     refused field as that endpoint names it (``PARAM_NAMES``), or as the request named it
     (``aliases``: the message then says that name too). A model not served is OpenAI's
-    ``model_not_found``, as ``GET /v1/models/{model}`` answers it."""
-    err = from_code(exc.code, exc.message)
+    ``model_not_found``, as ``GET /v1/models/{model}`` answers it. The message leaves out the
+    ``request '<id>': `` the front end starts a refusal with: over HTTP that id is the server's
+    own, never shown to the client."""
+    err = from_code(exc.code, _REQUEST_PREFIX.sub("", exc.message, count=1))
     if exc.code is ErrorCode.NOT_FOUND and exc.param == "model":
         err.code = "model_not_found"
     if exc.param is not None:
