@@ -231,6 +231,16 @@ def test_error_classes(daemon, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="", input="hi", top_p=1.5)
     assert err.value.param == "top_p"
+    # top_k -1 is vLLM's and SGLang's "off" (their routers send it); other negatives are refused
+    for create, kw in (
+        (client.chat.completions.create, {"messages": chat["messages"], "max_tokens": 2}),
+        (client.completions.create, {"prompt": "hi", "max_tokens": 2}),
+        (client.responses.create, {"input": "hi", "max_output_tokens": 2}),
+    ):
+        assert create(model="", extra_body={"top_k": -1}, **kw)
+        with pytest.raises(openai.BadRequestError) as err:
+            create(model="", extra_body={"top_k": -2}, **kw)
+        assert err.value.param == "top_k"
     with pytest.raises(openai.BadRequestError, match="QoS"):
         client.completions.create(model="", prompt="x", max_tokens=2, extra_headers={"X-Basertd-QoS": "vip"})
     with pytest.raises(openai.NotFoundError) as err:

@@ -284,6 +284,7 @@ def test_previous_response_id_continues_a_stored_conversation_and_store_false_ke
         ({"frobnicate": 1}, "frobnicate"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"priority": 1}, "priority"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_the_field(body, param):
@@ -319,6 +320,35 @@ def test_the_same_fields_at_their_no_op_values_are_accepted():
     assert status == 200 and out["metadata"] == {"k": "v"} and out["parallel_tool_calls"] is False
     gen = fake.gens[0][0]
     assert (gen.response_format, gen.grammar, gen.regex) == (None, None, None)  # tools: [] is no tools
+
+
+def test_the_body_sglangs_gateway_forwards_is_served():
+    """SGLang's gateway (smg) re-serialises a Responses request with its sampling defaults:
+    ``priority`` 0, ``top_k`` -1 (off), ``min_p`` 0 and ``repetition_penalty`` 1, ``store``,
+    ``stream`` null. All are served: top_k off, the others as sent."""
+    body = {
+        "input": "Hi",
+        "max_output_tokens": 4,
+        "model": MODEL,
+        "store": True,
+        "stream": None,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "priority": 0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+    }
+    fake = FakeFrontend()
+    status, out = post(fake, "/v1/responses", body)
+    assert status == 200, out
+    gen = fake.gens[0][0]
+    assert (gen.top_k, gen.min_p, gen.repeat_penalty, gen.max_tokens) == (0, 0.0, 1.0, 4)
+    status, out = post(fake, "/v1/responses", {**body, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2})
+    assert status == 200 and fake.gens[1][0].top_k == 5
+    assert (fake.gens[1][0].min_p, fake.gens[1][0].repeat_penalty) == (0.1, 1.2)
+    status, out = post(fake, "/v1/responses", {**body, "top_k": -2})  # on to the limits check
+    assert fake.gens[2][0].top_k == -2
 
 
 def test_a_failure_is_a_typed_error_before_a_stream_and_response_failed_during_one():

@@ -167,6 +167,12 @@ class Extensions(msgspec.Struct, kw_only=True):
     add_special_tokens: Any = None
 
 
+def top_k_of(value: int | None) -> int:
+    """``Generate.top_k`` of a request's ``top_k``: absent, 0 and -1 (vLLM's and SGLang's "off",
+    which their routers send by default) are 0, off; other values pass on to the limits check."""
+    return 0 if value is None or value == -1 else value
+
+
 def same(a: Any, b: Any) -> bool:
     """JSON equality that keeps types apart: booleans equal only booleans, numbers (int or float)
     equal numbers of the same value, lists and objects compare element by element."""

@@ -180,7 +180,7 @@ def generate_of(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        top_k=extensions.top_k_of(req.top_k),
         min_p=req.min_p or 0.0,
         repeat_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,

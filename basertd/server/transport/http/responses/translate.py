@@ -22,9 +22,10 @@ values other than ``reasoning.encrypted_content`` (there is no reasoning to incl
 than medium, ``service_tier`` other than auto / default, ``prompt``, ``conversation``,
 ``context_management``. The same fields at their no-op values are accepted.
 
-Extensions: ``seed``, ``top_k``, ``qos`` and ``speculation`` (``Generate.speculation``: "auto",
-"off" or a strategy name; a value the daemon cannot honour is a 400 naming it, before anything is
-queued).
+Extensions: ``seed``, ``top_k`` (-1 is off, as vLLM and SGLang send it), ``min_p``,
+``repetition_penalty``, ``qos`` and ``speculation`` (``Generate.speculation``: "auto", "off" or a
+strategy name; a value the daemon cannot honour is a 400 naming it, before anything is queued);
+``priority`` at 0, as SGLang's gateway forwards it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from basertd.server.request import grammar, strict_schema
 from basertd.server.request.grammar import GrammarRequestError, GrammarSpec
 from basertd.server.transport.http import tool_calls
 from basertd.server.transport.http.errors import bad_request
+from basertd.server.transport.http.extensions import top_k_of
 from basertd.server.transport.http.responses import wire
 
 _COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -71,6 +73,8 @@ def check_fields(req: wire.ResponsesRequest) -> None:
         raise bad_request(f"text.verbosity {req.text.verbosity!r} is not served", "text.verbosity")
     if req.service_tier not in (None, "auto", "default"):
         raise bad_request(f"service_tier {req.service_tier!r} is not served", "service_tier")
+    if req.priority not in (None, 0) or isinstance(req.priority, bool):
+        raise bad_request(f"priority {req.priority!r} is not served (only 0)", "priority")
     for name in ("prompt", "conversation", "context_management"):
         if getattr(req, name) is not None:
             raise bad_request(f"{name} is not served", name)
@@ -271,7 +275,9 @@ def generate_of(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
+        top_k=top_k_of(req.top_k),
+        min_p=req.min_p or 0.0,
+        repeat_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         qos=qos,  # type: ignore[arg-type]
         speculation=req.speculation or "auto",

@@ -42,8 +42,9 @@ class Reasoning(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/responses`` (``translate`` checks the values; ``seed``, ``top_k``, ``qos`` and
-    ``speculation`` are extensions). ``input`` items are read one by one (``translate.conversation_of``)."""
+    """``POST /v1/responses`` (``translate`` checks the values; ``seed``, ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``priority``, ``qos`` and ``speculation`` are extensions). ``input``
+    items are read one by one (``translate.conversation_of``)."""
 
     model: str = ""
     input: str | list[Any] | None = None
@@ -76,6 +77,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     context_management: Any = None
     seed: int | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: Any = None
     qos: str | None = None
     speculation: str | None = None
 
