@@ -43,6 +43,11 @@ class ChatTemplateError(ValueError):
     ``raise_exception`` raises. The message is safe to show to a client."""
 
 
+class ChatTemplateRefused(ChatTemplateError):
+    """The template did not render these messages (its ``raise_exception``, or an error of its
+    own code such as an index past the messages), as opposed to a limit or a crash of the render."""
+
+
 def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"chat template: {message}")
 

@@ -24,8 +24,13 @@ import structlog
 from basertd.server.config_sections import CompileConfig
 from basertd.server.request.grammar import GrammarRequestError, check_tool_caps
 from basertd.server.request.sandbox import SandboxBusy, SandboxError, SandboxJobError, SandboxPool
-from basertd.server.transport.http import tool_calls
-from basertd.server.transport.http.chat_template import ChatTemplate, ChatTemplateError, template_source
+from basertd.server.transport.http import roles, tool_calls
+from basertd.server.transport.http.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateRefused,
+    template_source,
+)
 from basertd.server.transport.http.errors import HttpError, bad_request
 from basertd.server.transport.http.port import FrontendPort
 
@@ -107,7 +112,7 @@ class Templates:
             return await self.pool.run(job)
         except SandboxJobError as exc:
             self._failed("refused")
-            raise ChatTemplateError(str(exc)) from None
+            raise ChatTemplateRefused(str(exc)) from None
         except SandboxBusy as exc:
             self._failed(exc.reason)
             raise HttpError(
@@ -125,8 +130,20 @@ class Templates:
     async def render_chat(
         self, template: ChatTemplate, messages: list[dict[str, Any]], plan: tool_calls.ToolPlan | None
     ) -> str:
-        """The prompt text of a chat with tools (``tool_calls.render``), rendered off the loop."""
-        return await tool_calls.render(self.render, template, messages, plan)
+        """The prompt text of a chat with tools (``tool_calls.render``), rendered off the loop.
+        When the template refuses the messages (a ``ChatTemplateError`` it raised, not a limit),
+        they are rendered once more laid out for a template that wants alternating roles
+        (``roles.alternating``); if that fails too, the first refusal is raised."""
+        try:
+            return await tool_calls.render(self.render, template, messages, plan)
+        except ChatTemplateRefused as refused:
+            laid_out = roles.alternating(messages)
+            if laid_out == messages:
+                raise
+            try:
+                return await tool_calls.render(self.render, template, laid_out, plan)
+            except ChatTemplateRefused:
+                raise refused from None
 
     async def tool_plan(
         self, model: str, qos: str, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None
