@@ -205,6 +205,16 @@ def test_render_gives_the_token_ids_and_sampling_params_the_request_would_run_wi
     assert r.status_code == 200 and [x["token_ids"] for x in r.json()] == want and len(want[0]) >= 3
     bad = post(daemon, "/v1/chat/completions/render", {"messages": MSGS, "echo": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+    # a response's render (vllm-router's cache-aware policy asks it): the prompt /v1/responses runs
+    resp = {"input": MSGS, "max_output_tokens": 3, "temperature": 0.5}
+    before = requests_done(daemon)
+    r = post(daemon, "/v1/responses/render", resp)
+    assert r.status_code == 200, r.text
+    g = r.json()
+    assert g["sampling_params"]["max_tokens"] == 3 and g["model"] == daemon.model
+    ran = post(daemon, "/v1/responses", resp).json()
+    assert ran["usage"]["input_tokens"] == len(g["token_ids"]) > 0
+    assert requests_done(daemon) == before + 1  # the render queued nothing
     cont = post(daemon, "/tokenize", {"messages": MSGS, "continue_final_message": True})
     assert cont.status_code == 400 and cont.json()["error"]["param"] == "continue_final_message"
 

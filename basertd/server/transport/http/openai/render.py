@@ -118,16 +118,23 @@ class RenderApi:
     ) -> dict[str, Any]:
         rid = body.new_id(kind)
         gen = tr.generate_of(req, rid, prompt=tokens, max_tokens=max_tokens, qos="interactive", stream=False)
-        return {
-            "request_id": rid,
-            "token_ids": tokens,
-            "features": None,
-            "sampling_params": _sampling_params(gen, req.n or 1),
-            "model": self.frontend.model_name(self.frontend.route(req.model)),
-            "stream": bool(req.stream),
-            "cache_salt": None,
-            "priority": 0,
-        }
+        model = self.frontend.model_name(self.frontend.route(req.model))
+        return generate_request(gen, model, bool(req.stream), req.n or 1)
+
+
+def generate_request(gen: api.Generate, model: str, stream: bool, n: int = 1) -> dict[str, Any]:
+    """``gen`` (its ``prompt_tokens`` set) as vLLM's render endpoints answer: a ``GenerateRequest``
+    of ``model`` with ``n`` choices."""
+    return {
+        "request_id": gen.request_id,
+        "token_ids": list(gen.prompt_tokens or []),
+        "features": None,
+        "sampling_params": _sampling_params(gen, n),
+        "model": model,
+        "stream": stream,
+        "cache_salt": None,
+        "priority": 0,
+    }
 
 
 def _sampling_params(gen: api.Generate, n: int) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """OpenAI's Responses API over a ``FrontendPort``: ``POST /v1/responses``, ``GET
-/v1/responses/{id}`` and ``DELETE /v1/responses/{id}``.
+/v1/responses/{id}`` and ``DELETE /v1/responses/{id}``, and ``POST /v1/responses/render`` (vLLM's:
+the request's prompt tokens and sampling, nothing generated; what vllm-router's cache-aware policy
+asks before it routes a response, as for chat, ``openai.render``).
 
 A request becomes one ``Generate`` (``translate``): its input (and a ``previous_response_id``'s
 conversation, ``store``) rendered with the worker's chat template (``templates``; tools as
@@ -21,6 +23,7 @@ from basertd.schema import client as api
 from basertd.server.transport.http import body, sse, tool_calls
 from basertd.server.transport.http.chat_template import ChatTemplateError
 from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.openai.render import generate_request
 from basertd.server.transport.http.port import FrontendPort, StreamPort
 from basertd.server.transport.http.responses import translate as tr
 from basertd.server.transport.http.responses import wire
@@ -74,6 +77,7 @@ class ResponsesApi:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.post("/v1/responses", self.create),
+            web.post("/v1/responses/render", self.render),
             web.get("/v1/responses/{id}", self.retrieve),
             web.delete("/v1/responses/{id}", self.delete),
         ]
@@ -99,6 +103,22 @@ class ResponsesApi:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         req = body.decode(await body.read(request), wire.ResponsesRequest)
+        gen, turn = await self._turn(request, req)
+        async with await self.frontend.stream(gen, api_name=API_NAME) as stream:
+            if req.stream:
+                return await self._sse(request, turn, stream)
+            return await self._collect(turn, stream)
+
+    async def render(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/responses/render``: the ``Generate`` of the request as vLLM's
+        ``GenerateRequest`` (token ids, sampling params), nothing stored or generated."""
+        req = body.decode(await body.read(request), wire.ResponsesRequest)
+        gen, turn = await self._turn(request, req)
+        return body.json_response(generate_request(gen, turn.shape.model, bool(req.stream)))
+
+    async def _turn(self, request: web.Request, req: wire.ResponsesRequest) -> tuple[api.Generate, Turn]:
+        """The ``Generate`` of ``req`` and its ``Turn`` (the input rendered and tokenized, the
+        tools compiled). Raises 400 ``HttpError`` or ``AdmissionError``."""
         req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
@@ -142,11 +162,7 @@ class ResponsesApi:
         rid = wire.new_id("resp")
         gen = tr.generate_of(req, rid, prompt, max_tokens, qos, structured)
         shape = wire.Shape(rid, self.frontend.model_name(wid), _echo(req))
-        turn = Turn(req, plan, shape, conversation)
-        async with await self.frontend.stream(gen, api_name=API_NAME) as stream:
-            if req.stream:
-                return await self._sse(request, turn, stream)
-            return await self._collect(turn, stream)
+        return gen, Turn(req, plan, shape, conversation)
 
     def _keep(self, turn: Turn, response: dict[str, Any], text: str | None, calls: Any) -> None:
         if turn.req.store is not False and response["status"] in ("completed", "incomplete"):
