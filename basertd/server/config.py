@@ -201,6 +201,8 @@ class Config(Section):
 
 
 _KEY_PATH = re.compile(r"\$((?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\])*)")
+_KEYED = re.compile(r"([a-z_]+(?:\[\d+\])*): (.*?)(?: - at `\$([^`]*)`)?", re.S)
+"""A ``__post_init__`` message that starts with the key it is about (``listen[0]: ...``)."""
 
 
 def _join(where: str, sub: str) -> str:
@@ -218,6 +220,9 @@ def _readable(exc: msgspec.ValidationError, where: str = "") -> str:
     m = re.search(r"unknown field `([^`]+)`(?: - at `\$([^`]*)`)?", text)
     if m:
         return f"unknown key {_join(_join(where, m.group(2) or ''), m.group(1))!r}"
+    m = _KEYED.fullmatch(text)
+    if m:  # a check across keys that names its key: "listen[0]: ... - at `$`" of the table
+        return f"{m.group(2)} - at {_join(_join(where, m.group(3) or ''), m.group(1))}"
     text = text.replace("`", "")
     if _KEY_PATH.search(text) is None:
         return f"{text} - at {where}" if where else text

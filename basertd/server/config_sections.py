@@ -413,8 +413,11 @@ class HttpConfig(Section):
     )
 
     def __post_init__(self) -> None:
-        for entry in self.listen:
-            parse_listen(entry)
+        for i, entry in enumerate(self.listen):
+            try:
+                parse_listen(entry)
+            except ValueError as exc:
+                raise ValueError(f"listen[{i}]: {exc}") from None
 
     def insecure_listeners(self) -> list[str]:
         """Entries on a non-loopback TCP address while no ``api_key_file`` is set (the daemon

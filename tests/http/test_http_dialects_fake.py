@@ -309,6 +309,7 @@ class FakeFrontend:
             raise AdmissionError(
                 ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 f"prompt ({len(prompt)}) + max_tokens ({gen.max_tokens}) exceed the context ({CONTEXT})",
+                "prompt" if len(prompt) >= CONTEXT else "max_tokens",  # as the scheduler names it
             )
         accepted = api.Accepted(
             request_id=gen.request_id, prompt_tokens=len(prompt), resume_id=self.resume_id

@@ -68,6 +68,8 @@ def test_unknown_key_is_an_error_naming_it(data, names):
         ({"socket_mode": "rw-rw----"}, "socket_mode"),
         ({"socket_mode": 0o1777}, "socket_mode"),
         ({"log_level": "loud"}, "log_level"),
+        ({"http": {"listen": ["127.0.0.1:8080", "localhost:http"]}}, "- at http.listen[1]"),
+        ({"speculation": {"strategies": ["draft-model"]}}, "- at speculation"),
     ],
 )
 def test_bad_values_are_errors_naming_the_key(data, where):

@@ -22,7 +22,7 @@ from aiohttp import web
 from basertd.schema import client as api
 from basertd.server.transport.http import body, sse, tool_calls
 from basertd.server.transport.http.chat_template import ChatTemplateError
-from basertd.server.transport.http.errors import HttpError, bad_request, from_code
+from basertd.server.transport.http.errors import PARAM_ALIASES, HttpError, bad_request, from_code
 from basertd.server.transport.http.openai.render import generate_request
 from basertd.server.transport.http.port import FrontendPort, StreamPort
 from basertd.server.transport.http.responses import translate as tr
@@ -119,6 +119,7 @@ class ResponsesApi:
     async def _turn(self, request: web.Request, req: wire.ResponsesRequest) -> tuple[api.Generate, Turn]:
         """The ``Generate`` of ``req`` and its ``Turn`` (the input rendered and tokenized, the
         tools compiled). Raises 400 ``HttpError`` or ``AdmissionError``."""
+        request[PARAM_ALIASES] = {"max_tokens": "max_output_tokens"}  # a refusal says the client's name
         req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))
