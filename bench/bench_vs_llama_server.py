@@ -32,7 +32,7 @@ Targets (ratios to llama-server in the same run): agents' wall <= 0.9x, 1 stream
 ``-ngl 99``; a CUDA build of each).
 
     .venv/bin/python bench/bench_vs_llama_server.py [--rounds 3] [--threads 2] [--only 1,8,burst,prefix]
-        [--starts 1] [--device cpu|cuda] [--model PATH]
+        [--starts 1] [--device cpu|cuda] [--model PATH] [--config '[scheduler]\\nmax_itl_s = 2.0']
 """
 
 from __future__ import annotations
@@ -284,6 +284,7 @@ def main() -> int:
     p.add_argument("--only", default="1,8,burst,prefix")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--starts", type=int, default=1, help="starts of each server whose median is 'ready'")
+    p.add_argument("--config", default="", help="TOML added to basertd's configuration ([scheduler] ...)")
     a = p.parse_args()
     gpu = a.device == "cuda"
     a.only = set(a.only.split(","))
@@ -294,7 +295,7 @@ def main() -> int:
 
     def start_ours() -> tuple[BenchDaemon, float]:
         t0 = time.monotonic()
-        d = BenchDaemon(workers, prefix="brt-vs-", http=True)
+        d = BenchDaemon(workers, prefix="brt-vs-", http=True, extra=a.config.replace("\\n", "\n") + "\n")
         return d, time.monotonic() - t0
 
     def start_theirs() -> LlamaServer:
