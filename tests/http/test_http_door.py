@@ -347,6 +347,38 @@ def test_a_body_declared_over_max_body_bytes_is_413_before_it_is_sent(daemon, cl
     assert time.monotonic() - t0 < 1.5  # the body deadline is 2 s: refused before it
 
 
+def test_expect_100_continue_is_answered_only_for_a_body_the_door_would_read(daemon, client):
+    """``Expect: 100-continue``: a head the door refuses (too large, foreign Host) gets its final
+    status and no interim 100, so the client never sends the body; an acceptable one gets the 100,
+    then its answer once the body is sent."""
+    settle(daemon, client)
+    refused = [
+        (b"127.0.0.1", b"99999999999", b"413"),
+        (b"evil.example", b"2", b"403"),
+    ]
+    for host, length, status in refused:
+        s = connect(daemon)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: " + length + b"\r\n\r\n"
+        )
+        head = s.recv(4096)
+        s.close()
+        assert head.startswith(b"HTTP/1.1 " + status + b" "), head[:300]
+        assert b"100 Continue" not in head
+    body = json.dumps({"model": "", "prompt": "x", "max_tokens": 1}).encode()
+    s = connect(daemon)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    assert s.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    s.sendall(body)
+    out = read_until_closed(s, 30.0)
+    s.close()
+    assert out.startswith(b"HTTP/1.1 200 ") and b'"finish_reason"' in out, out[:300]
+
+
 def test_a_malformed_request_head_is_400_and_an_info_line_without_a_traceback(daemon, client):
     settle(daemon, client)
     before = len(daemon.log_events())

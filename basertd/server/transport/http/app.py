@@ -41,7 +41,7 @@ from typing import Any
 
 import msgspec
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import BadHttpMessage
 
 from basertd.server.config_sections import CompileConfig, HttpConfig, parse_listen
@@ -169,17 +169,23 @@ class HttpServer:
         if overview is not None:  # the page at / (opsview); Ollama's / answers non-browsers
             ollama_routes = [r for r in ollama_routes if getattr(r, "path", None) != "/"]
             ollama_routes += OpsView(overview, ollama_api.root).routes()
+        routes = [
+            *openai_api.routes(),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+            *AnthropicApi(frontend, self.templates, self.releaser).routes(),
+            *ollama_routes,
+            *EmbeddingsApi(frontend).routes(),
+            *RenderApi(frontend, self.templates).routes(),
+            *RouterApi(frontend).routes(),
+            *ResponsesApi(frontend, self.templates).routes(),
+        ]
         app.add_routes(
             [
-                *openai_api.routes(),
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics),
-                *AnthropicApi(frontend, self.templates, self.releaser).routes(),
-                *ollama_routes,
-                *EmbeddingsApi(frontend).routes(),
-                *RenderApi(frontend, self.templates).routes(),
-                *RouterApi(frontend).routes(),
-                *ResponsesApi(frontend, self.templates).routes(),
+                web.RouteDef(r.method, r.path, r.handler, {**r.kwargs, "expect_handler": self._expect})
+                if isinstance(r, web.RouteDef)
+                else r
+                for r in routes
             ]
         )
         self.app = app
@@ -266,18 +272,39 @@ class HttpServer:
 
     # --- middleware ------------------------------------------------------------------------------
 
+    def _check_head(self, request: web.Request) -> str:
+        """The requester of a request whose head passes the door's checks before its body is read:
+        its Host and Origin (``HostPolicy``), its credentials (``Authorizer``) and a
+        Content-Length within ``max_body_bytes``. Raises ``HttpError`` (403, 401) or
+        ``HTTPRequestEntityTooLarge``."""
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        authorization = request.headers.get("Authorization")
+        if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
+            authorization = "Bearer " + request.headers["x-api-key"]
+        self.hosts.check(request)
+        public = request.path == "/health" or opsview.is_public(request.path)
+        requester = self.auth.check(sock, authorization, public=public)
+        if (request.content_length or 0) > self.config.max_body_bytes:  # refused before it is sent
+            raise web.HTTPRequestEntityTooLarge(self.config.max_body_bytes, request.content_length or 0)
+        return requester
+
+    async def _expect(self, request: web.Request) -> None:
+        """``Expect: 100-continue`` (RFC 9110 section 10.1.1): the interim ``100 Continue`` only for
+        a head the door would read the body of; for one it refuses (a body over ``max_body_bytes``,
+        no or a wrong API key, a foreign Host) nothing is sent, and the middleware answers the
+        final refusal before the client sends the body. Another expectation is 417."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get('Expect')}")
+        if request.version != HttpVersion11:
+            return
+        with contextlib.suppress(HttpError, web.HTTPException):
+            self._check_head(request)
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            sock = request.transport.get_extra_info("socket") if request.transport else None
-            authorization = request.headers.get("Authorization")
-            if authorization is None and "x-api-key" in request.headers:  # Anthropic's clients
-                authorization = "Bearer " + request.headers["x-api-key"]
-            self.hosts.check(request)
-            public = request.path == "/health" or opsview.is_public(request.path)
-            request[REQUESTER] = self.auth.check(sock, authorization, public=public)
-            if (request.content_length or 0) > self.config.max_body_bytes:  # refused before it is sent
-                raise web.HTTPRequestEntityTooLarge(self.config.max_body_bytes, request.content_length or 0)
+            request[REQUESTER] = self._check_head(request)
             TRACEPARENT.set(request.headers.get("traceparent"))  # this request's task only
             return await handler(request)
         except HttpError as err:
