@@ -565,7 +565,9 @@ def cache_evict(ctx: click.Context, worker_id: int | None, bytes_target: int, as
         ctx,
         as_json,
         _plain(result),
-        lambda d: click.echo(f"freed {_bytes(d['bytes_freed'])} ({d['entries']} entries)"),
+        lambda d: click.echo(
+            f"freed {_bytes(d['bytes_freed'])} ({d['entries']} {'entry' if d['entries'] == 1 else 'entries'})"
+        ),
     )
 
 

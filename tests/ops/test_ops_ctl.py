@@ -144,6 +144,11 @@ def test_cache_evict_frees_the_prefixes_finished_requests_published(daemon):
     after = json.loads(d.ctl("--json", "cache", "stats").stdout)
     assert sum(r["entries"] for r in after) == 0
     assert sum(r["evictions"] for r in after) >= 3
+    with d.client() as c:
+        c.generate("publish me once", max_tokens=4, temperature=0)
+    d.wait_idle()
+    r = d.ctl("cache", "evict")  # the text form counts in words
+    assert r.returncode == 0 and r.stdout.strip().endswith("(1 entry)"), (r.stdout, r.stderr)
 
 
 def test_restart_worker_replaces_the_process_and_counts_a_respawn(daemon):
