@@ -272,13 +272,21 @@ class TokenizeResult(_Msg, tag="tokenize_result"):
 
 class ModelInfo(_Rec):
     """A served model: ``id`` (its name in requests), engine, context length and vocabulary size
-    (tokens), and how many workers serve it."""
+    (tokens), and how many workers serve it. What its engine reports of the weights ("" / 0 when it
+    does not, or no worker of it runs): ``family`` (the architecture, e.g. ``gemma3``),
+    ``parameters`` (count), ``quantization`` (``Q4_K_M``), ``file_bytes`` (the model file's size)
+    and ``digest`` (the engine's model id: a hex digest of the file)."""
 
     id: str
     engine: str = ""
     context_length: int = 0
     vocab_size: int = 0
     workers: int = 0
+    family: str = ""
+    parameters: int = 0
+    quantization: str = ""
+    file_bytes: int = 0
+    digest: str = ""
 
 
 class ModelsResult(_Msg, tag="models_result"):

@@ -121,6 +121,7 @@ def write_tiny_gguf(
     w.add_token_types(types)
     w.add_bos_token_id(BOS_ID)
     w.add_eos_token_id(EOS_ID)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))  # every tensor is F32, as converters record it
     w.add_unk_token_id(UNK_ID)
     w.add_add_bos_token(True)
 

@@ -55,6 +55,11 @@ RESPAWN_WAIT_S = 120.0
 """Seconds an embedding or scoring request waits for its dead worker's next incarnation."""
 
 
+def _count(text: str) -> int:
+    """A capability record's decimal count (``extra`` values are strings); 0 when it is not one."""
+    return int(text) if text.isdigit() else 0
+
+
 class CapabilityGatedCache(WorkerCache):
     """A worker's prefix-cache policy that is off (no seeds, no coalescing, no pins, no cached
     hints) for an incarnation whose capability record says its engine has no usable prefix cache
@@ -431,6 +436,14 @@ class Fleet:
                     vocab_size=m.tokenizer.vocab_size,
                 )
             info.workers += 1
+            proc = m.slot.proc
+            if proc is not None and not info.digest:  # the weights, as a running engine reports them
+                extra = proc.capabilities.extra
+                info.family = extra.get("arch", "")
+                info.parameters = _count(extra.get("n_params", ""))
+                info.quantization = extra.get("quantization", "")
+                info.file_bytes = _count(extra.get("file_bytes", ""))
+                info.digest = proc.capabilities.model_id
         return list(out.values())
 
     # --- routing ---------------------------------------------------------------------------------

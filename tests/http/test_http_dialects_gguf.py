@@ -85,11 +85,34 @@ def prompt_ids(paths):
         t.close()
 
 
-def test_the_models_are_served(daemon, native, olla):
+ARCH = {"tiny-llama": "llama", "tiny-gemma3": "gemma3"}
+"""Model id -> the GGUF's ``general.architecture``."""
+
+
+def test_the_models_are_served(daemon, native, olla, paths):
     assert sorted(m.id for m in native.models().models) == sorted(MODELS)
     assert sorted(m.model for m in olla.list().models) == sorted(f"{m}:latest" for m in MODELS)
     for m in MODELS:
         assert olla.show(m).template == load_template_text(TEMPLATES[m])
+
+
+def test_ollama_lists_each_model_with_its_weights(native, olla, paths):
+    """``/api/tags`` and ``/api/show`` give each model's own family, parameter count,
+    quantization, file size and digest, as its engine reports them."""
+    infos = {m.id: m for m in native.models().models}
+    for tag in olla.list().models:
+        model = tag.model.removesuffix(":latest")
+        info = infos[model]
+        assert info.family == ARCH[model] and info.parameters > 0 and info.quantization
+        assert tag.size == paths[model].stat().st_size == info.file_bytes
+        assert tag.digest == info.digest and len(tag.digest) == 32
+        d = tag.details
+        assert d.family == ARCH[model] and d.families == [ARCH[model]]
+        assert d.quantization_level == info.quantization and d.parameter_size
+        shown = olla.show(model)  # the model asked for, not the first one served
+        assert shown.details.family == ARCH[model] and shown.details.quantization_level == info.quantization
+        assert shown.modelinfo["general.architecture"] == ARCH[model]
+        assert shown.modelinfo["general.parameter_count"] == info.parameters
 
 
 @pytest.mark.parametrize("model", MODELS)

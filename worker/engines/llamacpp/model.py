@@ -98,6 +98,15 @@ def token_mask(pred: object, vocab: int, n_vocab: int) -> np.ndarray:
     return mask.view(bool)
 
 
+FILE_TYPES: dict[int, str] = {
+    int(getattr(L, name)): name.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_").removeprefix("ALL_")
+    for name in dir(L)
+    if name.startswith("LLAMA_FTYPE_") and name != "LLAMA_FTYPE_GUESSED"
+}
+"""llama.cpp's ``llama_ftype`` values (a GGUF's ``general.file_type``) by their quantization name
+(``15`` -> ``Q4_K_M``), read from llama-cpp-python's constants."""
+
+
 def _meta(model: L.llama_model_p, key: str) -> str | None:
     buf = ctypes.create_string_buffer(256)
     n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
@@ -109,7 +118,8 @@ class LlamaModel:
 
     Facts are in tokens and bytes: ``n_vocab``, ``n_ctx_train``, ``n_swa`` (sliding window in
     tokens, 0 = none), ``n_embd`` (the hidden size: a pooled embedding's dimensions),
-    ``kv_bytes_per_token`` (K+V of every layer at F16), ``eog_ids`` (sorted),
+    ``kv_bytes_per_token`` (K+V of every layer at F16), ``eog_ids`` (sorted), ``n_params``
+    (weights), ``file_bytes`` (the GGUF's size), ``quantization`` (``FILE_TYPES``' name),
     ``bos_id`` (-1 when none), ``add_bos``. ``repack`` False keeps llama.cpp from repacking CPU
     weights into its batched GEMM layouts (``use_extra_bufts``), so every batch size runs the same
     dot-product kernels. Raises EngineError(ERR_FATAL) when the file is missing
@@ -161,6 +171,11 @@ class LlamaModel:
         desc = ctypes.create_string_buffer(256)
         L.llama_model_desc(m, desc, len(desc))
         self.description = desc.value.decode("utf-8", "replace")
+        self.n_params = int(L.llama_model_n_params(m))
+        self.file_bytes = self.path.stat().st_size
+        file_type = _meta(m, "general.file_type") or ""
+        self.quantization = FILE_TYPES.get(int(file_type), "") if file_type.isdigit() else ""
+        """The weights' quantization by llama.cpp's name (``Q4_K_M``, ``F16``; "" when unknown)."""
         self.eog_mask = token_mask(L.llama_vocab_is_eog, self.vocab, self.n_vocab)
         """bool per token id: every token ``llama_vocab_is_eog`` marks."""
         self.eog_ids: tuple[int, ...] = tuple(int(t) for t in np.flatnonzero(self.eog_mask))

@@ -73,6 +73,9 @@ class Report:
                 "grammar_kinds": ",".join(GRAMMAR_KINDS),
                 "host_bytes": str(e.host.capacity),
                 "description": m.description,
+                "n_params": str(m.n_params),
+                "file_bytes": str(m.file_bytes),
+                "quantization": m.quantization,
                 **({"yield": "step"} if e.rounds.control is not None else {}),
             },
         )

@@ -35,6 +35,7 @@ from basertd.server.transport.http.ollama.wire import (
     created_at,
     done_fields,
     error_body,
+    model_details,
     model_entries,
 )
 from basertd.server.transport.http.port import FrontendPort
@@ -105,8 +106,13 @@ class OllamaApi:
                 "modelfile": f"# basertd serves {info.id} from its configuration\n",
                 "parameters": "",
                 "template": source,
-                "details": self._model_entries(False)[0]["details"],
-                "model_info": {"general.context_length": info.context_length, "vocab_size": info.vocab_size},
+                "details": model_details(info),
+                "model_info": {
+                    "general.context_length": info.context_length,
+                    "vocab_size": info.vocab_size,
+                    **({"general.architecture": info.family} if info.family else {}),
+                    **({"general.parameter_count": info.parameters} if info.parameters else {}),
+                },
                 "capabilities": ["completion", "tools"],
                 "modified_at": created_at(),
             }

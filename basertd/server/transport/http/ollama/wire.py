@@ -130,25 +130,40 @@ def done_fields(done: api.Done) -> dict[str, Any]:
     return out
 
 
+def parameter_size(count: int) -> str:
+    """Ollama's ``parameter_size``: a parameter count in K / M / B / T with up to two decimals
+    (``268098176`` -> ``268.1M``, ``8030261248`` -> ``8.03B``); "" for 0 (not known)."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f}".rstrip("0").rstrip(".") + unit
+    return str(count) if count else ""
+
+
+def model_details(m: api.ModelInfo) -> dict[str, Any]:
+    """The ``details`` object of ``/api/tags``, ``/api/ps`` and ``/api/show`` for ``m``."""
+    return {
+        "parent_model": "",
+        "format": "gguf" if m.engine == "llamacpp" else m.engine,
+        "family": m.family,
+        "families": [m.family] if m.family else None,
+        "parameter_size": parameter_size(m.parameters),
+        "quantization_level": m.quantization,
+    }
+
+
 def model_entries(models: list[api.ModelInfo], running: bool) -> list[dict[str, Any]]:
     """The ``models`` of ``/api/tags`` (``running`` False) or ``/api/ps`` (True): each served model
-    named ``<id>:latest`` unless its id has a tag."""
+    named ``<id>:latest`` unless its id has a tag; ``size`` is the model file's bytes and
+    ``digest`` the engine's model id (a hex digest of the file, not Ollama's sha256 of a blob)."""
     out = []
     for m in models:
         name = m.id if ":" in m.id else f"{m.id}:latest"
         entry: dict[str, Any] = {
             "name": name,
             "model": name,
-            "size": 0,
-            "digest": "",
-            "details": {
-                "parent_model": "",
-                "format": "gguf" if m.engine == "llamacpp" else m.engine,
-                "family": "",
-                "families": None,
-                "parameter_size": "",
-                "quantization_level": "",
-            },
+            "size": m.file_bytes,
+            "digest": m.digest,
+            "details": model_details(m),
         }
         if running:
             entry.update(expires_at="9999-12-31T23:59:59Z", size_vram=0, context_length=m.context_length)
