@@ -235,3 +235,78 @@ def test_tracing_off_records_nothing_and_imports_no_sdk():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r
     with pytest.raises(ConfigError, match="otlp_endpoint"):
         parse_config({"tracing": {"otlp_endpoint": "collector:4318"}})
+
+
+def _finished(key: int, worker_id: int, admitted: float, first: float, finished: float) -> object:
+    """A finished request as ``Tracing.end`` reads it (times in monotonic seconds)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        key=key,
+        request_id=f"r{key}",
+        worker_id=worker_id,
+        qos="interactive",
+        prompt=[1, 2, 3],
+        cached_tokens=0,
+        generated=[4, 5],
+        finish_reason="length",
+        preemptions=0,
+        crash_resumes=0,
+        t_received=admitted - 0.2,
+        t_admitted=admitted,
+        t_first_token=first,
+        t_finished=finished,
+    )
+
+
+def _tick_spans(
+    exporter: InMemorySpanExporter, request_id: str
+) -> tuple[list[tuple[str, float, float]], int]:
+    """(phase, start s, end s) of each tick span of the trace of ``request_id``, and its root's
+    ``basertd.ticks``."""
+    spans = exporter.get_finished_spans()
+    (root,) = [
+        s for s in spans if s.name == "basertd.request" and s.attributes["basertd.request_id"] == request_id
+    ]
+    mine = {s.context.span_id: s for s in spans if s.context.trace_id == root.context.trace_id}
+    ticks = sorted(
+        (t.start_time, mine[t.parent.span_id].name, round(t.attributes["basertd.tick_s"], 6))
+        for t in mine.values()
+        if t.name == "tick"
+    )
+    return [(phase, length, start) for start, phase, length in ticks], root.attributes["basertd.ticks"]
+
+
+def test_each_tick_is_in_one_phase_and_the_tick_a_request_ended_in_is_waited_for():
+    """The tick that delivered the first token mid-tick is under prefill only (it was counted in
+    both phases); a request that ends inside a tick is traced once that tick's end is recorded,
+    with the tick in it (its last tick was missing)."""
+    exporter = InMemorySpanExporter()
+    tracing = Tracing(SimpleSpanProcessor(exporter))
+    t0 = 1000.0
+    for a, b in ((t0, t0 + 0.5), (t0 + 0.5, t0 + 1.5), (t0 + 1.5, t0 + 2.0)):
+        tracing.tick(0, a, b)
+    # first token at t0 + 1.0, inside the second tick; the end at t0 + 2.3, inside a tick in flight
+    req = _finished(1, 0, t0, t0 + 1.0, t0 + 2.3)
+    trace = tracing.begin(1)
+    tracing.end(req, trace, "openai", None)
+    assert exporter.get_finished_spans() == ()  # waits for the tick it ended in
+    tracing.tick(1, t0 + 2.0, t0 + 2.6)  # another worker's tick does not end it
+    assert exporter.get_finished_spans() == ()
+    tracing.tick(0, t0 + 2.0, t0 + 2.6)
+    ticks, counted = _tick_spans(exporter, "r1")
+    assert [(phase, length) for phase, length, _ in ticks] == [
+        ("prefill", 0.5),
+        ("prefill", 1.0),
+        ("decode", 0.5),
+        ("decode", 0.6),
+    ]
+    assert counted == 4
+    # a worker that never records the tick (it died in it): built after PENDING_MAX_S, without it
+    req2 = _finished(2, 0, t0 + 3.0, t0 + 3.1, t0 + 3.2)
+    tracing.end(req2, tracing.begin(2), "openai", None)
+    assert not [s for s in exporter.get_finished_spans() if s.attributes.get("basertd.request_id") == "r2"]
+    later = _finished(3, 1, t0 + 20.0, t0 + 20.1, t0 + 20.2)  # any request ending later flushes it
+    tracing.end(later, tracing.begin(3), "openai", None)
+    assert _tick_spans(exporter, "r2")[1] == 0
+    tracing.close()

@@ -10,16 +10,20 @@ receipt to Done or Error, and children for its phases:
 - ``queue`` (hand-over to its first admission into a lane),
 - ``prefill`` (first admission to the first token) and ``decode`` (first token to the end),
 - ``tick`` spans: the ticks of its (last) worker from its first admission to its end (at most
-  ``MAX_TICK_SPANS``; the root's ``basertd.ticks`` counts them all), each under the phase it
-  overlaps (the tick that delivered the first token under ``decode``), with the tick's length,
+  ``MAX_TICK_SPANS``; the root's ``basertd.ticks`` counts them all), each once, under the phase it
+  started in (the tick that delivered the first token, mid-tick or at its end, under ``prefill``),
+  with the tick's length,
 - ``resume_after_crash``: from the moment its worker died (the scheduler requeued it) to the next
   token it delivered, one per crash.
 
 The spans are built at the end from times the request observer (``frontend.access``) and the
 metrics helpers (``Metrics.tick``, ``Metrics.crash_resumed``) recorded, so the hot path only
-appends a timestamp. A W3C ``traceparent`` header on the HTTP request makes the root a child of
-the caller's span (``transport.http`` sets ``TRACEPARENT`` for the handler; the front end reads it
-when it accepts). Times are monotonic seconds, converted to the epoch once per span.
+appends a timestamp. A request usually ends inside its last tick (a partial emit, or the Done
+applied before the tick is recorded): its trace then waits for that tick's end (``tick``), at most
+``PENDING_MAX_S``, so the last tick is in it. A W3C ``traceparent`` header on the HTTP request
+makes the root a child of the caller's span (``transport.http`` sets ``TRACEPARENT`` for the
+handler; the front end reads it when it accepts). Times are monotonic seconds, converted to the
+epoch once per span.
 
 Off (the default, ``otlp_endpoint = ""``): ``Tracing.off()`` answers ``begin`` with None and
 records nothing; the OpenTelemetry SDK is not even imported (it is the optional extra
@@ -48,6 +52,9 @@ MAX_TICK_SPANS = 256
 """Most ``tick`` spans one request's trace carries (the first ones; the root counts them all)."""
 TICKS_KEPT = 4096
 """Ticks remembered per worker (start, end) for the traces of the requests still running."""
+PENDING_MAX_S = 10.0
+"""Longest a finished request's trace waits for its worker to record the tick it ended in (a
+worker that died mid-tick never does); then it is built without that tick."""
 SPAN_TIMEOUT_MS = 5000
 """How long the exporter waits for the collector (OTLP over HTTP)."""
 SPAN_QUEUE = 65536
@@ -92,6 +99,8 @@ class Tracing:
         self._propagator: Any = None
         self._live: dict[int, RequestTrace] = {}
         self._ticks: dict[int, deque[tuple[float, float]]] = {}
+        self._pending: list[tuple[float, GenerationRequest, RequestTrace, str, str | None]] = []
+        """Finished requests waiting for the end of the tick they ended in (``end``)."""
         self._lock = threading.Lock()
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         if processor is None:
@@ -129,6 +138,8 @@ class Tracing:
 
     def close(self) -> None:
         """Export what is pending and stop. Idempotent."""
+        if self._provider is not None:
+            self._flush(float("inf"))
         provider, self._provider = self._provider, None
         self.enabled = False
         if provider is not None:
@@ -157,6 +168,9 @@ class Tracing:
             if ticks is None:
                 ticks = self._ticks[worker_id] = deque(maxlen=TICKS_KEPT)
             ticks.append((start, end))
+            waiting = bool(self._pending)
+        if waiting:
+            self._flush(end, worker_id)
 
     def crashed(self, key: int, worker_id: int, now: float) -> None:
         """Request ``key`` was requeued because worker ``worker_id`` died."""
@@ -170,9 +184,36 @@ class Tracing:
     # --- the spans, at the end -------------------------------------------------------------------
 
     def end(self, req: GenerationRequest, trace: RequestTrace, api_name: str, error_code: str | None) -> None:
-        """Build and hand over the spans of ``req`` (module docstring); forget it."""
+        """``req`` ended: its spans are built and handed over (module docstring) once its worker has
+        recorded the tick it ended in, at once when it has or it never ran on one; forget it."""
+        t_end = req.t_finished if req.t_finished is not None else time.monotonic()
         with self._lock:
             self._live.pop(req.key, None)
+            ticks = self._ticks.get(req.worker_id) if req.worker_id is not None else None
+            wait = req.t_admitted is not None and ticks is not None and (not ticks or ticks[-1][1] < t_end)
+            if wait:
+                self._pending.append((t_end, req, trace, api_name, error_code))
+        if not wait:
+            self._build(req, trace, api_name, error_code)
+        self._flush(t_end - PENDING_MAX_S)
+
+    def _flush(self, until: float, worker_id: int | None = None) -> None:
+        """Build the pending traces that ended by ``until`` (of ``worker_id``'s requests only, when
+        given; those of other workers only once ``PENDING_MAX_S`` has passed)."""
+        with self._lock:
+            due, keep = [], []
+            for item in self._pending:
+                t_end, req = item[0], item[1]
+                mine = worker_id is None or req.worker_id == worker_id
+                (due if mine and t_end <= until else keep).append(item)
+            self._pending = keep
+        for _, req, trace, api_name, error_code in due:
+            self._build(req, trace, api_name, error_code)
+
+    def _build(
+        self, req: GenerationRequest, trace: RequestTrace, api_name: str, error_code: str | None
+    ) -> None:
+        with self._lock:
             ticks = list(self._ticks.get(req.worker_id, ())) if req.worker_id is not None else []
         from opentelemetry import trace as otel
         from opentelemetry.trace import Status, StatusCode
@@ -218,10 +259,11 @@ class Tracing:
             span.end(end_time=ns(stop))
             if name not in ("prefill", "decode"):
                 continue
-            # a tick belongs to the phase it started in; the first token's tick ends prefill
-            inside = [(a, b) for a, b in ticks if start <= b and a < stop] if name == "prefill" else []
-            if name == "decode":
-                inside = [(a, b) for a, b in ticks if start < b and a <= stop]
+            # a tick belongs to the phase it started in: the first token's tick ends prefill
+            if name == "prefill":
+                inside = [(a, b) for a, b in ticks if start <= b and a < stop]
+            else:
+                inside = [(a, b) for a, b in ticks if start <= a < stop]
             phase_ctx = otel.set_span_in_context(span, ctx)
             for a, b in inside[: max(0, MAX_TICK_SPANS - rode)]:
                 tick = self._tracer.start_span(

@@ -49,7 +49,8 @@ def parse(value: str) -> tuple[str, int]:
     """``(resume key, token count)`` of a ``Last-Event-ID`` value. Raises 400."""
     rid, sep, n = value.strip().rpartition(":")
     if not sep or not rid or not n.isdigit():
-        raise bad_request(f"{HEADER} must be '<request id>:<token count>', got {value!r}", HEADER)
+        message = f"{HEADER} must be '<resume key>:<token count>' (an event's id), got {value!r}"
+        raise bad_request(message, HEADER)
     return rid, int(n)
 
 
