@@ -14,6 +14,7 @@ and "Prefix cache policy" for what the schedulers do with what it routes to them
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ WORKER_CLOSE_GRACE_S = 5.0
 """Seconds a stopping worker gets between SHUTDOWN and SIGKILL."""
 PONG_TIMEOUT_S = 1.0
 """Seconds ``worker_stats`` waits for a worker's PONG before answering without engine counters."""
+STALE_KEY = "stats_age_ms"
+"""The key ``worker_stats`` adds to counters it answers from an earlier PONG: their age (ms)."""
 RESPAWN_WAIT_S = 120.0
 """Seconds an embedding or scoring request waits for its dead worker's next incarnation."""
 
@@ -150,6 +153,9 @@ class Fleet:
         self._tasks: dict[int, asyncio.Task] = {}
         self.changing = asyncio.Lock()  # one worker change (reload, restart) at a time
         self._bos: dict[int, bool] = {}
+        self._stats: dict[int, tuple[object, float, dict[str, int]]] = {}
+        """Per worker, the incarnation that last answered a PONG, when (monotonic seconds) and its
+        counters (``worker_stats``)."""
         self.between_ticks = BetweenTicks(
             lambda worker_id: self.members[worker_id].slot.proc,
             lambda worker_id: self.members[worker_id].slot.live(RESPAWN_WAIT_S),
@@ -497,9 +503,12 @@ class Fleet:
         return m.tokenizer.add_bos if known is None else known
 
     async def worker_stats(self, worker_id: int) -> dict[str, int] | None:
-        """The engine's counters of worker ``worker_id`` from a PONG (None when it is not running
-        or does not answer within ``PONG_TIMEOUT_S``); its host-tier counts also refresh the
-        member's cache policy (``WorkerCache.engine_reported``), which the metrics read."""
+        """The engine's counters of worker ``worker_id`` from a PONG; when it does not answer within
+        ``PONG_TIMEOUT_S`` (a worker answers between ticks, and a tick can be longer), the counters
+        of the last PONG this incarnation answered, with ``STALE_KEY`` their age in milliseconds,
+        rather than none. None when it is not running or its incarnation never answered. A fresh
+        PONG's host-tier counts also refresh the member's cache policy
+        (``WorkerCache.engine_reported``), which the metrics read."""
         m = self.members[worker_id]
         proc = m.slot.proc
         if proc is None or not proc.link.alive:
@@ -507,10 +516,14 @@ class Fleet:
         try:
             pong = await proc.link.ping(timeout=PONG_TIMEOUT_S)
         except LinkError:
-            return None
+            last = self._stats.get(worker_id)
+            if last is None or last[0] is not proc or not proc.link.alive:
+                return None
+            return {**last[2], STALE_KEY: int((time.monotonic() - last[1]) * 1000)}
         stats = dict(pong.stats or {})
+        self._stats[worker_id] = (proc, time.monotonic(), stats)
         m.cache.engine_reported(stats)
-        return stats
+        return dict(stats)
 
     def embedding_dim(self, worker_id: int) -> int | None:
         """The dimensions of worker ``worker_id``'s embeddings, as its engine reports them
