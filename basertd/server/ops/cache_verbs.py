@@ -19,6 +19,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.cache.commands import Command, DropPin, Evict, HoldPin, ListEntries
 from basertd.server.cache.policy import PinHold, WorkerCache
 from basertd.server.cache.prefix_index import page_hashes
+from basertd.server.fleet import STALE_KEY
 from basertd.server.ops.control_errors import ControlError
 from basertd.server.workers.link_errors import LinkError
 
@@ -45,6 +46,11 @@ class CacheWorker(Protocol):
 
     @property
     def cache(self) -> WorkerCache: ...
+
+
+FRESH_TRIES = 3
+"""How many times ``evict`` asks for the counters after an eviction while they come from an
+earlier PONG (each ask waits up to ``fleet.PONG_TIMEOUT_S``)."""
 
 
 @dataclass
@@ -194,10 +200,20 @@ class PolicyCacheControl:
                 if exc.code != ErrorCode.WORKER_FAILED or worker_id is not None:
                     raise
                 continue
-            after = await self.engine_stats(w.worker_id) or {}
+            after = await self._fresh_stats(w.worker_id)
             entries += max(0, int(before.get("cache_entries", 0)) - int(after.get("cache_entries", 0)))
         log.info("cache_evicted", worker_id=worker_id, bytes_target=bytes_target, bytes_freed=freed)
         return control.CacheEvictResult(bytes_freed=freed, entries=entries)
+
+    async def _fresh_stats(self, worker_id: int) -> dict[str, int]:
+        """The engine's counters answered after now: asked up to ``FRESH_TRIES`` times while the
+        answer is an earlier PONG's (``STALE_KEY``: the worker is inside a tick); {} when none."""
+        stats: dict[str, int] = {}
+        for _ in range(FRESH_TRIES):
+            stats = await self.engine_stats(worker_id) or {}
+            if STALE_KEY not in stats:
+                break
+        return stats
 
     async def _send(self, w: CacheWorker, cmd: Command) -> Any:
         """Run ``cmd`` on ``w``'s scheduler loop between two ticks; ``ControlError`` WORKER_FAILED when
