@@ -362,6 +362,7 @@ class Fleet:
         if self.kv_events is not None:
             self.kv_events.remove(m.worker_id)
         self._bos.pop(m.worker_id, None)
+        self._stats.pop(m.worker_id, None)
         self._close_unused(m.tokenizer)
         return m
 

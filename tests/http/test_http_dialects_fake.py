@@ -29,6 +29,7 @@ from basertd.schema.client import ErrorCode
 from basertd.server.config_sections import HttpConfig
 from basertd.server.frontend.admission import Frontend
 from basertd.server.frontend.embeddings import Embeddings
+from basertd.server.frontend.limits import check_generate
 from basertd.server.frontend.scoring import PromptScores
 from basertd.server.frontend.streams import GenerationStream, ResumedStream
 from basertd.server.observe.snapshot import WorkerSnapshot
@@ -303,6 +304,7 @@ class FakeFrontend:
     ) -> FakeStream:
         self.gens.append((gen, api_name))
         self.bound = (requester, dict(context or {}))
+        check_generate(gen)  # the field limits, as admission checks them
         self.route(gen.model)
         prompt = gen.prompt_tokens if gen.prompt_tokens is not None else ids(gen.prompt or "")
         if len(prompt) + gen.max_tokens > CONTEXT:

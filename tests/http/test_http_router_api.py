@@ -205,6 +205,17 @@ def test_render_gives_the_token_ids_and_sampling_params_the_request_would_run_wi
     assert r.status_code == 200 and [x["token_ids"] for x in r.json()] == want and len(want[0]) >= 3
     bad = post(daemon, "/v1/chat/completions/render", {"messages": MSGS, "echo": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+    # a render refuses what the request itself would be refused for (the front end's limits)
+    for path, body in (
+        ("/v1/chat/completions/render", {"messages": MSGS, "temperature": 500}),
+        ("/v1/chat/completions/render", {"messages": MSGS, "max_completion_tokens": 0}),
+        ("/v1/completions/render", {"prompt": "abc", "top_p": 2}),
+        ("/v1/responses/render", {"input": MSGS, "max_output_tokens": 0}),
+    ):
+        bad = post(daemon, path, body)
+        field = next(k for k in body if k not in ("messages", "prompt", "input"))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (path, bad.text)
+        assert bad.json()["error"]["message"].startswith(field), bad.text
     # a response's render (vllm-router's cache-aware policy asks it): the prompt /v1/responses runs
     resp = {"input": MSGS, "max_output_tokens": 3, "temperature": 0.5}
     before = requests_done(daemon)

@@ -25,9 +25,10 @@ from aiohttp import web
 
 from basertd.schema import client as api
 from basertd.schema.client import QosClass
+from basertd.server.frontend.limits import check_generate
 from basertd.server.transport.http import body, literal, tool_calls
 from basertd.server.transport.http.chat_template import ChatTemplateError
-from basertd.server.transport.http.errors import bad_request
+from basertd.server.transport.http.errors import PARAM_ALIASES, bad_request
 from basertd.server.transport.http.openai import translate as tr
 from basertd.server.transport.http.openai import wire
 from basertd.server.transport.http.port import FrontendPort
@@ -69,6 +70,13 @@ async def chat_prompt(
     return ChatPrompt(wid, tokens, plan)
 
 
+def name_sent_fields(request: web.Request, req: wire.ChatRequest) -> None:
+    """Make a refusal of ``req`` name ``max_completion_tokens`` when that is the field the client
+    sent (``errors.PARAM_ALIASES``)."""
+    if req.max_completion_tokens is not None:
+        request[PARAM_ALIASES] = {"max_tokens": "max_completion_tokens"}
+
+
 def chat_max_tokens(frontend: FrontendPort, req: wire.ChatRequest, prompt: ChatPrompt) -> int:
     """``max_completion_tokens``, else ``max_tokens``, else the rest of the context."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -107,6 +115,7 @@ class RenderApi:
 
     async def chat(self, request: web.Request) -> web.Response:
         req = body.decode(await body.read(request), wire.ChatRequest)
+        name_sent_fields(request, req)
         req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         prompt = await chat_prompt(self.frontend, self.templates, req, QosClass.INTERACTIVE)
@@ -124,7 +133,9 @@ class RenderApi:
 
 def generate_request(gen: api.Generate, model: str, stream: bool, n: int = 1) -> dict[str, Any]:
     """``gen`` (its ``prompt_tokens`` set) as vLLM's render endpoints answer: a ``GenerateRequest``
-    of ``model`` with ``n`` choices."""
+    of ``model`` with ``n`` choices. Raises ``AdmissionError`` for what admission would refuse
+    (``check_generate``: a render never shows a request that could not run)."""
+    check_generate(gen)
     return {
         "request_id": gen.request_id,
         "token_ids": list(gen.prompt_tokens or []),

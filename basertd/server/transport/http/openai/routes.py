@@ -24,10 +24,10 @@ from basertd.schema import client as api
 from basertd.server.transport.http import body, resume, sse, tool_calls
 from basertd.server.transport.http.auth import requester_of
 from basertd.server.transport.http.chat_template import ChatTemplateError
-from basertd.server.transport.http.errors import PARAM_ALIASES, HttpError, bad_request, from_code
+from basertd.server.transport.http.errors import HttpError, bad_request, from_code
 from basertd.server.transport.http.openai import echo, wire
 from basertd.server.transport.http.openai import translate as tr
-from basertd.server.transport.http.openai.render import chat_max_tokens, chat_prompt
+from basertd.server.transport.http.openai.render import chat_max_tokens, chat_prompt, name_sent_fields
 from basertd.server.transport.http.port import FrontendPort, StreamPort
 from basertd.server.transport.http.router_api import served_model
 from basertd.server.transport.http.templates import Templates
@@ -194,8 +194,7 @@ class OpenAiApi:
         if resume.HEADER in request.headers:
             return await self._resume(request, chat=True)
         req = body.decode(await body.read(request), wire.ChatRequest)
-        if req.max_completion_tokens is not None:  # a refusal names the field the client sent
-            request[PARAM_ALIASES] = {"max_tokens": "max_completion_tokens"}
+        name_sent_fields(request, req)
         req.model = served_model(self.frontend, req.model)
         tr.check_fields(req)
         qos = body.qos_of(req.qos, request.headers.get(body.QOS_HEADER))

@@ -37,7 +37,6 @@ import msgspec
 
 from basertd.json_bounds import bound_numbers
 from basertd.schema import client as api
-from basertd.server.frontend.limits import U32_MAX
 from basertd.server.request import grammar, strict_schema
 from basertd.server.request.grammar import GrammarRequestError, GrammarSpec
 from basertd.server.transport.http import tool_calls
@@ -79,10 +78,6 @@ def check_fields(req: wire.ResponsesRequest) -> None:
     for name in ("prompt", "conversation", "context_management"):
         if getattr(req, name) is not None:
             raise bad_request(f"{name} is not served", name)
-    n = req.max_output_tokens
-    if n is not None and not 1 <= n <= U32_MAX:  # worded as chat's max_completion_tokens refusal
-        message = f"max_output_tokens must be an integer in [1, {U32_MAX}], got {n}"
-        raise bad_request(message, "max_output_tokens")
     if req.input is None or req.input == [] or req.input == "":
         raise bad_request("input is required (a string or a non-empty list of items)", "input")
 
