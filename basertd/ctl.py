@@ -298,13 +298,19 @@ def _verify_cost(stats: dict[str, int]) -> str:
     return f"{base:.2f} + {per:.3f} x drafts plain steps ({how})"
 
 
+def _engine_label(w: dict) -> str:
+    """A worker's engine, with its KV layout when it is not the default unified one."""
+    layout = w.get("kv_layout") or "unified"
+    return w["engine"] if layout == "unified" else f"{w['engine']} ({layout})"
+
+
 def _workers_table(rows: list[dict]) -> None:
     _table(
         ["worker", "engine", "model", "state", "pid", "lanes", "queued", "respawns", "ticks", "pool used"],
         [
             [
                 w["worker_id"],
-                w["engine"],
+                _engine_label(w),
                 w["model"],
                 w["state"],
                 w["pid"],

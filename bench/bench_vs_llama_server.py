@@ -285,13 +285,15 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--starts", type=int, default=1, help="starts of each server whose median is 'ready'")
     p.add_argument("--config", default="", help="TOML added to basertd's configuration ([scheduler] ...)")
+    p.add_argument("--kv-layout", default="unified", choices=["unified", "per-lane"],
+                   help="basertd's worker KV layout ([[workers]] kv_layout)")  # fmt: skip
     a = p.parse_args()
     gpu = a.device == "cuda"
     a.only = set(a.only.split(","))
     model = a.model or str(default_model_path())
     a.tokens_per_word = tokens_per_word(model)
     workers = workers_toml(model=model, lanes=a.lanes, context_length=a.context, threads=a.threads,
-                           device="cuda:0" if gpu else None)  # fmt: skip
+                           device="cuda:0" if gpu else None, kv_layout=a.kv_layout)  # fmt: skip
 
     def start_ours() -> tuple[BenchDaemon, float]:
         t0 = time.monotonic()

@@ -188,7 +188,8 @@ class WorkerRow(_Rec):
     the coordinator idle both are 0 but for one lease per held ``cache pin``, anything else is a
     leak); ``engine_stats``: every counter the engine reports (PONG stats: prefill_tokens_total,
     decode_tokens_total, cache_entries, ...); ``last_error``: why its last incarnation failed
-    (set while it respawns or after it gave up; "" when it serves)."""
+    (set while it respawns or after it gave up; "" when it serves); ``kv_layout``: a llama.cpp
+    worker's KV layout ("unified" or "per-lane"; "" for other engines)."""
 
     worker_id: int
     engine: str = ""
@@ -206,6 +207,7 @@ class WorkerRow(_Rec):
     seed_leases: int = 0
     engine_stats: dict[str, int] = msgspec.field(default_factory=dict)
     last_error: str = ""
+    kv_layout: str = ""
 
 
 class WorkersResult(_Msg, tag="workers_result"):

@@ -180,13 +180,21 @@ def wait_leases(d: Daemon, expected: int = 0, timeout: float = 10.0) -> list[dic
 
 
 def tiny_toml(
-    model, *, lanes: int = 2, context: int = 256, grant: int = 2, scheduler: str = "", cache: str = ""
+    model,
+    *,
+    lanes: int = 2,
+    context: int = 256,
+    grant: int = 2,
+    scheduler: str = "",
+    cache: str = "",
+    worker: str = "",
 ) -> str:
     """A daemon config: one llamacpp worker on the tiny GGUF ``model``, one thread, a decode grant
-    of exactly ``grant`` tokens (``decode_tick_s`` 0, as ``ref_toml``)."""
+    of exactly ``grant`` tokens (``decode_tick_s`` 0, as ``ref_toml``); ``worker``: more keys of its
+    ``[[workers]]`` table."""
     return (
         f'[[workers]]\nengine = "llamacpp"\nmodel = "{model}"\nlanes = {lanes}\ncontext_length = {context}\n'
-        f"threads = 1\n[scheduler]\ndecode_grant = {grant}\ndecode_tick_s = 0\nqueue_limit = 1000\n"
+        f"threads = 1\n{worker}\n[scheduler]\ndecode_grant = {grant}\ndecode_tick_s = 0\nqueue_limit = 1000\n"
         f"{scheduler}\n"
         f"[cache]\n{cache}\n"
     )

@@ -223,6 +223,12 @@ def build_parser() -> _Parser:
         help="llamacpp: host memory for prefixes evicted from the KV pool (default 0: off)",
     )
     p.add_argument(
+        "--kv-layout",
+        default=None,
+        choices=("unified", "per-lane"),
+        help="llamacpp: one KV cache all lanes share (unified, the default) or a KV stream per lane",
+    )
+    p.add_argument(
         "--emit-window-ms",
         type=_non_negative_float,
         default=EMIT_WINDOW_S * 1000,
@@ -374,6 +380,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             context_length=args.context_length,
             threads=args.threads,
             host_bytes=args.host_bytes,
+            kv_layout=args.kv_layout,
         )
         log.info("engine_loading", engine=args.engine, device=args.device, rings=len(rings))
         try:

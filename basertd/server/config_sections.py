@@ -45,7 +45,11 @@ class WorkerConfig(Section):
     template shipped with basertd (``basertd.server.transport.http.chat_template``); "" = the
     model's own (GGUF ``tokenizer.chat_template``), or the shipped Gemma template for the default
     model. ``draft_model``: this llamacpp worker's draft GGUF for ``[speculation]`` "draft-model"
-    ("" = ``[speculation] draft_model``)."""
+    ("" = ``[speculation] draft_model``). ``kv_layout``: a llamacpp worker's KV cache: "unified"
+    (one cache every lane and cached prefix shares cells of; ``[cache]``'s pool) or "per-lane"
+    (llama-server's layout: a KV stream per lane and per cached prefix, each ``context_length``
+    cells; decode over many lanes is cheaper, a prefix is copied into a lane's stream instead of
+    shared, and the KV memory grows with the streams; README "KV layout")."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""
@@ -59,6 +63,13 @@ class WorkerConfig(Section):
     ref_config: dict[str, int | float | bool | str] = msgspec.field(default_factory=dict)
     chat_template: str = ""
     draft_model: str = ""
+    kv_layout: Literal["unified", "per-lane"] = "unified"
+
+    def __post_init__(self) -> None:
+        if self.kv_layout != "unified" and self.engine != "llamacpp":
+            raise ValueError(
+                f"kv_layout: {self.kv_layout!r} is a llamacpp worker's; a {self.engine} worker has none"
+            )
 
 
 class SchedulerConfig(Section):

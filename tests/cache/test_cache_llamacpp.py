@@ -35,14 +35,18 @@ async def burst(socket, prompts: list[str]) -> list:
         )
 
 
-@pytest.fixture(scope="module")
-def daemon(tiny_gguf):
+@pytest.fixture(scope="module", params=["unified", "per-lane"])
+def daemon(tiny_gguf, request):
     # The pool's own cache, without the host tier: with it, the second burst below restores each
     # prompt's own evicted entry and seeds at its last page instead of the shared prefix, a split
     # whose numerics differ from the reference's one-batch prefill by layout noise (~0.03 logits on
     # this random-weight model), past the near-tie rule. tests/cache/test_cache_host_tier.py and
     # tests/llamacpp/test_llamacpp_host_tier.py cover the tier, restored against resident seeds.
-    with Daemon(tiny_toml(tiny_gguf, lanes=4, grant=4, cache="host_bytes = 0")) as d:
+    # Both KV layouts ([[workers]] kv_layout): in per-lane streams the prefix is copied, not shared.
+    layout = f'kv_layout = "{request.param}"'
+    with Daemon(tiny_toml(tiny_gguf, lanes=4, grant=4, cache="host_bytes = 0", worker=layout)) as d:
+        (w,) = json.loads(d.ctl("--json", "workers").stdout)
+        assert w["kv_layout"] == request.param
         yield d
 
 

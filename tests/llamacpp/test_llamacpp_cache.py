@@ -87,6 +87,7 @@ def test_seed_acquire_refusals(lc):
     assert eng.seed_lease_ticks() == 8 == eng.info().seed_lease_ticks
 
 
+@pytest.mark.kv_layouts("unified")
 def test_seeded_admit_shares_cells_and_prefills_only_the_suffix(lc):
     # ABI rule 45 for a seeded admit
     eng, coord = lc
@@ -111,6 +112,7 @@ def test_seeded_admit_shares_cells_and_prefills_only_the_suffix(lc):
     first_divergence(seeded_toks, ref[0], margins[0], 1e-3)
 
 
+@pytest.mark.kv_layouts("unified")
 def test_fully_cached_prompt_redecodes_its_last_token(lc):
     """A prompt that is exactly a cached prefix: the lane shares all but the last position and
     decodes that one for its logits."""
@@ -266,6 +268,7 @@ attend to; llama.cpp's sums over KV cells still depend on where the cells sit (m
 ~0.1 (the control below)."""
 
 
+@pytest.mark.kv_layouts("unified")
 def test_a_pruned_entry_still_serves_its_full_length(swa):
     eng, coord = swa
     a = make_prompt(20, 96)
@@ -304,6 +307,7 @@ def test_a_pruned_entry_still_serves_its_full_length(swa):
     assert np.abs(warm_a - cold_a).max() < LAYOUT_NOISE
 
 
+@pytest.mark.kv_layouts("unified")
 def test_match_withholds_prefixes_whose_window_is_gone(swa):
     eng, coord = swa
     a = make_prompt(30, 96)

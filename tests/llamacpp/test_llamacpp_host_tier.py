@@ -139,6 +139,7 @@ def test_a_window_model_snapshots_the_prompt_boundary_too(make_engine, tiny_gemm
     assert eng.stats()["cold_fallbacks_total"] == 0
 
 
+@pytest.mark.kv_layouts("unified")
 def test_a_pruned_entry_is_snapshotted_only_where_its_window_holds(make_engine, tiny_gemma3_gguf):
     eng, coord = make_engine(
         tiny_gemma3_gguf,
@@ -175,6 +176,7 @@ def test_a_pruned_entry_is_snapshotted_only_where_its_window_holds(make_engine, 
     assert np.abs(restored - cold).max() < 0.02  # test_llamacpp_cache.LAYOUT_NOISE on this model
 
 
+@pytest.mark.kv_layouts("unified")
 def test_a_long_prompt_is_snapshotted_as_its_prefill_passes_its_last_page(gemma):
     # By the eviction, decoding and other traffic have made llama.cpp reuse the cells of the
     # prompt boundary's 32-token window (the demotion cannot capture it there); the snapshot taken

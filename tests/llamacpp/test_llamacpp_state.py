@@ -195,6 +195,7 @@ def test_export_sizing_and_op_lifecycle(lc):
     err(Status.ERR_OP_UNSUPPORTED, eng.promote, seq, SPACE, rng(8), b"")
 
 
+@pytest.mark.kv_layouts("unified")
 def test_bare_sequences(lc):
     # ABI rules 86, 91, 109, 111, 112
     eng, coord = lc

@@ -236,6 +236,7 @@ def test_certificates(lc):
     assert sorted(e.lane_tag for e in ev.emits) == [1, 3]
 
 
+@pytest.mark.kv_layouts("unified")
 def test_kv_exhaustion_is_needs_replan_never_a_crash(make_engine):
     # ABI rules 50-52: 4 lanes of 128 tokens in a 256-cell pool; every committed token is charged,
     # including each lane's last sampled one, whose KV the next decode computes
@@ -254,6 +255,7 @@ def test_kv_exhaustion_is_needs_replan_never_a_crash(make_engine):
     assert sum(e.n_tokens for e in ev.emits) == 2
 
 
+@pytest.mark.kv_layouts("unified")
 def test_commits_and_replay_tokens_are_charged_when_committed(make_engine):
     # ABI rule 52
     _eng, coord = make_engine(lanes=2, context_length=64, pool_tokens=32)
@@ -273,6 +275,7 @@ def test_commits_and_replay_tokens_are_charged_when_committed(make_engine):
     rejects(coord, Status.NEEDS_REPLAN, decodes=[D(lane_tag=2)])  # the replayed token needs a cell
 
 
+@pytest.mark.kv_layouts("unified")
 def test_cache_entries_are_evicted_inside_the_shed_envelope(make_engine):
     # ABI rules 50-52, 58
     eng, coord = make_engine(lanes=4, context_length=128, pool_tokens=256)

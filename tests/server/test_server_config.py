@@ -65,6 +65,8 @@ def test_unknown_key_is_an_error_naming_it(data, names):
         ({"workers": [{"engine": "vllm"}]}, "workers[0].engine"),
         ({"workers": [{"lanes": 0}]}, "workers[0].lanes"),
         ({"workers": [{"lanes": "8"}]}, "workers[0].lanes"),
+        ({"workers": [{"kv_layout": "paged"}]}, "workers[0].kv_layout"),
+        ({"workers": [{"engine": "basert", "kv_layout": "per-lane"}]}, "- at workers[0].kv_layout"),
         ({"socket_mode": "rw-rw----"}, "socket_mode"),
         ({"socket_mode": 0o1777}, "socket_mode"),
         ({"log_level": "loud"}, "log_level"),

@@ -71,8 +71,9 @@ class EngineOptions:
     when it is a shared object and ``lib`` is unset. ``kernel_library``: basert's GPU kernel library
     (None: the library's auto-detection). ``device``: e.g. "cpu", "cuda:0". ``lanes``,
     ``context_length`` (tokens) and ``threads``: None leaves the engine's default. ``host_bytes``:
-    the llama.cpp engine's host tier of evicted prefixes (bytes; None: off); other engines ignore
-    it."""
+    the llama.cpp engine's host tier of evicted prefixes (bytes; None: off); ``kv_layout``: its KV
+    layout ("unified" or "per-lane", ``llamacpp.context.KV_LAYOUTS``; None: unified); other engines
+    ignore both."""
 
     lib: str | None = None
     kernel_library: str | None = None
@@ -83,6 +84,7 @@ class EngineOptions:
     context_length: int | None = None
     threads: int | None = None
     host_bytes: int | None = None
+    kv_layout: str | None = None
 
 
 def engine_factory(name: str) -> Any:

@@ -46,7 +46,7 @@ from basertd.server.ops.reload import config_changes
 from basertd.server.states import DaemonState
 
 if TYPE_CHECKING:
-    from basertd.server.fleet import Fleet
+    from basertd.server.fleet import Fleet, Member
     from basertd.server.frontend.drain import Drainer
     from basertd.server.observe.metrics import Metrics
     from basertd.server.transport.peercred import OperatorPolicy
@@ -125,6 +125,15 @@ class ControlHost(Protocol):
     def publish_status(self) -> None: ...
 
     def request_shutdown(self, *, drain: bool = True, timeout_s: float | None = None) -> None: ...
+
+
+def _kv_layout(member: Member) -> str:
+    """The KV layout the worker's running engine reports (capability ``extra["kv_layout"]``), else
+    the one configured for a llamacpp worker; "" for other engines."""
+    proc = member.slot.proc
+    if proc is not None and "kv_layout" in proc.capabilities.extra:
+        return str(proc.capabilities.extra["kv_layout"])
+    return member.config.kv_layout if member.config.engine == "llamacpp" else ""
 
 
 def _worker_ids(fleet: Fleet, worker_id: int | None) -> list[int]:
@@ -325,6 +334,7 @@ class ControlService:
                     seed_leases=int(stats.get("live_seed_leases", 0)),
                     engine_stats={k: int(v) for k, v in stats.items()},
                     last_error=snap.last_error,
+                    kv_layout=_kv_layout(m),
                 )
             )
         return control.WorkersResult(workers=rows)

@@ -162,8 +162,9 @@ class WorkerSpec:
 
     ``engine`` "basert" (a tick-ABI library: ``lib``, default the C reference engine, configured
     by ``ref_config``, a dict of ``basertd.native.ref`` config fields) or "llamacpp" (``model`` a
-    GGUF path). ``device``, ``lanes``, ``context_length`` (tokens), ``threads`` and ``host_bytes``
-    (the llama.cpp engine's host tier, bytes) go through as is when set. ``extra_args``: more
+    GGUF path). ``device``, ``lanes``, ``context_length`` (tokens), ``threads``, ``host_bytes``
+    (the llama.cpp engine's host tier, bytes) and ``kv_layout`` (its KV layout) go through as is
+    when set. ``extra_args``: more
     worker flags, verbatim.
 
     Rings: ``prompt_ring`` (tokens of every admitted prompt until its admit is accepted),
@@ -190,6 +191,7 @@ class WorkerSpec:
     context_length: int | None = None
     threads: int | None = None
     host_bytes: int | None = None
+    kv_layout: str | None = None
     extra_args: Sequence[str] = ()
     prompt_ring: RingGeometry = field(default_factory=lambda: RingGeometry.for_elems(4096, 64))
     emit_ring: RingGeometry = field(default_factory=lambda: RingGeometry.for_elems(4096, 16))
@@ -248,6 +250,7 @@ class WorkerSpec:
             ("--context-length", self.context_length),
             ("--threads", self.threads),
             ("--host-bytes", self.host_bytes),
+            ("--kv-layout", self.kv_layout),
         ):
             if value is not None:
                 args += [flag, str(value)]

@@ -58,7 +58,9 @@ def worker_spec(
     )
     if w.engine == "llamacpp":
         path = model_path(w)
-        spec = WorkerSpec(engine="llamacpp", model=path, host_bytes=host_bytes, **common)
+        spec = WorkerSpec(
+            engine="llamacpp", model=path, host_bytes=host_bytes, kv_layout=w.kv_layout, **common
+        )
         return spec, ("gguf", path), Path(path).stem
     model = str(Path(w.model).expanduser()) if w.model else ""
     lib = str(Path(w.lib).expanduser()) if w.lib else ""

@@ -62,7 +62,7 @@ def _new_lane(tick: Tick, w: AdmitWork) -> Lane:
     cfg = sampling.SamplerConfig.from_admit(a.sampling, a.params, a.want_logprobs, bias)
     kv_len, produced = w.kv_len, w.produced
     if w.lease is None:
-        seq, taint, cold = p.cells.take_seq(), 0, w.cold_fallback
+        seq, taint, cold = p.cells.take_lane_seq(), 0, w.cold_fallback
     else:
         seq, taint, cold = p.seeds.seat(w.lease, w.share_len, w.cold_fallback)
         if cold:

@@ -81,6 +81,12 @@ class TokenBatch:
         self.n = i + k
         return i + k - 1
 
+    def whole(self) -> L.llama_batch:
+        """The ``llama_batch`` of rows ``[0, n)``, for one ``llama_decode`` of them all (valid
+        until the next ``decode``)."""
+        self._head.n_tokens = self.n
+        return self._head
+
     def _struct(self, start: int, end: int) -> L.llama_batch:
         b = L.llama_batch()
         b.n_tokens = end - start

@@ -9,6 +9,19 @@ llama.cpp holds. The one exception is ``grow``: ``llama_decode`` writes the KV (
 
 Sequence ids are ``0 .. n_seq_max - 2``, handed out lowest first; ``n_seq_max - 1`` is the scratch
 sequence (``with_prefix``), never in the ledger. Lengths are tokens (one token = one cell).
+
+**Per-lane streams** (``streams``: ``kv_unified = false``, ``context.KV_LAYOUTS``). Every sequence id
+is a KV stream of its own and a query attends only to its own stream's cells, which is what makes an
+8-lane decode step cheaper than in the unified cache. Lanes take ids ``0 .. lanes - 1``
+(``take_lane_seq``, lowest first), so the decoding lanes of a round are consecutive ids and llama.cpp
+puts their rows in one ubatch (its per-stream split only groups consecutive ids); cache entries, bare
+sequences and the scratch take the ids above. A copy between streams cannot share cells: it copies
+the whole source stream and drops the destination's tail (``llama_memory_seq_cp(src, dst, -1, -1)``
+then ``seq_rm``; a partial cross-stream copy is a hard abort in llama.cpp), and llama.cpp performs the
+data copy at the start of the next ``llama_decode``. Until then the destination's buffer is stale and
+the source's buffer must not be overwritten, so a state read of either, or a load into either, first
+runs that update (``flush``: a one-token ``llama_decode`` on the scratch sequence, removed again).
+The ledger then charges the destination private cells (``pool.CellLedger.append``).
 """
 
 from __future__ import annotations
@@ -19,9 +32,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import llama_cpp as L
+import numpy as np
 
 from basertd.schema.abi import Status
 from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.llamacpp.batch import TokenBatch
 from basertd.worker.engines.llamacpp.pool import CellLedger
 
 T = TypeVar("T")
@@ -29,44 +44,100 @@ T = TypeVar("T")
 
 class Cells:
     """The KV cells of one llama.cpp context (``ctx``, a unified cache of ``n_cells`` cells the
-    ledger enforces) and its ``n_seq_max`` sequence ids.
+    ledger enforces, or per-lane streams when ``lanes`` is given: module docstring) and its
+    ``n_seq_max`` sequence ids.
 
     ``version`` counts changes to existing sequences' cells (every method but ``take_seq`` and
     ``grow``): what cached per-entry sums (evictable bytes) compare against."""
 
-    def __init__(self, ctx: L.llama_context_p, n_cells: int, n_seq_max: int) -> None:
+    def __init__(
+        self, ctx: L.llama_context_p, n_cells: int, n_seq_max: int, lanes: int | None = None
+    ) -> None:
         self.ctx = ctx
         self.mem = L.llama_get_memory(ctx)
         self.ledger = CellLedger(n_cells)
         self.scratch_seq = n_seq_max - 1
-        self.free_seqs = list(range(n_seq_max - 1))
-        heapq.heapify(self.free_seqs)
+        self.streams = lanes is not None
+        self._lanes = first = 0 if lanes is None else lanes
+        self.free_lane_seqs = list(range(first))  # ascending: already a heap
+        self.free_seqs = list(range(first, n_seq_max - 1))
         self.version = 0
-        self.grow: Callable[[int, int], None] = self.ledger.append
+        self.pending: set[int] = set()
+        """Streams a copy not yet performed by llama.cpp reads or writes (per-lane streams)."""
+        self.flushes = 0
+        self._flush_batch = TokenBatch(1, 1) if self.streams else None
+        self.grow: Callable[[int, int], None] = self._grow_streams if self.streams else self.ledger.append
         """``grow(seq, n)``: ``llama_decode`` wrote ``n`` positions at the end of ``seq``."""
 
     # ------------------------------------------------------------------ sequence ids
 
     def take_seq(self) -> int:
-        """The lowest free sequence id (empty); EngineError(EBUSY) when none is left."""
+        """The lowest free sequence id (empty) outside the lanes' ids; EngineError(EBUSY) when
+        none is left."""
         if not self.free_seqs:
             raise EngineError(Status.EBUSY, "no free llama.cpp sequence id")
         return heapq.heappop(self.free_seqs)
+
+    def take_lane_seq(self) -> int:
+        """The sequence id for a new lane: ``take_seq``'s in the unified cache, the lowest free
+        lane id with per-lane streams (EngineError(EBUSY) when none is left)."""
+        if not self.streams:
+            return self.take_seq()
+        if not self.free_lane_seqs:
+            raise EngineError(Status.EBUSY, "no free lane stream")
+        return heapq.heappop(self.free_lane_seqs)
+
+    def lane_stream(self, seq: int) -> bool:
+        """Whether ``seq`` is one of the lanes' streams (never in the unified cache)."""
+        return self.streams and seq < self._lanes
 
     def free_seq(self, seq: int) -> None:
         """Remove every cell of ``seq`` from llama.cpp and the ledger; the id becomes free."""
         L.llama_memory_seq_rm(self.mem, seq, -1, -1)
         self.ledger.drop(seq)
-        heapq.heappush(self.free_seqs, seq)
+        heapq.heappush(self.free_lane_seqs if self.streams and seq < self._lanes else self.free_seqs, seq)
         self.version += 1
 
     # ------------------------------------------------------------------ cell changes
 
     def copy(self, src: int, dst: int, n: int) -> None:
-        """``dst`` (empty) shares ``src``'s first ``n`` cells (zero-copy, refcounted)."""
-        L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
-        self.ledger.share(src, dst, n)
+        """``dst`` (empty) holds ``src``'s first ``n`` positions: shared cells in the unified cache
+        (zero-copy, refcounted), a copy of the stream with per-lane streams (module docstring)."""
+        if self.streams:
+            if src == dst:
+                raise ValueError("a stream copy needs two sequences")
+            L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+            L.llama_memory_seq_rm(self.mem, dst, n, -1)
+            self.pending.update((src, dst))
+            self.ledger.drop(dst)
+            self.ledger.append(dst, n)
+        else:
+            L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+            self.ledger.share(src, dst, n)
         self.version += 1
+
+    def _grow_streams(self, seq: int, n: int) -> None:
+        self.pending.clear()  # a llama_decode ran: it performed every queued copy first
+        self.ledger.append(seq, n)
+
+    def flush(self) -> None:
+        """Make llama.cpp perform the queued stream copies now (module docstring): one token
+        decoded at the end of the scratch sequence and removed again. The abort callback cutting
+        it changes nothing: the copies run before the graph. EngineError(ERR_FATAL) when llama.cpp
+        fails the call."""
+        if not self.pending:
+            return
+        b = self._flush_batch
+        assert b is not None
+        b.clear()
+        pos = int(L.llama_memory_seq_pos_max(self.mem, self.scratch_seq)) + 1
+        b.add(np.zeros(1, np.int32), pos, self.scratch_seq, True)
+        rc = int(L.llama_decode(self.ctx, b.whole()))
+        L.llama_memory_seq_rm(self.mem, self.scratch_seq, pos, -1)
+        if rc not in (0, 2):
+            raise EngineError(Status.ERR_FATAL, f"llama_decode returned {rc} performing stream copies")
+        self.pending.clear()
+        self.flushes += 1
 
     def truncate(self, seq: int, keep: int) -> None:
         """Drop ``seq``'s positions ``[keep, ..)``; a ``keep`` at or past its length changes
@@ -86,6 +157,8 @@ class Cells:
         """Load a ``llama_state_seq_get_data`` payload of positions ``[0, end)`` into the empty
         ``seq`` (read in place when the buffer is writable, else from a copy). False (and ``seq``
         left empty) when llama.cpp refuses it or it does not hold exactly those positions."""
+        if seq in self.pending:
+            self.flush()  # a queued copy would overwrite what is loaded (module docstring)
         view = memoryview(payload).cast("B")
         size = len(view)
         arr = ctypes.c_uint8 * size
@@ -107,8 +180,16 @@ class Cells:
         scratch sequence holding a shared copy of its first ``end`` cells (emptied afterwards; the
         ledger never sees it)."""
         if self.ledger.length(seq) == end:
+            if seq in self.pending:
+                self.flush()
             return fn(seq)
-        L.llama_memory_seq_cp(self.mem, seq, self.scratch_seq, 0, end)
+        if self.streams:
+            L.llama_memory_seq_cp(self.mem, seq, self.scratch_seq, -1, -1)
+            L.llama_memory_seq_rm(self.mem, self.scratch_seq, end, -1)
+            self.pending.update((seq, self.scratch_seq))
+            self.flush()
+        else:
+            L.llama_memory_seq_cp(self.mem, seq, self.scratch_seq, 0, end)
         try:
             return fn(self.scratch_seq)
         finally:

@@ -1,7 +1,7 @@
 """The llama.cpp context of one engine: its sizes, resolved from the engine's arguments
-(``Sizes.resolve``), and the ``llama_context`` made with them (``open_context``): one unified KV
-cache, ``n_seq_max`` sequences (lanes + cache sequences + spare sequences + the scratch sequence
-of ``cells.Cells``). Sizes are tokens (one token = one KV cell)."""
+(``Sizes.resolve``), and the ``llama_context`` made with them (``open_context``): ``n_seq_max``
+sequences (lanes + cache sequences + spare sequences + the scratch sequence of ``cells.Cells``) in
+one of the ``KV_LAYOUTS``. Sizes are tokens (one token = one KV cell)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ import llama_cpp as L
 from basertd.schema.abi import Status
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.model import LlamaModel
+
+KV_LAYOUTS = ("unified", "per-lane")
+"""``unified``: one KV cache every sequence's cells share (``kv_unified``; a prefix is shared by
+reference, and the pool is ``pool_tokens`` cells). ``per-lane``: one stream of
+``pad256(context_length)`` cells per sequence id (llama-server's layout); a query attends to its
+own stream only, so decode steps over many lanes are cheaper, and a prefix is copied between
+streams (``cells``). Measured by ``bench/bench_prefill_layout.py layout``."""
+
+
+def stream_cells(context_length: int) -> int:
+    """Cells of one per-lane stream: ``context_length`` padded to 256, as llama.cpp pads it."""
+    return -(-context_length // 256) * 256
 
 
 @dataclass(frozen=True)
@@ -77,20 +89,30 @@ def open_context(
     n_threads_batch: int,
     swa_full: bool,
     yield_step_tokens: int | None,
+    kv_layout: str = "unified",
+    context_length: int = 0,
 ) -> Context:
-    """The context of ``model`` with one unified KV cache of at least ``sizes.pool_tokens`` cells
-    (n_ctx padded to a multiple of 256, as llama.cpp pads it anyway). EngineError(ERR_FATAL) when
-    llama.cpp cannot create it, ValueError for ``yield_step_tokens`` < 1; the model stays open
-    either way (the caller closes it)."""
+    """The context of ``model``: with the ``unified`` layout one KV cache of at least
+    ``sizes.pool_tokens`` cells (n_ctx padded to a multiple of 256, as llama.cpp pads it anyway),
+    with ``per-lane`` one stream of ``stream_cells(context_length)`` cells per sequence id (the
+    ledger's pool is every stream but the scratch sequence's). EngineError(ERR_FATAL) when
+    llama.cpp cannot create it, ValueError for ``yield_step_tokens`` < 1 or an unknown layout; the
+    model stays open either way (the caller closes it)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    unified = kv_layout == "unified"
     n_batch = sizes.n_batch
     cp = L.llama_context_default_params()
-    cp.n_ctx = max(-(-sizes.pool_tokens // 256) * 256, -(-n_batch // 256) * 256)
+    if unified:
+        cp.n_ctx = max(-(-sizes.pool_tokens // 256) * 256, -(-n_batch // 256) * 256)
+    else:
+        cp.n_ctx = sizes.n_seq_max * stream_cells(context_length)
     cp.n_batch = n_batch
     cp.n_ubatch = min(n_ubatch, n_batch)
     cp.n_seq_max = sizes.n_seq_max
     cp.n_threads = n_threads
     cp.n_threads_batch = n_threads_batch
-    cp.kv_unified = True
+    cp.kv_unified = unified
     cp.swa_full = swa_full
     cp.no_perf = True
     ctx = L.llama_init_from_model(model.ptr, cp)
@@ -103,12 +125,15 @@ def open_context(
         "n_seq_max": sizes.n_seq_max,
         "n_threads": cp.n_threads,
         "n_threads_batch": cp.n_threads_batch,
-        "kv_unified": True,
+        "kv_unified": unified,
         "swa_full": swa_full,
     }
     # llama.cpp pads n_ctx up to a multiple of 256; the pool is what was asked for, which the
     # ledger then enforces (never more than llama.cpp actually has).
-    n_cells = min(sizes.pool_tokens, int(L.llama_n_ctx(ctx)))
+    if unified:
+        n_cells = min(sizes.pool_tokens, int(L.llama_n_ctx(ctx)))
+    else:
+        n_cells = (sizes.n_seq_max - 1) * (int(L.llama_n_ctx(ctx)) // sizes.n_seq_max)
     real_batch = int(L.llama_n_batch(ctx))
     real_ubatch = int(L.llama_n_ubatch(ctx))
     step = real_ubatch if yield_step_tokens is None else yield_step_tokens

@@ -1,10 +1,11 @@
 """``LlamaCppEngine``: the Engine protocol over one llama.cpp context (DESIGN.md "Engines").
 
-One ``llama_context`` with a unified KV cache of ``pool_tokens`` cells and ``n_seq_max`` = lanes +
-cache sequences + spare sequences. Each lane owns one sequence id; a tick runs retires, commits,
-admits, prefills, decodes (ABI rule 53) and puts every decoding lane of a round in one
-``llama_decode``, with the tick's prefill chunks behind them in the same batch (a chunk of 8 rows
-or more in a ``llama_decode`` of its own: ``rounds.SPLIT_MIN_PREFILL_ROWS``). A grant of
+One ``llama_context`` with ``n_seq_max`` = lanes + cache sequences + spare sequences + a scratch
+sequence, in one KV cache of ``pool_tokens`` cells or in per-lane streams (``context.KV_LAYOUTS``).
+Each lane owns one sequence id; a tick runs retires, commits, admits, prefills, decodes (ABI rule
+53) and puts every decoding lane of a round in one ``llama_decode``, with the tick's prefill chunks
+behind them in the same batch (a chunk of 8 rows or more in a ``llama_decode`` of its own:
+``rounds.SPLIT_MIN_PREFILL_ROWS``). A grant of
 k tokens runs k rounds; the tick's prefill is spread evenly over them (``rounds``), so a lane
 decoding beside a long prefill gets a token every round instead of waiting for all of it. Tokens
 are chosen on the host from each lane's logits row (``sampling``); HOST lanes get the row in the
@@ -101,6 +102,8 @@ class LlamaCppEngine(Engine):
     ``seed_lease_ticks`` the lease TTL (rule 84). ``n_threads`` / ``n_threads_batch`` go to
     llama.cpp (single-token / multi-token batches). ``n_batch`` caps one ``llama_decode``.
     ``swa_full`` keeps a full-size sliding-window cache (the C default; see the reference notes).
+    ``kv_layout`` is ``unified`` (one shared cache) or ``per-lane`` (a stream per sequence id;
+    ``pool_tokens`` then does not apply: ``context.KV_LAYOUTS``).
     ``yield_step_tokens`` rows per llama_decode (the yield granularity; default n_ubatch).
     ``repack`` False loads the weights without llama.cpp's CPU repacking (``LlamaModel``).
     ``host_bytes`` bounds the host tier of evicted prefixes (``host_tier``; 0: off).
@@ -129,6 +132,7 @@ class LlamaCppEngine(Engine):
         yield_step_tokens: int | None = None,
         repack: bool = True,
         host_bytes: int = 0,
+        kv_layout: str = "unified",
     ) -> None:
         if host_bytes < 0:
             raise ValueError(f"host_bytes must be >= 0, got {host_bytes}")
@@ -153,8 +157,10 @@ class LlamaCppEngine(Engine):
                 n_threads_batch=n_threads if n_threads_batch is None else n_threads_batch,
                 swa_full=swa_full,
                 yield_step_tokens=yield_step_tokens,
+                kv_layout=kv_layout,
+                context_length=context_length,
             )
-        except EngineError:
+        except (EngineError, ValueError):
             self.model.close()
             raise
         self.ctx, self._ctx_params = c.ctx, c.params
@@ -167,17 +173,19 @@ class LlamaCppEngine(Engine):
         self.bytes_per_token = self.model.kv_bytes_per_token
         self.seed_ttl = seed_lease_ticks
         self.spare_sequences = spare_sequences
-        # What decides whether a sequence blob loads: the weights, KV types, one unified stream,
+        self.kv_layout = kv_layout
+        # What decides whether a sequence blob loads: the weights, KV types, the stream layout,
         # the sliding-window cache layout and llama.cpp's state format (its version). Not the pool
         # size, so a respawned worker with another pool still restores.
-        self.identity = compat_identity(self.model.model_id, "kv-f16", "unified", swa_full, L.__version__)
+        self.identity = compat_identity(self.model.model_id, "kv-f16", kv_layout, swa_full, L.__version__)
         self.counters = stats = new_stats()
         threads_batch = n_threads if n_threads_batch is None else n_threads_batch
         self.scorer = Scorer(self.model, max_tokens=context_length, n_threads=threads_batch)
         self.embedder = Embedder(
             self.model, max_tokens=context_length, max_inputs=EMBED_INPUTS, n_threads=threads_batch
         )
-        self.cells = cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max)
+        per_lane = kv_layout == "per-lane"
+        self.cells = cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max, lanes if per_lane else None)
         self.ledger = cells.ledger  # read by validation (``validate.EngineState``)
         self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
         self.rings = EngineRings()

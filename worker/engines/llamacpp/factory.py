@@ -7,6 +7,7 @@ import os
 
 from basertd.worker.engines import EngineLoadError, EngineOptionError, EngineOptions
 from basertd.worker.engines.base import EngineError
+from basertd.worker.engines.llamacpp.context import KV_LAYOUTS
 from basertd.worker.engines.llamacpp.engine import LlamaCppEngine
 
 
@@ -24,7 +25,8 @@ def _gpu_layers(device: str) -> int:
 def open_engine(options: EngineOptions) -> LlamaCppEngine:
     """Load ``options.model`` (a GGUF path, required: the worker never picks a default model).
     ``lanes`` / ``context_length`` (tokens) default to the engine's (8 / 2048); ``threads`` to every
-    CPU of the machine, for decode and prefill alike; ``host_bytes`` to 0 (no host tier). Raises
+    CPU of the machine, for decode and prefill alike; ``host_bytes`` to 0 (no host tier);
+    ``kv_layout`` to "unified". Raises
     EngineOptionError (exit 2: no model, a device or size llama.cpp cannot use,
     ``--lib``/``--ref-config`` given) or EngineLoadError (exit 3: the file is missing or llama.cpp
     cannot load it or create the context)."""
@@ -34,7 +36,7 @@ def open_engine(options: EngineOptions) -> LlamaCppEngine:
         raise EngineOptionError("--ref-config", "only the reference engine takes --ref-config")
     if not options.model:
         raise EngineOptionError("--model", "the llamacpp engine needs a GGUF model path")
-    kw: dict[str, int] = {"n_gpu_layers": _gpu_layers(options.device)}
+    kw: dict[str, int | str] = {"n_gpu_layers": _gpu_layers(options.device)}
     if options.lanes is not None:
         kw["lanes"] = options.lanes
     if options.context_length is not None:
@@ -45,8 +47,14 @@ def open_engine(options: EngineOptions) -> LlamaCppEngine:
     kw["n_threads"] = kw["n_threads_batch"] = threads
     if options.host_bytes is not None:
         kw["host_bytes"] = options.host_bytes
+    if options.kv_layout is not None:
+        if options.kv_layout not in KV_LAYOUTS:
+            raise EngineOptionError(
+                "--kv-layout", f"must be one of {', '.join(KV_LAYOUTS)}, not {options.kv_layout!r}"
+            )
+        kw["kv_layout"] = options.kv_layout
     try:
-        return LlamaCppEngine(options.model, **kw)
+        return LlamaCppEngine(options.model, **kw)  # type: ignore[arg-type]
     except ValueError as exc:
         raise EngineOptionError("--lanes", str(exc)) from None
     except EngineError as exc:

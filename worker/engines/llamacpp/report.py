@@ -67,6 +67,7 @@ class Report:
                 "n_swa": str(e.n_swa),
                 "embedding_dim": str(m.n_embd),
                 "kv_cells": str(e.n_cells),
+                "kv_layout": e.kv_layout,
                 "n_batch": str(e.n_batch),
                 "step_tokens": str(e.step_rows),
                 "prefill_rounds": "spread",
@@ -82,7 +83,8 @@ class Report:
 
     def state_spaces(self) -> list[StateSpaceDesc]:
         """One PAGED_TOKEN_KV space (id 0): ``bytes_per_token`` is K+V over all layers at F16;
-        forks share pages by reference. Sliding-window models keep the same descriptor; their
+        forks share pages by reference in the unified cache (fork cost class 1, refcount) and copy
+        the stream per lane (class 2, copy). Sliding-window models keep the same descriptor; their
         window limits which cached prefixes are servable (``prefix_cache``)."""
         e = self.engine
         return [
@@ -92,7 +94,7 @@ class Report:
                 version_tag=e.ops.version_tag,
                 bytes_per_token=e.bytes_per_token,
                 page_size_tokens=e.page,
-                fork_cost_class=1,
+                fork_cost_class=1 if e.kv_layout == "unified" else 2,
                 name=f"kv-swa{e.n_swa}" if e.n_swa else "kv",
             )
         ]
@@ -115,7 +117,9 @@ class Report:
         restores, restored tokens, restore ns, refused snapshots), the draft models'
         ``draft_models`` / ``draft_bytes`` / ``draft_sequences`` (``DraftHost.stats``), and the
         measured rate curve (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two
-        llama_decode size)."""
+        llama_decode size), and ``kv_stream_flushes_total`` (one-token ``llama_decode`` calls run
+        to perform queued copies between per-lane streams before a state read or load,
+        ``cells.Cells.flush``)."""
         e = self.engine
         out = dict(e.counters)
         out.update(e.rates.stats())
@@ -133,6 +137,7 @@ class Report:
             cache_bytes=e.seeds.cached_cells() * e.bytes_per_token,
             pool_bytes_used=e.ledger.used * e.bytes_per_token,
             pool_bytes_total=e.n_cells * e.bytes_per_token,
+            kv_stream_flushes_total=e.cells.flushes,
         )
         return out
 

@@ -269,6 +269,10 @@ class Rounds:
                 ready.append(lane)  # a held row, or a replayed token that needs no logits
             else:
                 tick.fault(lane, FaultCode.INTERNAL, 1)
+        if self.cells.streams:
+            # llama.cpp puts the rows of consecutive stream ids, in batch order, in one ubatch
+            # (the prefill keeps the plan's order: it decides which lane a short round feeds)
+            forward.sort(key=lambda ln: ln.seq)
         # Never hand llama.cpp more tokens than the ledger has cells for (the plan was checked;
         # this only trips if a seeded admit fell back to a cold prefill after validation).
         while feed and len(forward) + sum(ln.prefilled - ln.kv_len for ln in feed) > self.cells.free:
@@ -354,8 +358,18 @@ class Rounds:
         grow = self.cells.grow
 
         def on_part(start: int, end: int) -> None:
+            for lane in read_part(start, end):
+                if lane.tag not in lanes:
+                    continue
+                # the window of the mark is intact right after the llama_decode that crossed it;
+                # taken once the part's logits are read (a snapshot may run a llama_decode: cells)
+                tick.parts.seeds.snapshot_prompt(lane.seq, lane.tokens, lane.mark, lane.taint)
+                lane.mark = 0
+
+        def read_part(start: int, end: int) -> list[Lane]:
             units: list[tuple[Lane, int]] = []  # lane, output row of this part
             out_of_row: np.ndarray | None = None
+            marked: list[Lane] = []
             for lane, first, n, want in runs:
                 lo, hi = max(first, start), min(first + n, end)
                 if lo >= hi or lane.tag not in lanes:
@@ -365,9 +379,7 @@ class Rounds:
                 lane.kv_len += k
                 lane.content_gen += 1
                 if lane.mark and lane.kv_len >= lane.mark:
-                    # the window of the mark is intact right after the llama_decode that crossed it
-                    tick.parts.seeds.snapshot_prompt(lane.seq, lane.tokens, lane.mark, lane.taint)
-                    lane.mark = 0
+                    marked.append(lane)
                 if first >= n_decode_rows:
                     stats["prefill_tokens_total"] += k
                 if want and lane.kv_len == lane.produced:
@@ -380,7 +392,7 @@ class Rounds:
             if verify and out_of_row is None:
                 out_of_row = np.cumsum(self.batch.logits[start:end], dtype=np.int64) - 1
             if not units and not verify:
-                return
+                return marked
             n_out = int(out_of_row[-1]) + 1
             logits = np.ctypeslib.as_array(L.llama_get_logits(ctx), (n_out, n_vocab))
             go = [(ln, o) for ln, o in units if tick.grant.get(ln.tag, 0) > 0]
@@ -395,6 +407,7 @@ class Rounds:
             for lane, first, d in verify:
                 o = int(out_of_row[first - start])
                 self.speculator.verify(tick, lane, logits[o : o + d.shape[0] + 1], d)
+            return marked
 
         def stop(rows_done: int) -> bool:
             if rows_done < tick.min_rows or not self.yield_requested():

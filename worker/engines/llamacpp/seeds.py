@@ -283,11 +283,16 @@ class Seeds:
         """An admit consumes ``lease``: ``(seq id, taint, cold)`` of the lane's sequence holding
         the lease's first ``share_len`` cells, or nothing when ``cold`` (the validated shape, or a
         window found broken after sharing: the lane then prefills from 0)."""
-        seq = self.adopted.pop(lease.adopted).seq if lease.adopted else self.cells.take_seq()
+        seq = self.adopted.pop(lease.adopted).seq if lease.adopted else self.cells.take_lane_seq()
         self.cache.leases.pop(lease.handle, None)
         if lease.adopted:
             if not cold:
                 self.cells.truncate(seq, share_len)
+            if self.cells.streams:  # the lane runs in a lane stream: copy the adopted one there
+                bare, seq = seq, self.cells.take_lane_seq()
+                if not cold and share_len:
+                    self.cells.copy(bare, seq, share_len)
+                self.cells.free_seq(bare)
         else:
             entry = self.cache.entries[lease.entry_id]
             entry.pins -= 1
@@ -344,6 +349,15 @@ class Seeds:
                 self.cells.free_seq(seq)
                 return False
             self.evict(victim, shed, SHED_REASON_PUBLISH)
+        if self.cells.lane_stream(seq):  # entries live outside the lanes' streams (``cells``)
+            try:
+                entry_seq = self.cells.take_seq()
+            except EngineError:
+                self.cells.free_seq(seq)
+                return False
+            self.cells.copy(seq, entry_seq, n)
+            self.cells.free_seq(seq)
+            seq = entry_seq
         mark = self._last_page_before(prompt_end)
         self.cache.add(seq, toks, digest, taint, mark=mark if mark < n else 0)
         self.host.discard(digest, taint)  # one copy of a prefix, in one tier

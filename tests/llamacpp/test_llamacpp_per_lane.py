@@ -1,0 +1,123 @@
+"""The per-lane KV layout (``context.KV_LAYOUTS``, ``cells`` module docstring): lanes in consecutive
+stream ids, cached prefixes in streams of their own, a seed copied into the lane's stream (any page
+multiple of an entry), and a state read of a stream whose copy llama.cpp has not performed yet
+flushed first. Every other engine test also runs in this layout (``conftest.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from lc_harness import BareLlama, admit, first_divergence, ignore_eos, make_prompt
+
+from basertd.schema.abi import Sampling
+from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, ShedPolicy
+
+U64 = (1 << 64) - 1
+EVICT_ALL = ShedPolicy(evictable_cache_classes=1, max_evict_bytes=U64)
+RESTORE_NOISE = 1e-3
+"""Max |logit difference| between a lane seeded from a restored snapshot and one seeded from the
+same resident entry (``test_llamacpp_host_tier.RESTORE_NOISE``); a snapshot of a stream read before
+its copy (zeros, or another sequence's keys) moves logits by ~0.1 or more."""
+
+
+pytestmark = pytest.mark.kv_layouts("per-lane")
+
+
+def prefill(coord, tag, prompt, decode=0):
+    """Admit ``prompt`` in lane ``tag``, prefill it and decode ``decode`` tokens (greedy)."""
+    return coord.tick(
+        admits=[admit(tag, coord.prompt(prompt), params=ignore_eos())],
+        prefills=[LanePrefill(lane_tag=tag, token_offset=0, token_count=len(prompt))],
+        decodes=[LaneDecode(lane_tag=tag, max_new_tokens=decode)] if decode else [],
+    )
+
+
+def greedy_ref(eng, prompt, n):
+    bare = BareLlama(eng.model.path, eng.context_params())
+    try:
+        ref, margins = bare.greedy([prompt], n)
+    finally:
+        bare.close()
+    return ref[0], margins[0]
+
+
+def test_lanes_take_consecutive_streams_and_entries_live_above_them(make_engine):
+    eng, coord = make_engine(lanes=4)
+    assert eng.context_params()["kv_unified"] is False and eng.info().extra["kv_layout"] == "per-lane"
+    coord.tick(admits=[admit(t, coord.prompt(make_prompt(t, 20))) for t in (1, 2, 3)])
+    assert sorted(eng.lanes[t].seq for t in (1, 2, 3)) == [0, 1, 2]
+    freed = eng.lanes[2].seq
+    coord.tick(
+        prefills=[LanePrefill(lane_tag=2, token_offset=0, token_count=20)],
+    )
+    coord.tick(retires=[LaneRetire(lane_tag=2, publish_to_cache=1)])
+    (entry,) = eng.cache.entries.values()
+    assert entry.seq >= 4 and entry.length == 16  # copied out of the lane's stream
+    coord.tick(admits=[admit(4, coord.prompt(make_prompt(4, 20)))])
+    assert eng.lanes[4].seq == freed  # the lowest free lane stream
+    assert eng.state_spaces()[0].fork_cost_class == 2  # forks copy, not share
+
+
+def test_a_seed_is_copied_into_the_lanes_stream_at_any_page_of_the_entry(lc):
+    # ABI rules 45, 75-83 in the per-lane layout
+    eng, coord = lc
+    prompt = make_prompt(3, 50)
+    prefill(coord, 1, prompt)
+    coord.tick(retires=[LaneRetire(lane_tag=1, publish_to_cache=1)])  # entry: 48 tokens
+    for tag, share in ((2, 48), (3, 32)):  # the whole entry, and a shorter page multiple of it
+        h = eng.seed_acquire(coord.prompt(prompt), share, 0)
+        used, pre = eng.ledger.used, eng.stats()["prefill_tokens_total"]
+        ev = coord.tick(
+            admits=[admit(tag, coord.prompt(prompt), seed_handle=h, params=ignore_eos())],
+            prefills=[LanePrefill(lane_tag=tag, token_offset=share, token_count=50 - share)],
+            decodes=[LaneDecode(lane_tag=tag, max_new_tokens=4)],
+        )
+        lane = eng.lanes[tag]
+        assert lane.seq < eng.max_lanes and lane.seeded_tokens == share
+        # the copy is the lane's own: share + the suffix + three forwarded tokens
+        assert eng.ledger.used == used + share + (50 - share) + 3
+        assert eng.stats()["prefill_tokens_total"] == pre + 50 - share
+        ref, margins = greedy_ref(eng, prompt, 4)
+        first_divergence(coord.read(ev.emits[0].token_ref), ref, margins, 1e-3)
+    assert eng.stats()["kv_stream_flushes_total"] == 0  # a seat is performed by the next decode
+
+
+def _seeded_row(coord, eng, tag, prompt, share):
+    """The HOST logits row after ``prompt`` from a lane seeded with its first ``share`` tokens."""
+    h = eng.seed_acquire(coord.prompt(prompt), share, 0)
+    coord.tick(admits=[admit(tag, coord.prompt(prompt), sampling=Sampling.HOST, seed_handle=h)])
+    ev = coord.tick(
+        prefills=[LanePrefill(lane_tag=tag, token_offset=share, token_count=len(prompt) - share)],
+        decodes=[LaneDecode(lane_tag=tag)],
+    )
+    row = coord.row(ev.emits[0].logits_row).copy()
+    coord.tick(retires=[LaneRetire(lane_tag=tag)])
+    return row
+
+
+def test_a_stream_read_before_its_copy_ran_is_flushed_first(make_engine):
+    """Publishing copies the lane's stream into an entry's; llama.cpp performs that copy at the next
+    ``llama_decode``. Evicting the entry at once captures it into the host tier: the capture must
+    see the copied keys (``Cells.flush``), so the restored prefix serves as the resident one did."""
+    eng, coord = make_engine(lanes=2, cache_sequences=2, spare_sequences=0, host_bytes=4 << 20)
+    prompt = make_prompt(7, 40)
+    query = [*prompt, 5, 6, 7]
+    prefill(coord, 1, prompt)
+    coord.tick(retires=[LaneRetire(lane_tag=1, publish_to_cache=1)], shed_policy=EVICT_ALL)
+    assert eng.cells.pending  # the entry's copy is still queued
+    eng.cache_evict(EVICT_ALL, U64)  # demoted at once: captured from the entry's stream
+    assert not eng.cache.entries and eng.host.stats()["host_entries"] == 1
+    assert eng.stats()["kv_stream_flushes_total"] == 1 and not eng.cells.pending
+    restored = _seeded_row(coord, eng, 2, query, 32)
+    assert eng.host.stats()["host_restores_total"] == 1
+
+    for e in list(eng.cache.entries.values()):
+        eng.seeds.evict(e, None, 0, demote=False)
+    for h in list(eng.host):
+        eng.host.remove(h)
+    assert not eng.cache.entries  # a fresh prefill next, not the restored copy
+    prefill(coord, 3, prompt)
+    coord.tick(retires=[LaneRetire(lane_tag=3, publish_to_cache=1)], shed_policy=EVICT_ALL)
+    resident = _seeded_row(coord, eng, 4, query, 32)  # from the resident entry's stream
+    assert eng.host.stats()["host_restores_total"] == 1
+    assert np.abs(restored - resident).max() < RESTORE_NOISE
