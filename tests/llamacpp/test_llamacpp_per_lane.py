@@ -41,20 +41,29 @@ def greedy_ref(eng, prompt, n):
     return ref[0], margins[0]
 
 
-def test_lanes_take_consecutive_streams_and_entries_live_above_them(make_engine):
+def test_lanes_stay_on_consecutive_streams_and_entries_live_above_them(make_engine):
     eng, coord = make_engine(lanes=4)
     assert eng.context_params()["kv_unified"] is False and eng.info().extra["kv_layout"] == "per-lane"
-    coord.tick(admits=[admit(t, coord.prompt(make_prompt(t, 20))) for t in (1, 2, 3)])
-    assert sorted(eng.lanes[t].seq for t in (1, 2, 3)) == [0, 1, 2]
-    freed = eng.lanes[2].seq
+    prompts = {t: make_prompt(t, 20) for t in (1, 2, 3)}
     coord.tick(
-        prefills=[LanePrefill(lane_tag=2, token_offset=0, token_count=20)],
+        admits=[admit(t, coord.prompt(p), params=ignore_eos()) for t, p in prompts.items()],
+        prefills=[LanePrefill(lane_tag=t, token_offset=0, token_count=20) for t in prompts],
     )
-    coord.tick(retires=[LaneRetire(lane_tag=2, publish_to_cache=1)])
+    assert sorted(eng.lanes[t].seq for t in prompts) == [0, 1, 2]
+    (mid,) = (t for t in prompts if eng.lanes[t].seq == 1)
+    coord.tick(retires=[LaneRetire(lane_tag=mid, publish_to_cache=1)])
     (entry,) = eng.cache.entries.values()
     assert entry.seq >= 4 and entry.length == 16  # copied out of the lane's stream
+    live = [t for t in prompts if t != mid]
+    # the lane above the freed stream moved down into it: a round's decode rows stay one ubatch
+    assert sorted(eng.lanes[t].seq for t in live) == [0, 1] and eng.stats()["kv_stream_moves_total"] == 1
+    ev = coord.tick(decodes=[LaneDecode(lane_tag=t, max_new_tokens=6) for t in live])
+    assert sorted(e.lane_tag for e in ev.emits) == sorted(live) and all(e.n_tokens == 6 for e in ev.emits)
+    for e in ev.emits:  # the moved lane continues from the KV it took along
+        ref, margins = greedy_ref(eng, prompts[e.lane_tag], 6)
+        first_divergence(coord.read(e.token_ref), ref, margins, 1e-3)
     coord.tick(admits=[admit(4, coord.prompt(make_prompt(4, 20)))])
-    assert eng.lanes[4].seq == freed  # the lowest free lane stream
+    assert eng.lanes[4].seq == 2  # the lowest free lane stream
     assert eng.state_spaces()[0].fork_cost_class == 2  # forks copy, not share
 
 
@@ -121,3 +130,32 @@ def test_a_stream_read_before_its_copy_ran_is_flushed_first(make_engine):
     resident = _seeded_row(coord, eng, 4, query, 32)  # from the resident entry's stream
     assert eng.host.stats()["host_restores_total"] == 1
     assert np.abs(restored - resident).max() < RESTORE_NOISE
+
+
+def test_a_decoding_lane_trades_streams_with_a_prefilling_lane_below_it(make_engine):
+    eng, coord = make_engine(lanes=4)
+    prompts = {1: make_prompt(11, 60), 2: make_prompt(12, 20), 3: make_prompt(13, 20)}
+    coord.tick(
+        admits=[admit(t, coord.prompt(p), params=ignore_eos()) for t, p in prompts.items()],
+        prefills=[LanePrefill(lane_tag=t, token_offset=0, token_count=20) for t in prompts],
+    )
+    assert [eng.lanes[t].seq for t in (1, 2, 3)] == [0, 1, 2]
+    out: dict[int, list[int]] = {t: [] for t in prompts}
+    ev = coord.tick(  # lane 1 still prefills: lane 3 (decoding) takes its stream, lane 1 goes up
+        prefills=[LanePrefill(lane_tag=1, token_offset=20, token_count=20)],
+        decodes=[LaneDecode(lane_tag=t, max_new_tokens=3) for t in (2, 3)],
+    )
+    assert sorted(eng.lanes[t].seq for t in (2, 3)) == [0, 1] and eng.lanes[1].seq == 2
+    assert eng.stats()["kv_stream_moves_total"] == 1
+    for e in ev.emits:
+        out[e.lane_tag] += coord.read(e.token_ref)
+    ev = coord.tick(
+        prefills=[LanePrefill(lane_tag=1, token_offset=40, token_count=20)],
+        decodes=[LaneDecode(lane_tag=t, max_new_tokens=3) for t in prompts],
+    )
+    for e in ev.emits:
+        out[e.lane_tag] += coord.read(e.token_ref)
+    assert [len(out[t]) for t in (1, 2, 3)] == [3, 6, 6]
+    for t, p in prompts.items():  # every lane continues from the KV it took along
+        ref, margins = greedy_ref(eng, p, len(out[t]))
+        first_divergence(out[t], ref, margins, 1e-3)

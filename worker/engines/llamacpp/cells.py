@@ -21,7 +21,10 @@ then ``seq_rm``; a partial cross-stream copy is a hard abort in llama.cpp), and 
 data copy at the start of the next ``llama_decode``. Until then the destination's buffer is stale and
 the source's buffer must not be overwritten, so a state read of either, or a load into either, first
 runs that update (``flush``: a one-token ``llama_decode`` on the scratch sequence, removed again).
-The ledger then charges the destination private cells (``pool.CellLedger.append``).
+The ledger then charges the destination private cells (``pool.CellLedger.append``). A lane whose
+stream sits above a free lane stream is moved down into it (``move_lane``, the engine does it after
+a tick's admits) and a lane that decodes trades streams with a lane below it that still prefills
+(``swap_lanes``), so the decoding lanes stay consecutive.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Cells:
         self.pending: set[int] = set()
         """Streams a copy not yet performed by llama.cpp reads or writes (per-lane streams)."""
         self.flushes = 0
+        self.moves = 0
         self._flush_batch = TokenBatch(1, 1) if self.streams else None
         self.grow: Callable[[int, int], None] = self._grow_streams if self.streams else self.ledger.append
         """``grow(seq, n)``: ``llama_decode`` wrote ``n`` positions at the end of ``seq``."""
@@ -115,6 +119,43 @@ class Cells:
             L.llama_memory_seq_cp(self.mem, src, dst, 0, n)
             self.ledger.share(src, dst, n)
         self.version += 1
+
+    def move_lane(self, src: int, dst: int) -> None:
+        """Per-lane streams: the lane on stream ``src`` moves to the free lane stream ``dst`` (taken
+        with ``take_lane_seq``), performed by llama.cpp at the next ``llama_decode`` like a copy;
+        ``src`` becomes free. llama.cpp puts only consecutive stream ids in one ubatch, so a gap
+        below a decoding lane costs one more pass over the weights per round (module docstring)."""
+        n = self.ledger.length(src)
+        L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+        L.llama_memory_seq_rm(self.mem, src, -1, -1)
+        self.pending.update((src, dst))
+        self.ledger.drop(dst)
+        self.ledger.append(dst, n)
+        self.ledger.drop(src)
+        heapq.heappush(self.free_lane_seqs, src)
+        self.moves += 1
+        self.version += 1
+
+    def swap_lanes(self, a: int, b: int) -> None:
+        """Per-lane streams: the lanes on streams ``a`` and ``b`` trade streams, through the
+        scratch stream (three stream copies llama.cpp performs in order at the next
+        ``llama_decode``). The scratch sequence must be empty."""
+        na, nb = self.ledger.length(a), self.ledger.length(b)
+        s = self.scratch_seq
+        L.llama_memory_seq_cp(self.mem, a, s, -1, -1)
+        L.llama_memory_seq_cp(self.mem, b, a, -1, -1)
+        L.llama_memory_seq_cp(self.mem, s, b, -1, -1)
+        L.llama_memory_seq_rm(self.mem, s, -1, -1)
+        self.pending.update((a, b, s))
+        for seq, n in ((a, nb), (b, na)):
+            self.ledger.drop(seq)
+            self.ledger.append(seq, n)
+        self.moves += 1
+        self.version += 1
+
+    def lane_gap(self, seq: int) -> bool:
+        """Per-lane streams: whether a lane stream below ``seq`` is free."""
+        return self.streams and bool(self.free_lane_seqs) and self.free_lane_seqs[0] < seq
 
     def _grow_streams(self, seq: int, n: int) -> None:
         self.pending.clear()  # a llama_decode ran: it performed every queued copy first

@@ -85,7 +85,7 @@ from basertd.worker.engines.llamacpp.state import compat_identity
 from basertd.worker.engines.llamacpp.strategies import Strategies
 from basertd.worker.engines.llamacpp.tick import Tick, TickParts
 from basertd.worker.engines.llamacpp.validate import validate_plan
-from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL
+from basertd.worker.engines.llamacpp.work import SHED_REASON_POOL, TickWork
 
 if TYPE_CHECKING:
     from basertd.worker.engines.llamacpp.hooks import LaneTestHooks
@@ -295,6 +295,8 @@ class LlamaCppEngine(Engine):
             self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
         tick.commit(work)
         admit(tick, work)
+        if self.cells.streams:
+            self._compact_lanes(work)
         self.rounds.run(work, tick)
         tick.finish_events(work)
         ev.op_completions = self.ops.take_completions()
@@ -305,6 +307,32 @@ class LlamaCppEngine(Engine):
         )
         ev.mem = self.report.mem_counters()
         return ev
+
+    def _compact_lanes(self, work: TickWork) -> None:
+        """Per-lane streams: move the highest lanes down into free lane streams below them
+        (``Cells.move_lane``), then let each lane that decodes this tick with its prompt
+        prefilled trade streams with a lane below it that does not (``Cells.swap_lanes``), so
+        the round's decode rows are consecutive streams, one ubatch (``cells``). Lanes with a
+        state op in flight stay where they are."""
+        cells = self.cells
+        for lane in sorted(self.lanes.values(), key=lambda ln: -ln.seq):
+            if not cells.lane_gap(lane.seq):
+                break
+            if lane.handle in self.locked:
+                continue
+            dst = cells.take_lane_seq()
+            cells.move_lane(lane.seq, dst)
+            lane.seq = dst
+        tags = {tag for tag, _ in work.decodes}
+        movable = [ln for ln in self.lanes.values() if ln.handle not in self.locked]
+        decodes = [ln.tag in tags and ln.prefilled >= ln.prefill_end for ln in movable]
+        high = sorted((ln for ln, d in zip(movable, decodes, strict=True) if d), key=lambda ln: -ln.seq)
+        low = sorted((ln for ln, d in zip(movable, decodes, strict=True) if not d), key=lambda ln: ln.seq)
+        for hi, lo in zip(high, low, strict=False):
+            if hi.seq < lo.seq:
+                break
+            cells.swap_lanes(hi.seq, lo.seq)
+            hi.seq, lo.seq = lo.seq, hi.seq
 
     # ------------------------------------------------------------------ capabilities, by part
 

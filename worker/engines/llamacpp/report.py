@@ -119,7 +119,8 @@ class Report:
         measured rate curve (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two
         llama_decode size), and ``kv_stream_flushes_total`` (one-token ``llama_decode`` calls run
         to perform queued copies between per-lane streams before a state read or load,
-        ``cells.Cells.flush``)."""
+        ``cells.Cells.flush``) and ``kv_stream_moves_total`` (lanes moved down into a free lane
+        stream, ``cells.Cells.move_lane``)."""
         e = self.engine
         out = dict(e.counters)
         out.update(e.rates.stats())
@@ -138,6 +139,7 @@ class Report:
             pool_bytes_used=e.ledger.used * e.bytes_per_token,
             pool_bytes_total=e.n_cells * e.bytes_per_token,
             kv_stream_flushes_total=e.cells.flushes,
+            kv_stream_moves_total=e.cells.moves,
         )
         return out
 
