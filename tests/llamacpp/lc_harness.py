@@ -15,7 +15,7 @@ import llama_cpp as L
 import numpy as np
 from ring_rig import RingRig, geometry
 
-from basertd.schema.abi import SamplingFlag
+from basertd.schema.abi import Sampling, SamplingFlag
 from basertd.schema.tick import (
     LaneAdmit,
     LaneDecode,
@@ -108,6 +108,19 @@ def make_prompt(i: int, n: int, vocab: int = 293) -> list[int]:
 def admit(tag, ref, **kw) -> LaneAdmit:
     """A LaneAdmit with keyword overrides."""
     return LaneAdmit(lane_tag=tag, prompt=ref, **kw)
+
+
+def host_row(coord, tag, prompt, skip=0, seed=0) -> np.ndarray:
+    """The logits row after ``prompt`` from a HOST lane (tag ``tag``) seeded with ``seed`` covering
+    its first ``skip`` tokens, prefilled from there; the lane is retired afterwards."""
+    coord.tick(admits=[admit(tag, coord.prompt(prompt), sampling=Sampling.HOST, seed_handle=seed)])
+    ev = coord.tick(
+        prefills=[LanePrefill(lane_tag=tag, token_offset=skip, token_count=len(prompt) - skip)],
+        decodes=[LaneDecode(lane_tag=tag)],
+    )
+    row = coord.row(ev.emits[0].logits_row).copy()
+    coord.tick(retires=[LaneRetire(lane_tag=tag)])
+    return row
 
 
 def ignore_eos(**kw) -> SamplingParams:

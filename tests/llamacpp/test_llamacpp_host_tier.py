@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from lc_harness import admit, ignore_eos, make_prompt
+from lc_harness import admit, host_row, ignore_eos, make_prompt
 
-from basertd.schema.abi import Sampling, Status, Tier
+from basertd.schema.abi import Status, Tier
 from basertd.schema.tick import ENVELOPE_BYTES, LaneDecode, LanePrefill, LaneRetire, ShedPolicy
 from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.seeds import PROMPT_SNAPSHOT_MIN_TOKENS
@@ -35,18 +35,6 @@ def publish(coord, tag, prompt):
         prefills=[LanePrefill(lane_tag=tag, token_offset=0, token_count=len(prompt))],
     )
     coord.tick(retires=[LaneRetire(lane_tag=tag, publish_to_cache=1)], shed_policy=EVICT_ALL)
-
-
-def host_row(coord, tag, prompt, skip=0, seed=0):
-    """The logits row after ``prompt`` from a HOST lane seeded with ``seed`` covering ``skip``."""
-    coord.tick(admits=[admit(tag, coord.prompt(prompt), sampling=Sampling.HOST, seed_handle=seed)])
-    ev = coord.tick(
-        prefills=[LanePrefill(lane_tag=tag, token_offset=skip, token_count=len(prompt) - skip)],
-        decodes=[LaneDecode(lane_tag=tag)],
-    )
-    row = coord.row(ev.emits[0].logits_row).copy()
-    coord.tick(retires=[LaneRetire(lane_tag=tag)])
-    return row
 
 
 def match(eng, coord, span):

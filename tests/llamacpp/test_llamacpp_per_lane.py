@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from lc_harness import BareLlama, admit, first_divergence, ignore_eos, make_prompt
+from lc_harness import BareLlama, admit, first_divergence, host_row, ignore_eos, make_prompt
 
-from basertd.schema.abi import Sampling
 from basertd.schema.tick import LaneDecode, LanePrefill, LaneRetire, ShedPolicy
 
 U64 = (1 << 64) - 1
@@ -93,15 +92,7 @@ def test_a_seed_is_copied_into_the_lanes_stream_at_any_page_of_the_entry(lc):
 
 def _seeded_row(coord, eng, tag, prompt, share):
     """The HOST logits row after ``prompt`` from a lane seeded with its first ``share`` tokens."""
-    h = eng.seed_acquire(coord.prompt(prompt), share, 0)
-    coord.tick(admits=[admit(tag, coord.prompt(prompt), sampling=Sampling.HOST, seed_handle=h)])
-    ev = coord.tick(
-        prefills=[LanePrefill(lane_tag=tag, token_offset=share, token_count=len(prompt) - share)],
-        decodes=[LaneDecode(lane_tag=tag)],
-    )
-    row = coord.row(ev.emits[0].logits_row).copy()
-    coord.tick(retires=[LaneRetire(lane_tag=tag)])
-    return row
+    return host_row(coord, tag, prompt, share, eng.seed_acquire(coord.prompt(prompt), share, 0))
 
 
 def test_a_stream_read_before_its_copy_ran_is_flushed_first(make_engine):
