@@ -560,12 +560,19 @@ def cache_unpin(ctx: click.Context, pin_id: int, as_json: bool) -> None:
 
 @cache.command("evict", epilog=EPILOG)
 @worker_option
-@click.option("--bytes", "bytes_target", type=click.IntRange(min=0), default=0, help="bytes to free (0: all)")
+@click.option(
+    "--bytes",
+    "bytes_target",
+    type=click.IntRange(min=0),
+    default=0,
+    help="free at most this many bytes, in whole entries, least recently used first (0: all)",
+)
 @json_flag
 @click.pass_context
 def cache_evict(ctx: click.Context, worker_id: int | None, bytes_target: int, as_json: bool) -> None:
-    """Evict unpinned prefixes from the KV pool (all of them unless --bytes); with a host tier
-    ([cache] host_bytes) they move to host memory and are still matched."""
+    """Evict unpinned prefixes from the KV pool (all of them unless --bytes: whole entries up to
+    that many bytes, so a bound smaller than any entry frees nothing); with a host tier ([cache]
+    host_bytes) they move to host memory and are still matched."""
     (result,) = _call(ctx, control.CacheEvict(worker_id=worker_id, bytes_target=bytes_target))
     _output(
         ctx,

@@ -68,7 +68,8 @@ class WorkerConfig(Section):
     def __post_init__(self) -> None:
         if self.kv_layout != "unified" and self.engine != "llamacpp":
             raise ValueError(
-                f"kv_layout: {self.kv_layout!r} is a llamacpp worker's; a {self.engine} worker has none"
+                f"kv_layout: {self.kv_layout!r} is for llamacpp workers only;"
+                f" a {self.engine} worker has no KV layout"
             )
 
 

@@ -41,12 +41,19 @@ _ABORTED = re.compile(r"(failed with error 1|compute status: 1|failed to decode,
 """The lines llama.cpp logs as errors when the abort callback ended a ``llama_decode`` (ggml status
 1 is GGML_STATUS_ABORTED, llama_decode's 2 is "aborted"): an asked-for yield, not a failure."""
 
+_EXPECTED = re.compile(
+    r"^(llama_kv_cache_iswa: using full-size SWA cache|decode: removing memory module entries)"
+)
+"""Warnings llama.cpp logs for what this engine asks for: the full-size sliding-window cache it
+creates (``swa_full``, a prefix servable at any page), and the positions a cut ``llama_decode``
+drops (a yield's abort; a real failure is followed by its own error line). Logged at info."""
+
 
 @L.llama_log_callback
 def _log_sink(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     """llama.cpp / ggml log sink: warnings and errors go to the ``basertd.llamacpp`` logger (an
-    abort's lines at debug level), the rest (model-load chatter, debug) is dropped instead of going
-    straight to the worker's stderr."""
+    abort's error lines at debug level, ``_EXPECTED`` warnings at info), the rest (model-load
+    chatter, debug) is dropped instead of going straight to the worker's stderr."""
     if level == _GGML_ERROR:
         line = text.decode("utf-8", "replace").rstrip()
         if _ABORTED.search(line):
@@ -54,7 +61,11 @@ def _log_sink(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         else:
             _log.error("%s", line)
     elif level == _GGML_WARN:
-        _log.warning("%s", text.decode("utf-8", "replace").rstrip())
+        line = text.decode("utf-8", "replace").rstrip()
+        if _EXPECTED.search(line):
+            _log.info("%s", line)
+        else:
+            _log.warning("%s", line)
 
 
 def init_backend() -> None:
