@@ -21,9 +21,11 @@ OTHERS = [f"{w} hello world is the a of and " * 4 for w in ("fog", "mud", "ice",
 sequences and, with ``RETURNING``'s, more than its 512-cell pool holds."""
 
 
-@pytest.fixture(scope="module")
-def daemon(tiny_gguf):
-    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=4, cache="host_bytes = 8388608")) as d:
+@pytest.fixture(scope="module", params=["unified", "per-lane"])
+def daemon(tiny_gguf, request):
+    # both KV layouts: per-lane, entries leave the pool when its four cache streams are full
+    layout = f'kv_layout = "{request.param}"'
+    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=4, cache="host_bytes = 8388608", worker=layout)) as d:
         yield d
 
 
@@ -81,12 +83,21 @@ def test_a_prompt_pushed_out_of_the_pool_is_restored_from_host_memory(daemon, ti
     wait_leases(daemon, 0)
 
 
-def test_a_long_prompt_on_a_window_model_comes_back_from_its_prefill_snapshot(tiny_gemma3_gguf):
+@pytest.mark.parametrize("layout", ["unified", "per-lane"])
+def test_a_long_prompt_on_a_window_model_comes_back_from_its_prefill_snapshot(tiny_gemma3_gguf, layout):
     # A sliding-window model keeps only the window of a snapshot's end, so the prompt sent again
     # needs one taken at its own last page boundary: taken as its prefill passed it
-    # (``basertd_host_tier_snapshots``), before decoding moved the window on.
+    # (``basertd_host_tier_snapshots``), before decoding moved the window on. Per-lane, the snapshot
+    # is of a copy of the lane's stream, performed first (``kv_stream_flushes_total``).
     prompt = "the world is a hello of the world and " * 10  # ~300 tokens: boundary >= 256
-    cfg = tiny_toml(tiny_gemma3_gguf, lanes=2, context=512, grant=4, cache="host_bytes = 16777216")
+    cfg = tiny_toml(
+        tiny_gemma3_gguf,
+        lanes=2,
+        context=512,
+        grant=4,
+        cache="host_bytes = 16777216",
+        worker=f'kv_layout = "{layout}"',
+    )
     with Daemon(cfg) as d:
         with d.client() as c:
             ids = c.tokenize(prompt)
@@ -104,5 +115,8 @@ def test_a_long_prompt_on_a_window_model_comes_back_from_its_prefill_snapshot(ti
         assert_same_up_to_near_ties(again.ids, ref, "restored from its prefill snapshot")
         assert stats_row(d)["host_restores"] >= 1
         assert metric(d, "basertd_host_tier_snapshots_total") >= 1
+        if layout == "per-lane":
+            (w,) = json.loads(d.ctl("--json", "workers").stdout)
+            assert w["kv_layout"] == "per-lane" and w["engine_stats"]["kv_stream_flushes_total"] >= 1
         d.wait_idle()
         wait_leases(d, 0)

@@ -16,9 +16,11 @@ from basertd.client import AsyncClient
 LONG = 160
 
 
-@pytest.fixture(scope="module")
-def daemon(tiny_gguf):
-    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=1)) as d:
+@pytest.fixture(scope="module", params=["unified", "per-lane"])
+def daemon(tiny_gguf, request):
+    # both KV layouts ([[workers]] kv_layout): per-lane, a preempted lane's stream is published by
+    # copy and its resume seeded by copy
+    with Daemon(tiny_toml(tiny_gguf, lanes=2, grant=1, worker=f'kv_layout = "{request.param}"')) as d:
         yield d
 
 
