@@ -285,8 +285,8 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--starts", type=int, default=1, help="starts of each server whose median is 'ready'")
     p.add_argument("--config", default="", help="TOML added to basertd's configuration ([scheduler] ...)")
-    p.add_argument("--kv-layout", default="unified", choices=["unified", "per-lane"],
-                   help="basertd's worker KV layout ([[workers]] kv_layout)")  # fmt: skip
+    p.add_argument("--kv-layout", default=None, choices=["unified", "per-lane"],
+                   help="basertd's KV layout ([[workers]] kv_layout; default: the daemon's)")  # fmt: skip
     a = p.parse_args()
     gpu = a.device == "cuda"
     a.only = set(a.only.split(","))

@@ -240,7 +240,7 @@ def _errors(value: Any, typ: Any, where: str) -> list[str]:
         whole = [_readable(exc, where)]
     inner = typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Annotated else typ
     if typing.get_origin(inner) is typing.Literal:  # say what the key takes
-        choices = ", ".join(repr(c) for c in typing.get_args(inner))
+        choices = ", ".join(repr(c) for c in typing.get_args(inner) if c != "")
         head, sep, tail = whole[0].partition(" - at ")
         return [f"{head} (one of {choices}){sep}{tail}"]
     found: list[str] = []

@@ -29,6 +29,13 @@ class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     must not be silently ignored)."""
 
 
+DEFAULT_KV_LAYOUT = "unified"
+"""A llamacpp worker's KV layout when ``[[workers]] kv_layout`` is "" (README "*KV layout*": per-lane
+streams serve the agents' burst faster, but within the same memory they keep two resident
+prefixes, and on a sliding-window model a host-tier snapshot seeds only at its own length, so a
+prompt sharing part of an earlier one goes cold where the unified cache seeds it)."""
+
+
 class WorkerConfig(Section):
     """One engine worker (one process, one device).
 
@@ -46,10 +53,10 @@ class WorkerConfig(Section):
     model's own (GGUF ``tokenizer.chat_template``), or the shipped Gemma template for the default
     model. ``draft_model``: this llamacpp worker's draft GGUF for ``[speculation]`` "draft-model"
     ("" = ``[speculation] draft_model``). ``kv_layout``: a llamacpp worker's KV cache: "unified"
-    (one cache every lane and cached prefix shares cells of; ``[cache]``'s pool) or "per-lane"
-    (llama-server's layout: a KV stream per lane and per cached prefix, each ``context_length``
-    cells; decode over many lanes is cheaper, a prefix is copied into a lane's stream instead of
-    shared, and the KV memory grows with the streams; README "KV layout")."""
+    (one cache whose cells every lane and cached prefix share) or "per-lane" (llama-server's
+    layout: a KV stream of ``context_length`` cells per lane and per resident prefix; a query
+    attends to its own stream, a prefix is copied into a lane's stream); "" =
+    ``DEFAULT_KV_LAYOUT`` for a llamacpp worker, nothing for others (README "*KV layout*")."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""
@@ -63,10 +70,10 @@ class WorkerConfig(Section):
     ref_config: dict[str, int | float | bool | str] = msgspec.field(default_factory=dict)
     chat_template: str = ""
     draft_model: str = ""
-    kv_layout: Literal["unified", "per-lane"] = "unified"
+    kv_layout: Literal["", "unified", "per-lane"] = ""
 
     def __post_init__(self) -> None:
-        if self.kv_layout != "unified" and self.engine != "llamacpp":
+        if self.kv_layout and self.engine != "llamacpp":
             raise ValueError(
                 f"kv_layout: {self.kv_layout!r} is for llamacpp workers only;"
                 f" a {self.engine} worker has no KV layout"

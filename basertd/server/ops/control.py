@@ -38,6 +38,7 @@ from basertd.schema import client as api
 from basertd.schema import control
 from basertd.schema.client import ErrorCode
 from basertd.server.config import Config, ConfigError, parse_config
+from basertd.server.config_sections import DEFAULT_KV_LAYOUT
 from basertd.server.observe.overview import Header, ServedWorker, lane_row, overview
 from basertd.server.observe.windows import HISTORY_S
 from basertd.server.ops import worker_changes
@@ -133,7 +134,7 @@ def _kv_layout(member: Member) -> str:
     proc = member.slot.proc
     if proc is not None and "kv_layout" in proc.capabilities.extra:
         return str(proc.capabilities.extra["kv_layout"])
-    return member.config.kv_layout if member.config.engine == "llamacpp" else ""
+    return (member.config.kv_layout or DEFAULT_KV_LAYOUT) if member.config.engine == "llamacpp" else ""
 
 
 def _worker_ids(fleet: Fleet, worker_id: int | None) -> list[int]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from basertd.server.config import Config
-from basertd.server.config_sections import WorkerConfig
+from basertd.server.config_sections import DEFAULT_KV_LAYOUT, WorkerConfig
 from basertd.server.request.tokenizer import basert_tokenizer_key
 from basertd.server.workers.process import WorkerSpec
 
@@ -59,7 +59,11 @@ def worker_spec(
     if w.engine == "llamacpp":
         path = model_path(w)
         spec = WorkerSpec(
-            engine="llamacpp", model=path, host_bytes=host_bytes, kv_layout=w.kv_layout, **common
+            engine="llamacpp",
+            model=path,
+            host_bytes=host_bytes,
+            kv_layout=w.kv_layout or DEFAULT_KV_LAYOUT,
+            **common,
         )
         return spec, ("gguf", path), Path(path).stem
     model = str(Path(w.model).expanduser()) if w.model else ""
