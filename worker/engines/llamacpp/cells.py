@@ -157,6 +157,32 @@ class Cells:
         """Per-lane streams: whether a lane stream below ``seq`` is free."""
         return self.streams and bool(self.free_lane_seqs) and self.free_lane_seqs[0] < seq
 
+    def into_lane(self, seq: int, n: int) -> int:
+        """The sequence a lane runs on holding ``seq``'s first ``n`` positions (0: empty): ``seq``
+        itself in the unified cache; per-lane, a copy in the lowest free lane stream, ``seq``
+        freed. EngineError(EBUSY) when no lane stream is free."""
+        if not self.streams or self.lane_stream(seq):
+            return seq
+        lane = self.take_lane_seq()
+        if n:
+            self.copy(seq, lane, n)
+        self.free_seq(seq)
+        return lane
+
+    def out_of_lane(self, seq: int, n: int) -> int | None:
+        """The sequence a cache entry keeps holding ``seq``'s first ``n`` positions: ``seq`` itself
+        in the unified cache; per-lane, for a lane's stream, a copy in a free stream above the
+        lanes', the lane's stream freed. None (``seq`` freed) when no such stream is free."""
+        if not self.lane_stream(seq):
+            return seq
+        if not self.free_seqs:
+            self.free_seq(seq)
+            return None
+        entry = self.take_seq()
+        self.copy(seq, entry, n)
+        self.free_seq(seq)
+        return entry
+
     def _grow_streams(self, seq: int, n: int) -> None:
         self.pending.clear()  # a llama_decode ran: it performed every queued copy first
         self.ledger.append(seq, n)

@@ -28,11 +28,14 @@ def stream_cells(context_length: int) -> int:
 
 @dataclass(frozen=True)
 class Sizes:
-    """What an engine's arguments come to: ``cache_sequences`` (default max(4, lanes)),
-    ``n_seq_max``, ``pool_tokens`` (default lanes * context_length) and ``n_batch`` (at least
-    lanes and n_seq_max)."""
+    """What an engine's arguments come to: ``cache_sequences`` and ``spare_sequences`` (default
+    max(4, lanes) and 4 in the unified cache, where a sequence's cells only count when used;
+    max(2, lanes // 4) and 1 per-lane, where each is a whole stream and the host tier keeps the
+    evicted prefixes by their tokens), ``n_seq_max``, ``pool_tokens`` (default lanes *
+    context_length) and ``n_batch`` (at least lanes and n_seq_max)."""
 
     cache_sequences: int
+    spare_sequences: int
     n_seq_max: int
     pool_tokens: int
     n_batch: int
@@ -46,14 +49,19 @@ class Sizes:
         page_size_tokens: int,
         seed_lease_ticks: int,
         cache_sequences: int | None,
-        spare_sequences: int,
+        spare_sequences: int | None,
         pool_tokens: int | None,
         n_batch: int,
+        kv_layout: str = "unified",
     ) -> Sizes:
         """ValueError for sizes llama.cpp cannot serve (``LlamaCppEngine``'s docstring)."""
         if lanes < 1 or context_length < 2 or page_size_tokens < 1 or seed_lease_ticks < 0:
             raise ValueError("lanes >= 1, context_length >= 2, page_size_tokens >= 1 required")
-        cache_sequences = max(4, lanes) if cache_sequences is None else cache_sequences
+        per_lane = kv_layout == "per-lane"
+        if cache_sequences is None:
+            cache_sequences = max(2, lanes // 4) if per_lane else max(4, lanes)
+        if spare_sequences is None:
+            spare_sequences = 1 if per_lane else 4
         n_seq_max = lanes + cache_sequences + spare_sequences + 1  # + 1 scratch sequence
         if n_seq_max > L.llama_max_parallel_sequences():
             raise ValueError(f"{n_seq_max} sequences exceed llama.cpp's {L.llama_max_parallel_sequences()}")
@@ -62,7 +70,7 @@ class Sizes:
             raise ValueError("pool_tokens must be >= 1")
         # llama.cpp reserves graphs with one output per sequence: n_batch (clamped to n_ctx) must
         # cover n_seq_max, or context creation hits a GGML_ASSERT. Cells are padded to 256 anyway.
-        return cls(cache_sequences, n_seq_max, pool_tokens, max(n_batch, lanes, n_seq_max))
+        return cls(cache_sequences, spare_sequences, n_seq_max, pool_tokens, max(n_batch, lanes, n_seq_max))
 
 
 @dataclass(frozen=True)

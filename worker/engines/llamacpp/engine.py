@@ -98,7 +98,8 @@ class LlamaCppEngine(Engine):
     tick), ``context_length`` tokens per lane (prompt + generated), ``pool_tokens`` KV cells in all
     (default ``lanes * context_length``; published prefixes live in what lanes leave free),
     ``page_size_tokens`` the paging unit of matches and seeds (ABI rule 88), ``cache_sequences``
-    the most published prefixes kept, ``spare_sequences`` bare sequences for restores and forks,
+    the most published prefixes kept, ``spare_sequences`` bare sequences for restores and forks
+    (both defaulted by layout: ``context.Sizes``),
     ``seed_lease_ticks`` the lease TTL (rule 84). ``n_threads`` / ``n_threads_batch`` go to
     llama.cpp (single-token / multi-token batches). ``n_batch`` caps one ``llama_decode``.
     ``swa_full`` keeps a full-size sliding-window cache (the C default; see the reference notes).
@@ -122,7 +123,7 @@ class LlamaCppEngine(Engine):
         n_threads_batch: int | None = None,
         page_size_tokens: int = 16,
         cache_sequences: int | None = None,
-        spare_sequences: int = 4,
+        spare_sequences: int | None = None,
         pool_tokens: int | None = None,
         seed_lease_ticks: int = 8,
         n_batch: int = 512,
@@ -143,6 +144,7 @@ class LlamaCppEngine(Engine):
             seed_lease_ticks=seed_lease_ticks,
             cache_sequences=cache_sequences,
             spare_sequences=spare_sequences,
+            kv_layout=kv_layout,
             pool_tokens=pool_tokens,
             n_batch=n_batch,
         )
@@ -172,7 +174,7 @@ class LlamaCppEngine(Engine):
         self.n_swa = self.model.n_swa
         self.bytes_per_token = self.model.kv_bytes_per_token
         self.seed_ttl = seed_lease_ticks
-        self.spare_sequences = spare_sequences
+        self.spare_sequences = sizes.spare_sequences
         self.kv_layout = kv_layout
         # What decides whether a sequence blob loads: the weights, KV types, the stream layout,
         # the sliding-window cache layout and llama.cpp's state format (its version). Not the pool
@@ -203,7 +205,7 @@ class LlamaCppEngine(Engine):
         self.last_plan_seq: int | None = None
         live = self.lanes
         self.sequences = Sequences(
-            cells, seeds, self.rings, live, self.locked, handle, self.model, spare_sequences
+            cells, seeds, self.rings, live, self.locked, handle, self.model, sizes.spare_sequences
         )
         self.ops = StateOps(self.sequences, self.identity)
         self.rates = RateCurve()

@@ -10,10 +10,6 @@ from basertd.worker.engines.base import EngineError
 from basertd.worker.engines.llamacpp.context import KV_LAYOUTS
 from basertd.worker.engines.llamacpp.engine import LlamaCppEngine
 
-PER_LANE_SPARE_SEQUENCES = 1
-"""Bare sequences (restores, forks: the ABI's state ops, which the coordinator does not use) of a
-per-lane worker: each is a stream of ``context_length`` cells."""
-
 
 def _gpu_layers(device: str) -> int:
     """``--device``: "cpu" keeps every layer on the CPU; "cuda", "cuda:N" or "gpu" offloads every
@@ -30,9 +26,7 @@ def open_engine(options: EngineOptions) -> LlamaCppEngine:
     """Load ``options.model`` (a GGUF path, required: the worker never picks a default model).
     ``lanes`` / ``context_length`` (tokens) default to the engine's (8 / 2048); ``threads`` to every
     CPU of the machine, for decode and prefill alike; ``host_bytes`` to 0 (no host tier);
-    ``kv_layout`` to "unified"; a ``per-lane`` worker keeps ``max(2, lanes // 4)`` cache entries
-    resident and ``PER_LANE_SPARE_SEQUENCES`` bare sequences, as every one is a stream of its own
-    (the unified cache keeps ``max(4, lanes)`` and 4, whose cells only count when used). Raises
+    ``kv_layout`` to "unified" (which sizes the cache and spare sequences: ``context.Sizes``). Raises
     EngineOptionError (exit 2: no model, a device or size llama.cpp cannot use,
     ``--lib``/``--ref-config`` given) or EngineLoadError (exit 3: the file is missing or llama.cpp
     cannot load it or create the context)."""
@@ -59,11 +53,6 @@ def open_engine(options: EngineOptions) -> LlamaCppEngine:
                 "--kv-layout", f"must be one of {', '.join(KV_LAYOUTS)}, not {options.kv_layout!r}"
             )
         kw["kv_layout"] = options.kv_layout
-        if options.kv_layout == "per-lane":
-            # a resident prefix costs a whole stream here: keep few, the host tier keeps the rest
-            lanes = options.lanes if options.lanes is not None else 8
-            kw["cache_sequences"] = max(2, lanes // 4)
-            kw["spare_sequences"] = PER_LANE_SPARE_SEQUENCES
     try:
         return LlamaCppEngine(options.model, **kw)  # type: ignore[arg-type]
     except ValueError as exc:

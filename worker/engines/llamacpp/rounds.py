@@ -357,16 +357,8 @@ class Rounds:
         stats = self.stats
         grow = self.cells.grow
 
-        def on_part(start: int, end: int) -> None:
-            for lane in read_part(start, end):
-                if lane.tag not in lanes:
-                    continue
-                # the window of the mark is intact right after the llama_decode that crossed it;
-                # taken once the part's logits are read (a snapshot may run a llama_decode: cells)
-                tick.parts.seeds.snapshot_prompt(lane.seq, lane.tokens, lane.mark, lane.taint)
-                lane.mark = 0
-
-        def read_part(start: int, end: int) -> list[Lane]:
+        def on_part(start: int, end: int) -> list[Lane]:
+            """The part's KV and logits taken; returns the lanes whose prompt mark it crossed."""
             units: list[tuple[Lane, int]] = []  # lane, output row of this part
             out_of_row: np.ndarray | None = None
             marked: list[Lane] = []
@@ -418,7 +410,12 @@ class Rounds:
         def on_step(start: int, end: int) -> None:
             if end != self.batch.split:  # decode rows split off are not a step of their own
                 tick.steps += 1
-            on_part(start, end)
+            for lane in on_part(start, end):
+                # the window of the mark is intact right after the llama_decode that crossed it;
+                # taken once the part's logits are read (a snapshot may run a llama_decode: cells)
+                if lane.tag in lanes:
+                    tick.parts.seeds.snapshot_prompt(lane.seq, lane.tokens, lane.mark, lane.taint)
+                    lane.mark = 0
 
         def arm(start: int) -> None:
             self.arm_abort(start, tick)

@@ -288,11 +288,7 @@ class Seeds:
         if lease.adopted:
             if not cold:
                 self.cells.truncate(seq, share_len)
-            if self.cells.streams:  # the lane runs in a lane stream: copy the adopted one there
-                bare, seq = seq, self.cells.take_lane_seq()
-                if not cold and share_len:
-                    self.cells.copy(bare, seq, share_len)
-                self.cells.free_seq(bare)
+            seq = self.cells.into_lane(seq, 0 if cold else share_len)
         else:
             entry = self.cache.entries[lease.entry_id]
             entry.pins -= 1
@@ -349,15 +345,10 @@ class Seeds:
                 self.cells.free_seq(seq)
                 return False
             self.evict(victim, shed, SHED_REASON_PUBLISH)
-        if self.cells.lane_stream(seq):  # entries live outside the lanes' streams (``cells``)
-            try:
-                entry_seq = self.cells.take_seq()
-            except EngineError:
-                self.cells.free_seq(seq)
-                return False
-            self.cells.copy(seq, entry_seq, n)
-            self.cells.free_seq(seq)
-            seq = entry_seq
+        kept = self.cells.out_of_lane(seq, n)  # per-lane: entries live above the lanes' streams
+        if kept is None:
+            return False
+        seq = kept
         mark = self._last_page_before(prompt_end)
         self.cache.add(seq, toks, digest, taint, mark=mark if mark < n else 0)
         self.host.discard(digest, taint)  # one copy of a prefix, in one tier
