@@ -364,14 +364,16 @@ class FileJournal(Journal):
                 return 0
             state = self._durable
             fsync_s: float | None = None
+            operation = "write"
             try:
                 batches, data = encode_frames(self.epoch, state.seq + 1, records, self._seq)
                 write_all(self._fd, data)
                 if self.mode == "tick":
+                    operation = "fdatasync"
                     fsync_s = self._timed_fsync(self._fd)
             except OSError as exc:
-                self._fail(exc)
-                raise JournalFailed(f"write-ahead log write failed: {exc}") from exc
+                self._fail(operation, exc)
+                raise JournalFailed(f"write-ahead log {operation} failed: {exc}") from exc
             if self._failed is not None:  # a sync() failed meanwhile: this commit is not released
                 raise JournalFailed(f"the write-ahead log failed earlier: {self._failed}")
             with self._state_lock:
@@ -401,14 +403,14 @@ class FileJournal(Journal):
                 try:  # a descriptor of its own: a rotation may close the segment's meanwhile
                     fd = os.dup(self._fd)
                 except OSError as exc:
-                    self._fail(exc)
+                    self._fail("sync", exc)
                     raise JournalFailed(f"write-ahead log sync failed: {exc}") from exc
             t0 = time.perf_counter()
             try:
                 os.fdatasync(fd)
             except OSError as exc:
                 with self._io_lock:  # no commit after this one succeeds (``commit``)
-                    self._fail(exc)
+                    self._fail("fdatasync", exc)
                 raise JournalFailed(f"write-ahead log fdatasync failed: {exc}") from exc
             finally:
                 os.close(fd)
@@ -448,12 +450,15 @@ class FileJournal(Journal):
         try:
             self._rotate()
         except OSError as exc:
-            self._fail(exc)
+            self._fail("rotation", exc)
             raise JournalFailed(f"write-ahead log rotation failed: {exc}") from exc
 
-    def _fail(self, exc: OSError) -> None:
-        self._failed = str(exc)
-        log.error("write-ahead log failed, no further request is durable: %s", exc)
+    def _fail(self, operation: str, exc: OSError) -> None:
+        """Mark the journal failed for good. ``_failed`` names the operation as well as the error,
+        so a caller that meets the failure later (``_check_open``) reports what failed, not only
+        the errno (another thread may reach the journal before the failing one reports)."""
+        self._failed = f"{operation} failed: {exc}"
+        log.error("write-ahead log %s failed, no further request is durable: %s", operation, exc)
 
     def compact(self) -> None:
         with self._io_lock:
