@@ -211,19 +211,22 @@ def test_evict_entries_by_key(lc):
 
 
 def test_a_full_cache_evicts_inside_the_retire_plans_envelope(make_engine):
-    eng, coord = make_engine(cache_sequences=2)
-    for t in (1, 2):
+    eng, coord = make_engine(lanes=2, cache_sequences=2)
+    full = eng.cache.max_entries  # cache_sequences; per-lane, the lanes' streams hold entries too
+    assert full == (4 if eng.cells.streams else 2)
+    for t in range(1, full + 1):
         publish(coord, t, make_prompt(10 + t, 20))
-    ref = coord.prompt(make_prompt(13, 20))
-    coord.tick(admits=[admit(3, ref)], prefills=[LanePrefill(lane_tag=3, token_offset=0, token_count=20)])
-    ev = coord.tick(retires=[LaneRetire(lane_tag=3, publish_to_cache=1)])  # default envelope: no room
-    assert len(eng.cache.entries) == 2 and ev.shed.entries == []
-    coord.tick(admits=[admit(4, ref)], prefills=[LanePrefill(lane_tag=4, token_offset=0, token_count=20)])
-    ev = coord.tick(retires=[LaneRetire(lane_tag=4, publish_to_cache=1)], shed_policy=EVICT_ALL)
+    new = make_prompt(11 + full, 20)
+    ref = coord.prompt(new)
+    coord.tick(admits=[admit(7, ref)], prefills=[LanePrefill(lane_tag=7, token_offset=0, token_count=20)])
+    ev = coord.tick(retires=[LaneRetire(lane_tag=7, publish_to_cache=1)])  # default envelope: no room
+    assert len(eng.cache.entries) == full and ev.shed.entries == []
+    coord.tick(admits=[admit(8, ref)], prefills=[LanePrefill(lane_tag=8, token_offset=0, token_count=20)])
+    ev = coord.tick(retires=[LaneRetire(lane_tag=8, publish_to_cache=1)], shed_policy=EVICT_ALL)
     (s,) = ev.shed.entries
     assert (s.kind, s.reason, s.tokens) == (ShedKind.CACHE_EVICTION, 3, 16)
-    assert len(eng.cache.entries) == 2
-    assert candidates(eng, coord, make_prompt(13, 20)) == [16]
+    assert len(eng.cache.entries) == full
+    assert candidates(eng, coord, new) == [16]
     assert candidates(eng, coord, make_prompt(11, 20)) == []  # the least recently used went
 
 

@@ -312,8 +312,10 @@ def test_a_snapshot_of_another_length_is_refused(make_engine):
     _refused(eng, coord, p, 80)
 
 
-def test_restoring_makes_room_by_demoting_and_a_republished_prefix_leaves_the_tier(make_engine):
-    eng, coord = make_engine(host_bytes=4 << 20, cache_sequences=1)
+def test_restoring_makes_room_by_demoting_and_a_republished_prefix_leaves_the_tier(make_engine, kv_layout):
+    # one resident entry: the one cache sequence, or per-lane the one lane's stream
+    eng, coord = make_engine(lanes=1, host_bytes=4 << 20, cache_sequences=0 if kv_layout == "per-lane" else 1)
+    assert eng.cache.max_entries == 1
     a, b = make_prompt(80, 64), make_prompt(81, 64)
     publish(coord, 1, a)
     evict_all(eng)

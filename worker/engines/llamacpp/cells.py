@@ -14,17 +14,21 @@ sequence (``with_prefix``), never in the ledger. Lengths are tokens (one token =
 is a KV stream of its own and a query attends only to its own stream's cells, which is what makes an
 8-lane decode step cheaper than in the unified cache. Lanes take ids ``0 .. lanes - 1``
 (``take_lane_seq``, lowest first), so the decoding lanes of a round are consecutive ids and llama.cpp
-puts their rows in one ubatch (its per-stream split only groups consecutive ids); cache entries, bare
-sequences and the scratch take the ids above. A copy between streams cannot share cells: it copies
+puts their rows in one ubatch (its per-stream split only groups consecutive ids); bare sequences and
+the scratch take the ids above. A cache entry stays in the stream its lane computed it in (a retired
+lane's stream is kept as the entry, as llama-server keeps an idle slot's KV), or takes an id above the
+lanes' (a restore: ``take_entry_seq``); a lane stream an entry holds is handed back to the lanes by
+moving the entry to a free id above them (``move_stream``, ``seeds.Seeds.free_lane_streams``). A
+copy between streams cannot share cells: it copies
 the whole source stream and drops the destination's tail (``llama_memory_seq_cp(src, dst, -1, -1)``
 then ``seq_rm``; a partial cross-stream copy is a hard abort in llama.cpp), and llama.cpp performs the
 data copy at the start of the next ``llama_decode``. Until then the destination's buffer is stale and
 the source's buffer must not be overwritten, so a state read of either, or a load into either, first
 runs that update (``flush``: a one-token ``llama_decode`` on the scratch sequence, removed again).
 The ledger then charges the destination private cells (``pool.CellLedger.append``). A lane whose
-stream sits above a free lane stream is moved down into it (``move_lane``, the engine does it after
-a tick's admits) and a lane that decodes trades streams with a lane below it that still prefills
-(``swap_lanes``), so the decoding lanes stay consecutive.
+stream sits above a free lane stream is moved down into it (``move_stream``, the engine does it
+after a tick's admits) and a lane that decodes trades streams with a lane that still prefills or a
+cache entry below it (``swap_streams``), so the decoding lanes stay consecutive.
 """
 
 from __future__ import annotations
@@ -91,6 +95,19 @@ class Cells:
             raise EngineError(Status.EBUSY, "no free lane stream")
         return heapq.heappop(self.free_lane_seqs)
 
+    def take_entry_seq(self) -> int:
+        """A free sequence id for a restored cache entry: ``take_seq``'s, else (per-lane) the
+        lowest free lane stream (entries may live there: module docstring); EngineError(EBUSY)
+        when none is left."""
+        if self.free_seqs or not self.free_lane_seqs:
+            return self.take_seq()
+        return heapq.heappop(self.free_lane_seqs)
+
+    @property
+    def free_lane_streams(self) -> int:
+        """Free lane streams (per-lane; 0 in the unified cache)."""
+        return len(self.free_lane_seqs)
+
     def lane_stream(self, seq: int) -> bool:
         """Whether ``seq`` is one of the lanes' streams (never in the unified cache)."""
         return self.streams and seq < self._lanes
@@ -120,11 +137,12 @@ class Cells:
             self.ledger.share(src, dst, n)
         self.version += 1
 
-    def move_lane(self, src: int, dst: int) -> None:
-        """Per-lane streams: the lane on stream ``src`` moves to the free lane stream ``dst`` (taken
-        with ``take_lane_seq``), performed by llama.cpp at the next ``llama_decode`` like a copy;
-        ``src`` becomes free. llama.cpp puts only consecutive stream ids in one ubatch, so a gap
-        below a decoding lane costs one more pass over the weights per round (module docstring)."""
+    def move_stream(self, src: int, dst: int) -> None:
+        """Per-lane streams: what stream ``src`` holds (a lane or a cache entry) moves to the free
+        stream ``dst`` (taken with ``take_lane_seq`` / ``take_seq``), performed by llama.cpp at the
+        next ``llama_decode`` like a copy; ``src`` becomes free. llama.cpp puts only consecutive
+        stream ids in one ubatch, so a gap below a decoding lane costs one more pass over the
+        weights per round (module docstring)."""
         n = self.ledger.length(src)
         L.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
         L.llama_memory_seq_rm(self.mem, src, -1, -1)
@@ -132,14 +150,14 @@ class Cells:
         self.ledger.drop(dst)
         self.ledger.append(dst, n)
         self.ledger.drop(src)
-        heapq.heappush(self.free_lane_seqs, src)
+        heapq.heappush(self.free_lane_seqs if src < self._lanes else self.free_seqs, src)
         self.moves += 1
         self.version += 1
 
-    def swap_lanes(self, a: int, b: int) -> None:
-        """Per-lane streams: the lanes on streams ``a`` and ``b`` trade streams, through the
-        scratch stream (three stream copies llama.cpp performs in order at the next
-        ``llama_decode``). The scratch sequence must be empty."""
+    def swap_streams(self, a: int, b: int) -> None:
+        """Per-lane streams: what streams ``a`` and ``b`` hold (lanes, cache entries) trade
+        streams, through the scratch stream (three stream copies llama.cpp performs in order at
+        the next ``llama_decode``). The scratch sequence must be empty."""
         na, nb = self.ledger.length(a), self.ledger.length(b)
         s = self.scratch_seq
         L.llama_memory_seq_cp(self.mem, a, s, -1, -1)
@@ -168,20 +186,6 @@ class Cells:
             self.copy(seq, lane, n)
         self.free_seq(seq)
         return lane
-
-    def out_of_lane(self, seq: int, n: int) -> int | None:
-        """The sequence a cache entry keeps holding ``seq``'s first ``n`` positions: ``seq`` itself
-        in the unified cache; per-lane, for a lane's stream, a copy in a free stream above the
-        lanes', the lane's stream freed. None (``seq`` freed) when no such stream is free."""
-        if not self.lane_stream(seq):
-            return seq
-        if not self.free_seqs:
-            self.free_seq(seq)
-            return None
-        entry = self.take_seq()
-        self.copy(seq, entry, n)
-        self.free_seq(seq)
-        return entry
 
     def _grow_streams(self, seq: int, n: int) -> None:
         self.pending.clear()  # a llama_decode ran: it performed every queued copy first

@@ -71,7 +71,7 @@ from basertd.worker.engines.llamacpp.host_tier import HostTier
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.model import LlamaModel
 from basertd.worker.engines.llamacpp.ops import StateOps
-from basertd.worker.engines.llamacpp.prefix_cache import PrefixCache
+from basertd.worker.engines.llamacpp.prefix_cache import CacheEntry, PrefixCache
 from basertd.worker.engines.llamacpp.rates import RateCurve
 from basertd.worker.engines.llamacpp.report import Report, new_stats
 from basertd.worker.engines.llamacpp.rings import EngineRings
@@ -189,7 +189,8 @@ class LlamaCppEngine(Engine):
         per_lane = kv_layout == "per-lane"
         self.cells = cells = Cells(self.ctx, self.n_cells, sizes.n_seq_max, lanes if per_lane else None)
         self.ledger = cells.ledger  # read by validation (``validate.EngineState``)
-        self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences)
+        # per-lane, the idle lane streams hold entries too (``seeds``)
+        self.cache = PrefixCache(page_size_tokens, sizes.cache_sequences + (lanes if per_lane else 0))
         self.rings = EngineRings()
         ident = self.identity
         self.host = HostTier(host_bytes)
@@ -296,6 +297,8 @@ class LlamaCppEngine(Engine):
         for e in work.evict:
             self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
         tick.commit(work)
+        if self.cells.streams:
+            self.seeds.free_lane_streams(sum(1 for w in work.admits if not w.cert_reject))
         admit(tick, work)
         if self.cells.streams:
             self._compact_lanes(work)
@@ -312,10 +315,11 @@ class LlamaCppEngine(Engine):
 
     def _compact_lanes(self, work: TickWork) -> None:
         """Per-lane streams: move the highest lanes down into free lane streams below them
-        (``Cells.move_lane``), then let each lane that decodes this tick with its prompt
-        prefilled trade streams with a lane below it that does not (``Cells.swap_lanes``), so
-        the round's decode rows are consecutive streams, one ubatch (``cells``). Lanes with a
-        state op in flight stay where they are."""
+        (``Cells.move_stream``), then let each lane that decodes this tick with its prompt
+        prefilled trade streams with what sits below it and does not decode: a lane, or a cache
+        entry kept in a lane stream (``Cells.swap_streams``), so the round's decode rows are
+        consecutive streams, one ubatch (``cells``). Lanes with a state op in flight stay where
+        they are."""
         cells = self.cells
         for lane in sorted(self.lanes.values(), key=lambda ln: -ln.seq):
             if not cells.lane_gap(lane.seq):
@@ -323,17 +327,19 @@ class LlamaCppEngine(Engine):
             if lane.handle in self.locked:
                 continue
             dst = cells.take_lane_seq()
-            cells.move_lane(lane.seq, dst)
+            cells.move_stream(lane.seq, dst)
             lane.seq = dst
         tags = {tag for tag, _ in work.decodes}
         movable = [ln for ln in self.lanes.values() if ln.handle not in self.locked]
         decodes = [ln.tag in tags and ln.prefilled >= ln.prefill_end for ln in movable]
         high = sorted((ln for ln, d in zip(movable, decodes, strict=True) if d), key=lambda ln: -ln.seq)
-        low = sorted((ln for ln, d in zip(movable, decodes, strict=True) if not d), key=lambda ln: ln.seq)
+        idle: list[Lane | CacheEntry] = [ln for ln, d in zip(movable, decodes, strict=True) if not d]
+        idle += self.seeds.lane_stream_entries()
+        low = sorted(idle, key=lambda x: x.seq)
         for hi, lo in zip(high, low, strict=False):
             if hi.seq < lo.seq:
                 break
-            cells.swap_lanes(hi.seq, lo.seq)
+            cells.swap_streams(hi.seq, lo.seq)
             hi.seq, lo.seq = lo.seq, hi.seq
 
     # ------------------------------------------------------------------ capabilities, by part

@@ -4,7 +4,8 @@ Checked against a cell ledger (``pool.CellLedger``) that mirrors llama.cpp's cel
 exactly: every committed token is charged a cell when committed (its KV follows at the next decode
 unit). What the tick may need is compared with the free cells, then with what its retires free,
 then with the cache entries the plan's shed envelope lets it evict (least recently used first);
-NEEDS_REPLAN when that is not enough. Changes nothing but the ``TickWork`` it fills.
+NEEDS_REPLAN when that is not enough. With per-lane streams the plan's admits also need lane
+streams (``check_lane_streams``). Changes nothing but the ``TickWork`` it fills.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 from basertd.schema.abi import Sampling, Status
 from basertd.worker.engines.base import PlanRejected
+from basertd.worker.engines.llamacpp.cells import Cells
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.pool import CellLedger
 from basertd.worker.engines.llamacpp.prefix_cache import CacheEntry, PrefixCache
@@ -27,6 +29,7 @@ class PoolState(Protocol):
     lanes: dict[int, Lane]
     cache: PrefixCache
     ledger: CellLedger
+    cells: Cells
 
 
 def check_kv(st: PoolState, work: TickWork, admitted: dict[int, AdmitWork], cursor: dict[int, int]) -> None:
@@ -103,3 +106,55 @@ def check_kv(st: PoolState, work: TickWork, admitted: dict[int, AdmitWork], curs
     if need > have:
         raise PlanRejected(Status.NEEDS_REPLAN, f"tick needs {need} KV cells, at most {have} can be freed")
     work.evict = chosen
+
+
+def check_lane_streams(st: PoolState, work: TickWork) -> None:
+    """Per-lane streams (``cells``): the lane streams the plan's admits take against those free
+    once its retires and ``work.evict`` ran, then those that cache entries holding lane streams
+    leave when moved to free ids above the lanes' (``seeds.Seeds.free_lane_streams``), then more
+    entries the shed envelope lets it evict, least recently used first (appended to
+    ``work.evict``, within what ``check_kv`` already spent of it); raises PlanRejected(NEEDS_REPLAN)
+    when that is not enough (ABI rules 50, 51). A publishing retire is counted as leaving an entry
+    in its lane's stream, which it does unless it publishes nothing."""
+    cells = st.cells
+    need = sum(1 for w in work.admits if not w.cert_reject)
+    if not cells.streams or need == 0:
+        return
+    free_lanes, free_ids, held = cells.free_lane_streams, len(cells.free_seqs), 0
+    for tag, publish in work.retires:
+        if tag in st.lanes:
+            if publish:
+                held += 1
+            else:
+                free_lanes += 1
+    evicting = set(map(id, work.evict))
+    for e in st.cache.entries.values():
+        in_lane = cells.lane_stream(e.seq)
+        if id(e) not in evicting:
+            held += in_lane
+        elif in_lane:
+            free_lanes += 1
+        else:
+            free_ids += 1
+    short = need - free_lanes - min(held, free_ids)
+    if short <= 0:
+        return
+    held, free_ids = held - min(held, free_ids), 0
+    pol = work.plan.shed_policy
+    bpt = st.bytes_per_token
+    total = st.ledger.freed_by([(e.seq, 0) for e in st.cache.entries.values()]) * bpt
+    cap = min(pol.max_evict_bytes, max(0, total - pol.protected_quota_bytes))
+    spent = st.ledger.freed_by([(e.seq, 0) for e in work.evict]) * bpt
+    for e in st.cache.eviction_order(pol.evictable_cache_classes):
+        if short <= 0:
+            break
+        cost = st.ledger.exclusive(e.seq) * bpt
+        if id(e) in evicting or spent + cost > cap or held == 0:
+            continue
+        # a lane stream's entry frees its stream; any other frees an id one held entry moves to
+        held -= 1
+        short -= 1
+        spent += cost
+        work.evict.append(e)
+    if short > 0:
+        raise PlanRejected(Status.NEEDS_REPLAN, f"{need} admits, {need - short} lane streams can be freed")

@@ -119,8 +119,9 @@ class Report:
         measured rate curve (``rates.RateCurve.stats``: ``rate_tok_s_b<rows>`` per power-of-two
         llama_decode size), and ``kv_stream_flushes_total`` (one-token ``llama_decode`` calls run
         to perform queued copies between per-lane streams before a state read or load,
-        ``cells.Cells.flush``) and ``kv_stream_moves_total`` (lanes moved down into a free lane
-        stream, ``cells.Cells.move_lane``)."""
+        ``cells.Cells.flush``) and ``kv_stream_moves_total`` (streams moved or swapped so the
+        decoding lanes stay consecutive or an admit gets a lane stream a cache entry held,
+        ``cells.Cells.move_stream`` / ``swap_streams``)."""
         e = self.engine
         out = dict(e.counters)
         out.update(e.rates.stats())

@@ -8,7 +8,12 @@ Leases live ``seed_lease_ticks`` ticks past the tick count at which they were ta
 admit takes it over or its lease goes, which frees it. Sliding-window rules are
 ``prefix_cache.prefix_servable`` / ``window_intact`` over ``Cells.pos_range``.
 
-Publishing when ``cache_sequences`` entries exist first evicts the least recently used unpinned
+Per-lane streams (``cells``): a published entry stays in the lane stream it was computed in, so a
+retire publishes without a copy and the idle lane streams hold the most recent prefixes;
+``free_lane_streams`` moves such entries to free ids above the lanes' when admits need the streams
+(the evictions that make room are the plan's, ``feasibility.check_lane_streams``).
+
+Publishing when ``max_entries`` entries exist first evicts the least recently used unpinned
   entry the plan's shed envelope allows; if none, the retire publishes nothing.
 
 With a host tier (``host_tier.HostTier``, capacity > 0) an evicted entry is first captured into it
@@ -345,15 +350,31 @@ class Seeds:
                 self.cells.free_seq(seq)
                 return False
             self.evict(victim, shed, SHED_REASON_PUBLISH)
-        kept = self.cells.out_of_lane(seq, n)  # per-lane: entries live above the lanes' streams
-        if kept is None:
-            return False
-        seq = kept
         mark = self._last_page_before(prompt_end)
         self.cache.add(seq, toks, digest, taint, mark=mark if mark < n else 0)
         self.host.discard(digest, taint)  # one copy of a prefix, in one tier
         self._evictable_at = None
         return True
+
+    def lane_stream_entries(self) -> list[CacheEntry]:
+        """Per-lane: the entries that hold a lane stream, lowest stream first."""
+        cells = self.cells
+        held = [e for e in self.cache.entries.values() if cells.lane_stream(e.seq)]
+        return sorted(held, key=lambda e: e.seq)
+
+    def free_lane_streams(self, n: int) -> None:
+        """Per-lane: make at least ``n`` lane streams free by moving the entries that hold the
+        lowest ones to free ids above the lanes' (``Cells.move_stream``: one stream copy each, the
+        entry keeps its leases), as far as such ids are free; the plan's validation evicted what
+        had to go (``feasibility.check_lane_streams``)."""
+        cells = self.cells
+        held = self.lane_stream_entries()
+        while cells.free_lane_streams < n and held and cells.free_seqs:
+            e = held.pop(0)
+            dst = cells.take_seq()
+            cells.move_stream(e.seq, dst)
+            e.seq = dst
+            self._evictable_at = None
 
     def _publish_victim(self, policy: ShedPolicy | None) -> CacheEntry | None:
         if policy is None:

@@ -116,14 +116,19 @@ class Tiering:
         """A free sequence id and ``n`` free cells for a restored entry, evicting (demoting) least
         recently used unpinned entries as needed; None when that cannot be done."""
         victims = self.cache.eviction_order(CACHE_CLASS)
-        while victims and (len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n):
+        while victims and not self._has_room(n):
             self._evict(victims.pop(0))
-        if len(self.cache.entries) >= self.cache.max_entries or self.cells.free < n:
+        if not self._has_room(n):
             return None
         try:
-            return self.cells.take_seq()
+            return self.cells.take_entry_seq()
         except EngineError:
             return None
+
+    def _has_room(self, n: int) -> bool:
+        cells = self.cells
+        free_id = bool(cells.free_seqs) or cells.free_lane_streams > 0
+        return len(self.cache.entries) < self.cache.max_entries and cells.free >= n and free_id
 
     def _load(self, h: HostEntry, seq: int) -> str:
         """Load ``h``'s snapshot into the empty ``seq`` after checking it names exactly ``h``'s

@@ -34,7 +34,8 @@ Checks, in order (first failure wins; the ABI rule is in brackets):
    speculating lane's overshoot) that could emit more slots than the emit ring has BOUNDS.
 10. KV: the cells the tick may need against free cells plus what its retires free, then cache
    entries the shed envelope lets it evict (LRU); if that is not enough NEEDS_REPLAN [50-52]
-   (``feasibility.check_kv``).
+   (``feasibility.check_kv``); per-lane, the same for the admits' lane streams
+   (``feasibility.check_lane_streams``).
 
 Admits that no certificate serves (on a strategy slot: ``strategies.Strategies.admit_grant``;
 without one: a required_cert_id, or minimum_exactness above what this engine grants) are not a
@@ -60,7 +61,8 @@ import numpy as np
 from basertd.schema.abi import Exactness, Sampling, ShedKind, Status, TickFlag
 from basertd.schema.tick import LaneAdmit, ShedEntry, TickPlan
 from basertd.worker.engines.base import EngineError, PlanRejected
-from basertd.worker.engines.llamacpp.feasibility import check_kv
+from basertd.worker.engines.llamacpp.cells import Cells
+from basertd.worker.engines.llamacpp.feasibility import check_kv, check_lane_streams
 from basertd.worker.engines.llamacpp.grammar import GrammarSet
 from basertd.worker.engines.llamacpp.lane import Lane
 from basertd.worker.engines.llamacpp.pool import CellLedger
@@ -90,6 +92,7 @@ class EngineState(Protocol):
     rings: EngineRings
     cache: PrefixCache
     ledger: CellLedger
+    cells: Cells
     seeds: Seeds  # a lease's source sequence and its sliding window (``source``, ``window_ok``)
     strategies: Strategies  # registered speculation slots and their certificates
     speculates: bool  # whether lanes may draft at all (``speculation``: not on a pruned window cache)
@@ -268,6 +271,7 @@ def validate_plan(st: EngineState, plan: TickPlan) -> TickWork:
             )
 
     check_kv(st, work, admitted, cursor)
+    check_lane_streams(st, work)
     return work
 
 
