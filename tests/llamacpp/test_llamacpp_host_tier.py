@@ -115,9 +115,13 @@ def test_a_window_model_snapshots_the_prompt_boundary_too(make_engine, tiny_gemm
     assert (entry.length, entry.mark) == (128, 96)
     cold = host_row(coord, 2, a)
     resident = host_row(coord, 3, a, skip=96, seed=eng.seed_acquire(coord.prompt(a), 96, 0))
+    flushes = eng.stats()["kv_stream_flushes_total"]
     evict_all(eng)
     assert sorted(h.length for h in eng.host) == [96, 128]
     assert eng.stats()["host_demotions_total"] == 2
+    # the mark is captured from the evicted entry cut to it, not from a copy (which per-lane
+    # streams would have to flush)
+    assert eng.stats()["kv_stream_flushes_total"] == flushes
     # the prompt sent again seeds at its boundary and prefills its last 4 tokens
     assert match(eng, coord, a) == [(96, Tier.HOST)]
     restored = host_row(coord, 4, a, skip=96, seed=eng.seed_acquire(coord.prompt(a), 96, 0))
@@ -125,6 +129,18 @@ def test_a_window_model_snapshots_the_prompt_boundary_too(make_engine, tiny_gemm
     assert np.abs(restored - resident).max() < RESTORE_NOISE
     assert np.abs(restored - cold).max() <= np.abs(resident - cold).max() + RESTORE_NOISE
     assert eng.stats()["cold_fallbacks_total"] == 0
+
+
+def test_a_boundary_the_tier_holds_is_not_captured_again(make_engine, tiny_gemma3_gguf):
+    eng, coord = make_engine(tiny_gemma3_gguf, host_bytes=4 << 20, swa_full=False, n_ubatch=64)
+    a = make_prompt(44, 100)
+    b = a[:96] + make_prompt(45, 4)  # the same prompt boundary (96), another end
+    decode(coord, 1, a, 40)
+    evict_all(eng)
+    decode(coord, 2, b, 40)
+    evict_all(eng)
+    assert sorted(h.length for h in eng.host) == [96, 128, 128]
+    assert eng.stats()["host_demotions_total"] == 3  # b's boundary was a's: kept once
 
 
 @pytest.mark.kv_layouts("unified")

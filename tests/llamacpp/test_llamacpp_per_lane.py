@@ -205,3 +205,22 @@ def test_admits_take_the_lane_streams_entries_hold_moving_or_evicting_them(make_
     (entry,) = eng.cache.entries.values()
     assert entry.seq == 2 and entry.tokens.tolist() == prompts[2][:32]
     assert [s.kind for s in ev.shed.entries] == [ShedKind.CACHE_EVICTION] and ev.shed.evictions_performed == 1
+
+
+def test_a_retire_publishes_nothing_when_its_stream_is_the_admits_only_room(make_engine):
+    """One lane stream and no other id: a plan that retires the lane with publish_to_cache and
+    admits another is not NEEDS_REPLAN; the retire publishes nothing and the admit gets the
+    stream (a publish is best effort: ABI rule 91)."""
+    eng, coord = make_engine(lanes=1, cache_sequences=0, spare_sequences=0)
+    prefill(coord, 1, make_prompt(31, 40))
+    prompt = make_prompt(32, 20)
+    ev = coord.tick(
+        retires=[LaneRetire(lane_tag=1, publish_to_cache=1)],
+        admits=[admit(2, coord.prompt(prompt), params=ignore_eos())],
+        prefills=[LanePrefill(lane_tag=2, token_offset=0, token_count=20)],
+        decodes=[LaneDecode(lane_tag=2, max_new_tokens=3)],
+        shed_policy=EVICT_NONE,
+    )
+    assert not eng.cache.entries and eng.lanes[2].seq == 0 and 1 not in eng.lanes
+    ref, margins = greedy_ref(eng, prompt, 3)
+    first_divergence(coord.read(ev.emits[0].token_ref), ref, margins, 1e-3)

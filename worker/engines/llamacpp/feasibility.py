@@ -115,7 +115,8 @@ def check_lane_streams(st: PoolState, work: TickWork) -> None:
     entries the shed envelope lets it evict, least recently used first (appended to
     ``work.evict``, within what ``check_kv`` already spent of it); raises PlanRejected(NEEDS_REPLAN)
     when that is not enough (ABI rules 50, 51). A publishing retire is counted as leaving an entry
-    in its lane's stream, which it does unless it publishes nothing."""
+    in its lane's stream, which it does unless it publishes nothing; as a last resort such a
+    retire publishes nothing (``work.retires`` rewritten) and gives its stream to an admit."""
     cells = st.cells
     need = sum(1 for w in work.admits if not w.cert_reject)
     if not cells.streams or need == 0:
@@ -156,5 +157,12 @@ def check_lane_streams(st: PoolState, work: TickWork) -> None:
         short -= 1
         spent += cost
         work.evict.append(e)
+    for i, (tag, publish) in enumerate(work.retires):
+        if short <= 0 or held == 0:
+            break
+        if publish and tag in st.lanes:
+            work.retires[i] = (tag, False)
+            held -= 1
+            short -= 1
     if short > 0:
         raise PlanRejected(Status.NEEDS_REPLAN, f"{need} admits, {need - short} lane streams can be freed")

@@ -149,6 +149,15 @@ class HostTier:
         """Whether an entry of ``digest`` and ``taint`` is kept."""
         return (digest, taint) in self._entries
 
+    def touch(self, digest: bytes, taint: int) -> bool:
+        """Mark the entry of ``digest`` and ``taint`` most recently used; False when none is kept."""
+        entry = self._entries.get((digest, taint))
+        if entry is None:
+            return False
+        self._clock += 1
+        entry.lru = self._clock
+        return True
+
     def fits(self, nbytes: int) -> bool:
         """Whether a blob of ``nbytes`` can be kept at all."""
         return 0 < nbytes <= self.capacity

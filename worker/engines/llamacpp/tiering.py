@@ -170,23 +170,29 @@ class Tiering:
         return True
 
     def demote(self, entry: CacheEntry) -> int:
-        """Capture ``entry`` (resident, about to be evicted) into the host tier at its end and, on
-        a sliding-window model, at its ``mark`` too (``host_tier``); returns the snapshots kept (0
-        when the tier is off, no boundary can seed a lane, or nothing fits)."""
+        """Capture ``entry`` (resident, about to be evicted: its sequence is cut here) into the
+        host tier at its end and, on a sliding-window model, at its ``mark`` too (``host_tier``);
+        returns the snapshots kept (0 when the tier is off, no boundary can seed a lane, or
+        nothing fits). A boundary the tier already holds is only marked recently used. The mark
+        is captured after cutting the sequence to it, which copies nothing (a capture of a shorter
+        prefix of a live sequence goes through the scratch sequence: ``Cells.with_prefix``)."""
         if not self.host.enabled or self.cells.length(entry.seq) != entry.length:
             return 0
         pmin, pmax = self.cells.pos_range(entry.seq)
         ends = [entry.length]
         if self.n_swa > 0 and 0 < entry.mark < entry.length:
-            ends.insert(0, entry.mark)
+            ends.append(entry.mark)
         kept = 0
         for end in ends:
             if not prefix_servable(pmin, pmax, end, self.n_swa):
                 continue
             toks = entry.tokens[:end]
+            digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
+            if self.host.touch(digest, entry.taint):
+                continue
             if self.near_duplicate(toks, entry.taint, besides=entry):
                 continue
-            digest = entry.digest if end == entry.length else prefix_digest(self.model_id, toks)
+            self.cells.truncate(entry.seq, end)
             if self._keep(entry.seq, toks, digest, entry.taint):
                 self.host.demotions_total += 1
                 kept += 1
