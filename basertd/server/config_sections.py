@@ -29,11 +29,12 @@ class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     must not be silently ignored)."""
 
 
-DEFAULT_KV_LAYOUT = "unified"
-"""A llamacpp worker's KV layout when ``[[workers]] kv_layout`` is "" (README "*KV layout*": per-lane
-streams serve the agents' burst faster, but within the same memory they keep two resident
-prefixes, and on a sliding-window model a host-tier snapshot seeds only at its own length, so a
-prompt sharing part of an earlier one goes cold where the unified cache seeds it)."""
+DEFAULT_KV_LAYOUT = "per-lane"
+"""A llamacpp worker's KV layout when ``[[workers]] kv_layout`` is "" (README "*KV layout*"):
+llama-server's layout, which runs the agents' burst and many-lane decode faster within the same
+memory; an idle lane's stream keeps the prefix it computed, so it holds as many resident prefixes as
+the unified cache. "unified" shares a prefix's cells with every lane seeded from it instead of
+copying its stream."""
 
 
 class WorkerConfig(Section):
@@ -52,11 +53,12 @@ class WorkerConfig(Section):
     template shipped with basertd (``basertd.server.transport.http.chat_template``); "" = the
     model's own (GGUF ``tokenizer.chat_template``), or the shipped Gemma template for the default
     model. ``draft_model``: this llamacpp worker's draft GGUF for ``[speculation]`` "draft-model"
-    ("" = ``[speculation] draft_model``). ``kv_layout``: a llamacpp worker's KV cache: "unified"
-    (one cache whose cells every lane and cached prefix share) or "per-lane" (llama-server's
-    layout: a KV stream of ``context_length`` cells per lane and per resident prefix; a query
-    attends to its own stream, a prefix is copied into a lane's stream); "" =
-    ``DEFAULT_KV_LAYOUT`` for a llamacpp worker, nothing for others (README "*KV layout*")."""
+    ("" = ``[speculation] draft_model``). ``kv_layout``: a llamacpp worker's KV cache: "per-lane"
+    (llama-server's layout: a KV stream of ``context_length`` cells per lane, an idle one keeping
+    the prefix it computed, and per extra resident prefix; a query attends to its own stream, a
+    prefix is copied into a lane's stream) or "unified" (one cache whose cells every lane and cached
+    prefix share); "" = ``DEFAULT_KV_LAYOUT`` for a llamacpp worker, nothing for others (README
+    "*KV layout*")."""
 
     engine: Literal["llamacpp", "basert"] = "llamacpp"
     model: str = ""

@@ -30,9 +30,10 @@ def stream_cells(context_length: int) -> int:
 class Sizes:
     """What an engine's arguments come to: ``cache_sequences`` and ``spare_sequences`` (default
     max(4, lanes) and 4 in the unified cache, where a sequence's cells only count when used;
-    max(2, lanes // 4) and 1 per-lane, where each is a whole stream and the host tier keeps the
-    evicted prefixes by their tokens), ``n_seq_max``, ``pool_tokens`` (default lanes *
-    context_length) and ``n_batch`` (at least lanes and n_seq_max)."""
+    max(2, lanes // 4) and 1 per-lane, where each is a whole stream, the idle lanes' streams keep
+    prefixes too and the host tier keeps the evicted ones by their tokens), ``n_seq_max``,
+    ``pool_tokens`` (default lanes * context_length) and ``n_batch`` (at least lanes and
+    n_seq_max)."""
 
     cache_sequences: int
     spare_sequences: int

@@ -98,7 +98,8 @@ class LlamaCppEngine(Engine):
     tick), ``context_length`` tokens per lane (prompt + generated), ``pool_tokens`` KV cells in all
     (default ``lanes * context_length``; published prefixes live in what lanes leave free),
     ``page_size_tokens`` the paging unit of matches and seeds (ABI rule 88), ``cache_sequences``
-    the most published prefixes kept, ``spare_sequences`` bare sequences for restores and forks
+    the most published prefixes kept (per-lane, besides those the idle lanes' streams keep),
+    ``spare_sequences`` bare sequences for restores and forks
     (both defaulted by layout: ``context.Sizes``),
     ``seed_lease_ticks`` the lease TTL (rule 84). ``n_threads`` / ``n_threads_batch`` go to
     llama.cpp (single-token / multi-token batches). ``n_batch`` caps one ``llama_decode``.
