@@ -212,7 +212,8 @@ def bare_reference(model, prompts: list[list[int]], n_new: int) -> list[tuple[li
     from lc_harness import BareLlama
     from llama_cpp import llama_get_memory, llama_memory_clear
 
-    params = dict(n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1, n_threads=1, n_threads_batch=1)
+    n_ctx = max(512, -(-(max(map(len, prompts), default=0) + n_new) // 256) * 256)
+    params = dict(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512, n_seq_max=1, n_threads=1, n_threads_batch=1)
     bare = BareLlama(model, params)
     try:
         out = []

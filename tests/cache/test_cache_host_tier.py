@@ -120,3 +120,33 @@ def test_a_long_prompt_on_a_window_model_comes_back_from_its_prefill_snapshot(ti
             assert w["kv_layout"] == "per-lane" and w["engine_stats"]["kv_stream_flushes_total"] >= 1
         d.wait_idle()
         wait_leases(d, 0)
+
+
+def test_cache_ls_keeps_a_prefix_the_tier_serves_shorter_than_its_entry(tiny_gemma3_gguf):
+    # A long prompt's entry (its prompt and answer) whose demotion only lengthens the prefill
+    # snapshot at its prompt boundary by a page is not captured again (near duplicate). The index
+    # entry the coordinator published is then served only up to that boundary: `cache ls` lists it
+    # as that, in the host tier, and the prompt sent again is still seeded from it.
+    prompt = "the world is a hello of the world and " * 18  # > 512 tokens: a page is 1/32 of it
+    cfg = tiny_toml(tiny_gemma3_gguf, lanes=2, context=1024, grant=4, cache="host_bytes = 33554432")
+    with Daemon(cfg) as d:
+        with d.client() as c:
+            ids = c.tokenize(prompt)
+        mark = (len(ids) - 1) // PAGE * PAGE
+        entry = (len(ids) + N_NEW - 1) // PAGE * PAGE  # its last token's KV is never computed
+        assert mark >= 512 and entry - mark <= entry // 32, (mark, entry)
+        first = generate(d, prompt, "n-0")
+        for i, p in enumerate(OTHERS):
+            generate(d, p, f"n-o-{i}")
+        d.wait_idle()
+        listed = json.loads(d.ctl("--json", "cache", "ls", "--limit", "1000").stdout)
+        mine = [(e["prefix_tokens"], e["tier"]) for e in listed if e["head"] == ids[:8]]
+        assert mine == [(mark, "host")], listed
+        again = generate(d, prompt, "n-1")
+        assert again.usage.cached_tokens == mark
+        (ref,) = bare_reference(tiny_gemma3_gguf, [ids], N_NEW)
+        assert_same_up_to_near_ties(first.ids, ref, "first run")
+        assert_same_up_to_near_ties(again.ids, ref, "seeded from the prefill snapshot")
+        assert stats_row(d)["host_restores"] == 1
+        d.wait_idle()
+        wait_leases(d, 0)

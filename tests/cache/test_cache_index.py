@@ -46,8 +46,12 @@ def test_index_longest_insert_refresh_prune_and_forgetting():
     assert idx.insert(np.array(a[:3]), [], now=3.0) is None  # under a page: nothing
     idx.insert(np.array(b), hb, now=3.0)
     assert idx.longest(hb) == 3 and idx.find(hb, 2) is not None
-    # the engine serves only 2 pages of a: the entries claiming more of a's path are forgotten
+    # the engine serves only 2 pages of a: the entries claiming more of a's path are cut to them
     assert idx.prune(ha, 2) == 1 and idx.longest(ha) == 2 and idx.longest(hb) == 3
+    cut = idx.find(ha, 2)
+    assert cut is not None and cut.length == 8 and cut.last_used == 2.0 and ha[-1] not in idx.entries
+    assert idx.prune(ha, 0) == 2 and idx.longest(ha) == 0  # nothing served: forgotten
+    idx.insert(np.array(b), hb, now=3.0)
     # a third entry beyond max_entries forgets the least recently used unpinned one
     c = [7] * 8
     idx.entries[hb[-1]].pin_id = 5

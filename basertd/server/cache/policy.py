@@ -436,10 +436,13 @@ class WorkerCache:
 
     async def verified_entries(self, proc: WorkerLike) -> list[tuple[IndexEntry, Tier]]:
         """The index, each entry checked against ``space_match`` with the tier that holds it
-        (``Tier.GPU``: the engine's KV pool; ``Tier.HOST``: only its host-memory tier): entries
-        the engine no longer serves in full are forgotten. Most recently used first."""
-        out = []
+        (``Tier.GPU``: the engine's KV pool; ``Tier.HOST``: only its host-memory tier): an entry
+        the engine no longer serves in full is cut to what it serves (``PrefixIndex.prune``;
+        forgotten when that is nothing). Most recently used first."""
+        out: list[tuple[IndexEntry, Tier]] = []
         for e in self.index.by_recency():
+            if any(x is e for x, _ in out):  # already listed as another entry's served part
+                continue
             ref = proc.feed.write(e.tokens)
             try:
                 match = await proc.link.match(ref)
@@ -449,7 +452,11 @@ class WorkerCache:
             if served >= e.length:
                 out.append((e, resident_tier(match, e.length)))
             elif not e.pin_id:
-                self.index.remove(e)
+                pages = served // self.page
+                self.index.prune(e.hashes, pages)
+                cut = self.index.find(e.hashes, pages)
+                if cut is not None and cut.length == served and all(x is not cut for x, _ in out):
+                    out.append((cut, resident_tier(match, served)))
         return out
 
     def stats_row(self, engine: dict[str, int]) -> dict[str, int]:

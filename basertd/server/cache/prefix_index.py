@@ -179,8 +179,10 @@ class PrefixIndex:
         return None
 
     def prune(self, hashes: Sequence[int], pages_ok: int) -> int:
-        """The engine serves only ``pages_ok`` pages of the path ``hashes``: forget the unpinned
-        entries that claim more of it. Returns how many were forgotten."""
+        """The engine serves only ``pages_ok`` pages of the path ``hashes``: the unpinned entries
+        that claim more of it are cut to those pages (forgotten when ``pages_ok`` is 0), keeping
+        their use stamp and hits, so the prefix the engine still serves (a shorter snapshot in its
+        host tier, say) is still hinted. Returns how many entries were cut or forgotten."""
         if pages_ok >= len(hashes):
             return 0
         h = hashes[pages_ok]
@@ -190,6 +192,11 @@ class PrefixIndex:
             if not e.pin_id and len(e.hashes) > pages_ok and e.hashes[pages_ok] == h
         ]
         for e in gone:
+            if pages_ok:  # the served part first, so its pages never leave the index
+                kept = self.insert(e.tokens, e.hashes[:pages_ok], e.last_used)
+                if kept is not None:
+                    kept.last_used = max(kept.last_used, e.last_used)
+                    kept.hits = max(kept.hits, e.hits)
             self.remove(e)
         return len(gone)
 
