@@ -299,9 +299,9 @@ def _verify_cost(stats: dict[str, int]) -> str:
 
 
 def _engine_label(w: dict) -> str:
-    """A worker's engine, with its KV layout when it is not the default unified one."""
-    layout = w.get("kv_layout") or "unified"
-    return w["engine"] if layout == "unified" else f"{w['engine']} ({layout})"
+    """A worker's engine, with its KV layout when it has one (a llamacpp worker's)."""
+    layout = w.get("kv_layout") or ""
+    return f"{w['engine']} ({layout})" if layout else w["engine"]
 
 
 def _workers_table(rows: list[dict]) -> None:

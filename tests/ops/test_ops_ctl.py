@@ -185,3 +185,9 @@ def test_shutdown_verb_drains_then_the_daemon_exits_zero():
         c.close()
         assert d.proc.wait(30) == 0
         d.assert_released()
+
+
+def test_the_workers_table_names_a_llamacpp_workers_kv_layout():
+    assert ctl._engine_label({"engine": "llamacpp", "kv_layout": "per-lane"}) == "llamacpp (per-lane)"
+    assert ctl._engine_label({"engine": "llamacpp", "kv_layout": "unified"}) == "llamacpp (unified)"
+    assert ctl._engine_label({"engine": "basert", "kv_layout": ""}) == "basert"  # it has none
