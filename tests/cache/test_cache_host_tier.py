@@ -150,3 +150,26 @@ def test_cache_ls_keeps_a_prefix_the_tier_serves_shorter_than_its_entry(tiny_gem
         assert stats_row(d)["host_restores"] == 1
         d.wait_idle()
         wait_leases(d, 0)
+
+
+def test_a_prompt_sharing_only_a_first_page_does_not_unlist_a_host_prefix(tiny_gemma3_gguf):
+    # A window model's host snapshot serves only its own length, so the engine serving nothing of
+    # another prompt that shares its first page says nothing about it: the index keeps it, and the
+    # prompt itself sent again is still seeded.
+    prompt = "the world is a hello of the world and " * 10
+    other = prompt[:26] + " fog mud ice" * 30  # its first page only is the prompt's
+    cfg = tiny_toml(tiny_gemma3_gguf, lanes=2, context=512, grant=4, cache="host_bytes = 16777216")
+    with Daemon(cfg) as d:
+        with d.client() as c:
+            ids, oids = c.tokenize(prompt), c.tokenize(other)
+        mark = (len(ids) - 1) // PAGE * PAGE
+        assert ids[:PAGE] == oids[:PAGE] and ids[: 2 * PAGE] != oids[: 2 * PAGE]
+        generate(d, prompt, "s-0")
+        for i, p in enumerate(OTHERS):
+            generate(d, p, f"s-o-{i}")
+        assert generate(d, other, "s-other").usage.cached_tokens == 0
+        listed = json.loads(d.ctl("--json", "cache", "ls", "--limit", "1000").stdout)
+        assert any(e["head"] == ids[:8] and e["tier"] == "host" for e in listed), listed
+        assert generate(d, prompt, "s-1").usage.cached_tokens == mark
+        d.wait_idle()
+        wait_leases(d, 0)

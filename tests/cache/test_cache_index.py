@@ -50,8 +50,9 @@ def test_index_longest_insert_refresh_prune_and_forgetting():
     assert idx.prune(ha, 2) == 1 and idx.longest(ha) == 2 and idx.longest(hb) == 3
     cut = idx.find(ha, 2)
     assert cut is not None and cut.length == 8 and cut.last_used == 2.0 and ha[-1] not in idx.entries
-    assert idx.prune(ha, 0) == 2 and idx.longest(ha) == 0  # nothing served: forgotten
-    idx.insert(np.array(b), hb, now=3.0)
+    assert idx.prune(ha, 0) == 1 and list(idx.entries) == [hb[-1]]  # nothing served: forgotten
+    assert idx.longest(hb) == 3  # b leaves a's path: the engine said nothing about it
+    assert idx.prune(ha[:1], 0) == 0 and idx.longest(hb) == 3  # nor about what goes on past it
     # a third entry beyond max_entries forgets the least recently used unpinned one
     c = [7] * 8
     idx.entries[hb[-1]].pin_id = 5

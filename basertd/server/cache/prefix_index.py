@@ -180,16 +180,22 @@ class PrefixIndex:
 
     def prune(self, hashes: Sequence[int], pages_ok: int) -> int:
         """The engine serves only ``pages_ok`` pages of the path ``hashes``: the unpinned entries
-        that claim more of it are cut to those pages (forgotten when ``pages_ok`` is 0), keeping
-        their use stamp and hits, so the prefix the engine still serves (a shorter snapshot in its
-        host tier, say) is still hinted. Returns how many entries were cut or forgotten."""
+        whose whole path lies on it and is longer are cut to those pages (forgotten when
+        ``pages_ok`` is 0), keeping their use stamp and hits, so the prefix the engine still serves
+        (a shorter snapshot in its host tier, say) is still hinted. An entry that goes on past the
+        path or leaves it is kept: a sliding-window model's host snapshot serves only at its own
+        length, so the engine not serving a shorter prefix of it says nothing about it. Returns how
+        many entries were cut or forgotten."""
         if pages_ok >= len(hashes):
             return 0
         h = hashes[pages_ok]
         gone = [
             e
             for e in self.entries.values()
-            if not e.pin_id and len(e.hashes) > pages_ok and e.hashes[pages_ok] == h
+            if not e.pin_id
+            and pages_ok < len(e.hashes) <= len(hashes)
+            and e.hashes[pages_ok] == h
+            and e.hashes[-1] == hashes[len(e.hashes) - 1]
         ]
         for e in gone:
             if pages_ok:  # the served part first, so its pages never leave the index
