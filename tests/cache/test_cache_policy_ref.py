@@ -170,3 +170,7 @@ def test_pinned_prefixes_survive_eviction_under_pool_pressure():
         with d.client() as c, pytest.raises(ClientError) as gone:
             c.request(control.CacheUnpin(pin_id=pin["pin_id"]))
         assert gone.value.code == ErrorCode.NOT_FOUND
+        # a prefix no lane could hold with a token to generate is refused up front, nothing pinned
+        r = d.ctl("--json", "cache", "pin", "--tokens", ",".join(["5"] * 256))
+        assert r.returncode == 1 and "invalid_request" in r.stderr and "at most 240" in r.stderr, r.stderr
+        assert json.loads(d.ctl("--json", "cache", "stats").stdout)[0]["pinned_entries"] == 0

@@ -188,6 +188,8 @@ class WorkerCache:
         self.bytes_per_token = 0
         self.block_bytes = 0
         self.lease_ticks = 8
+        self.context_length = 0
+        """Tokens per lane of the current incarnation (0 until the first handshake)."""
         self.observer: IndexObserver | None = None
         self.index = PrefixIndex(self.page, config.index_entries)
         self.pins: dict[int, PinHold] = {}
@@ -210,6 +212,7 @@ class WorkerCache:
         self.bytes_per_token = sum(int(s.bytes_per_token) for s in paged)
         self.block_bytes = self.bytes_per_token * self.page
         self.lease_ticks = int(caps.seed_lease_ticks)
+        self.context_length = int(caps.context_length)
         extra = getattr(caps, "extra", None) or {}
         capacity = int(extra.get("host_bytes", "0") or 0)
         self.host = HostTierCounts(capacity_bytes=capacity) if "host_bytes" in extra else None

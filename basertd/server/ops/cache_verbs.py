@@ -140,7 +140,8 @@ class PolicyCacheControl:
     async def pin(self, tokens_by_worker: dict[int, list[int]]) -> control.CachePinResult:
         """Pin each worker's prefix (its whole pages): warm it with an internal one-token request
         when it is not cached, then hold it with a renewed lease. Raises ``ControlError``
-        INVALID_REQUEST (cache disabled, shorter than a page), WORKER_FAILED, TIMEOUT."""
+        INVALID_REQUEST (cache disabled, shorter than a page, more whole pages than a lane's
+        context leaves room for beside one generated token), WORKER_FAILED, TIMEOUT."""
         by_id = {w.worker_id: w for w in self.workers}
         pin_id = self._next_pin
         record = PinRecord(pin_id)
@@ -156,6 +157,13 @@ class PolicyCacheControl:
                 raise ControlError(
                     ErrorCode.INVALID_REQUEST,
                     f"the prefix is {len(tokens)} tokens; pins hold whole pages of {wc.page} tokens",
+                )
+            most = ((wc.context_length - 1) // wc.page) * wc.page  # a seed leaves a token to generate
+            if wc.context_length and n > most:
+                raise ControlError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"the prefix is {n} tokens in whole pages; worker {wid}'s lanes hold"
+                    f" {wc.context_length} tokens with the one they generate, so a pin holds at most {most}",
                 )
             arr = np.array(tokens[:n], dtype=np.uint32)
             hold = PinHold(pin_id, arr, page_hashes(arr, wc.page))
