@@ -174,3 +174,10 @@ def test_pinned_prefixes_survive_eviction_under_pool_pressure():
         r = d.ctl("--json", "cache", "pin", "--tokens", ",".join(["5"] * 256))
         assert r.returncode == 1 and "invalid_request" in r.stderr and "at most 240" in r.stderr, r.stderr
         assert json.loads(d.ctl("--json", "cache", "stats").stdout)[0]["pinned_entries"] == 0
+        # the same prefix pinned twice: dropping the later pin leaves the row marked by the earlier
+        pins = [d.ctl("--json", "cache", "pin", "--text", pinned_text) for _ in "ab"]
+        a, b = (json.loads(r.stdout)["pin_id"] for r in pins)
+        assert d.ctl("cache", "unpin", str(b)).returncode == 0
+        rows = [e for e in json.loads(d.ctl("--json", "cache", "ls").stdout) if e["pin_id"]]
+        assert [e["pin_id"] for e in rows] == [a], rows
+        assert d.ctl("cache", "unpin", str(a)).returncode == 0

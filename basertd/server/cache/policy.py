@@ -397,7 +397,9 @@ class WorkerCache:
         return lost
 
     async def drop_pin(self, proc: WorkerLike | None, pin_id: int) -> bool:
-        """Forget pin ``pin_id`` here and release its lease; False when it is not pinned here."""
+        """Forget pin ``pin_id`` here and release its lease; False when it is not pinned here. An
+        index entry it marked goes to another pin of the same prefix if one is left (an entry names
+        one pin), else it is unpinned."""
         pin = self.pins.pop(pin_id, None)
         if pin is None:
             return False
@@ -405,7 +407,8 @@ class WorkerCache:
             await self.release(proc, pin.handle)
         for e in self.index.entries.values():
             if e.pin_id == pin_id:
-                e.pin_id = 0
+                same = [p.pin_id for p in self.pins.values() if p.hashes == e.hashes]
+                e.pin_id = max(same, default=0)
         return True
 
     # --- eviction ------------------------------------------------------------------------------
