@@ -69,7 +69,8 @@ class YieldReason(IntEnum):
     """A streaming lane would otherwise wait past its inter-token latency bound."""
     ADMIT = 5
     """A request a free lane could take waits while the tick in flight runs decode rounds past
-    ``decode_grant`` (``[scheduler] decode_tick_s``: a fast engine's long ticks)."""
+    ``decode_grant`` (``[scheduler] decode_tick_s``: a fast engine's long ticks) or prefills past
+    ``prefill_budget`` (``long_prefill_budget``: a long tick)."""
 
 
 class ControlBlock:

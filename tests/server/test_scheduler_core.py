@@ -679,3 +679,26 @@ def test_on_a_yielding_engine_a_long_interactive_prompt_prefills_whole_in_its_ad
     other.submit(req2)
     plan2, _ = launch(other)
     assert plan2.draft.prefills[0][2] < 900
+
+
+def test_a_batch_arrival_cuts_a_long_prefill_tick_while_a_lane_is_free():
+    """A tick that prefills past ``prefill_budget`` (the long budget: nothing urgent waited) runs
+    for seconds; a batch request a free lane could take asks it to end (ADMIT, at a step boundary)
+    instead of waiting that out. A short tick, or every lane busy, and it waits."""
+    core = make_core(lanes=2, prefill_budget=64, long_prefill_budget=512)
+    core.can_yield = True
+    first, _ = make_req("the first prompt is long " * 20, max_tokens=8, qos="batch")
+    core.submit(first)
+    plan, _ = launch(core)
+    assert plan.draft.prefill_tokens > 64
+    assert core.submit(make_req("second", qos="batch")[0]) is YieldReason.ADMIT
+    short = make_core(lanes=2, prefill_budget=512)
+    short.can_yield = True
+    short.submit(make_req("a short one", qos="batch")[0])
+    launch(short)
+    assert short.submit(make_req("second", qos="batch")[0]) is None
+    full = make_core(lanes=1, prefill_budget=64, long_prefill_budget=512)
+    full.can_yield = True
+    full.submit(make_req("the first prompt is long " * 20, qos="batch")[0])
+    launch(full)
+    assert full.submit(make_req("second", qos="batch")[0]) is None  # no lane to take it

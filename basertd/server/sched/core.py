@@ -113,7 +113,8 @@ class SchedulerCore(SchedulerState):
     def submit(self, req: GenerationRequest) -> YieldReason | None:
         """Queue an admitted request (``check_admission`` passed). Returns URGENT_ADMIT when the
         tick in flight must yield for it (``outranks_flight``), ADMIT when a free lane could take
-        it and that tick was lengthened past ``decode_grant`` (``lengthened_flight``), else None;
+        it and that tick was lengthened past ``decode_grant`` (``lengthened_flight``) or prefills
+        past ``prefill_budget`` (``long_flight``), else None;
         an urgent one that arrives while a plan is being made is remembered for
         ``urgent_missed``."""
         req.worker_id = self.worker_id
@@ -121,7 +122,7 @@ class SchedulerCore(SchedulerState):
         req.tick_in_flight_at_arrival = self.flight is not None
         self.queues.push(req)
         if not self.outranks_flight(req):
-            return YieldReason.ADMIT if self.lengthened_flight() else None
+            return YieldReason.ADMIT if self.lengthened_flight() or self.long_flight() else None
         if self.flight is not None:
             return YieldReason.URGENT_ADMIT
         self.urgent_arrivals.append(req)
@@ -371,6 +372,18 @@ class SchedulerCore(SchedulerState):
         would otherwise wait out rounds that only the coordinator's cost between ticks asked for."""
         flight = self.flight
         return flight is not None and flight.draft.lengthened and len(self.lanes) < self.limits.max_lanes
+
+    def long_flight(self) -> bool:
+        """Whether the tick in flight prefills more than ``prefill_budget`` tokens (a long tick:
+        ``long_prefill_budget``, taken when nothing urgent waited) while a lane is free: a request
+        of any class arriving then would otherwise wait out seconds of another prompt's prefill
+        with that lane idle; the tick ends at its next step boundary instead (no KV is lost)."""
+        flight = self.flight
+        return (
+            flight is not None
+            and flight.draft.prefill_tokens > self.config.prefill_budget
+            and len(self.lanes) < self.limits.max_lanes
+        )
 
     def urgent_missed(self) -> bool:
         """Whether an urgent request arrived while the plan about to be sent was made and the plan
