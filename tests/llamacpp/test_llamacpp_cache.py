@@ -324,3 +324,28 @@ def test_match_withholds_prefixes_whose_window_is_gone(swa):
     with pytest.raises(EngineError) as ex:
         eng.seed_acquire(coord.prompt(span), 48, 0)
     assert ex.value.status == Status.ERR_SEED_UNSERVABLE
+
+
+@pytest.mark.kv_layouts("unified")  # per-lane, a full cache leaves no lane to retire
+def test_an_entry_a_retires_publish_evicted_is_not_evicted_again_for_the_ticks_kv(make_engine):
+    # The cache is full (2 entries) and the pool short: the plan's KV check picks the least
+    # recently used entry to evict, and the retire's publish, run first, evicts that same entry to
+    # make room. It goes once: one shed entry, its sequence id freed once.
+    eng, coord = make_engine(lanes=2, cache_sequences=2, pool_tokens=128)
+    for t in (1, 2):
+        publish(coord, t, make_prompt(60 + t, 32))
+    held = make_prompt(63, 40)
+    coord.tick(
+        admits=[admit(3, coord.prompt(held))],
+        prefills=[LanePrefill(lane_tag=3, token_offset=0, token_count=40)],
+    )
+    ev = coord.tick(
+        retires=[LaneRetire(lane_tag=3, publish_to_cache=1)],
+        admits=[admit(4, coord.prompt(make_prompt(64, 40)))],
+        prefills=[LanePrefill(lane_tag=4, token_offset=0, token_count=40)],
+        shed_policy=EVICT_ALL,
+    )
+    assert [s.kind for s in ev.shed.entries] == [ShedKind.CACHE_EVICTION], ev.shed.entries
+    assert eng.stats()["evictions_total"] == 1 and len(eng.cache.entries) == 2
+    free = eng.cells.free_seqs
+    assert len(free) == len(set(free)), free

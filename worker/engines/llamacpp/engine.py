@@ -295,8 +295,9 @@ class LlamaCppEngine(Engine):
         tick.retire(work)
         if self.hooks is not None:
             self.hooks.apply(tick)
-        for e in work.evict:
-            self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
+        for e in work.evict:  # a retire's publish may have evicted one already (its victim)
+            if self.cache.entries.get(e.entry_id) is e:
+                self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
         tick.commit(work)
         if self.cells.streams:
             self.seeds.free_lane_streams(sum(1 for w in work.admits if not w.cert_reject))
