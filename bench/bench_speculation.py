@@ -171,6 +171,8 @@ def main() -> int:
     ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the layers run")
     ap.add_argument("--model", default="", help="a GGUF (default: the default model)")
+    ap.add_argument("--kv-layout", default=None, choices=["unified", "per-lane"],
+                    help="basertd's KV layout ([[workers]] kv_layout; default: the daemon's)")  # fmt: skip
     a = ap.parse_args()
     model = a.model or str(default_model_path())
     gpu = a.device == "cuda"
@@ -185,7 +187,12 @@ def main() -> int:
     batch: dict[str, float] = {}
     lanes = max(2, a.streams)
     workers = workers_toml(
-        model=model, threads=a.threads, lanes=lanes, context_length=4096, device="cuda:0" if gpu else None
+        model=model,
+        threads=a.threads,
+        lanes=lanes,
+        context_length=4096,
+        device="cuda:0" if gpu else None,
+        kv_layout=a.kv_layout,
     )
     with BenchDaemon(workers, extra=spec, http=True, prefix="brt-spec-") as d:
         assert d.url is not None
