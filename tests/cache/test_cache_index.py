@@ -159,3 +159,12 @@ def test_a_lane_retiring_with_publish_leads_every_class_for_one_plan():
     retiring = PrefillingLane(9, page_hashes(SHARED, PAGE), 20, 20, can_lead=True, rank=2, retiring=True)
     out = coalesce([q(1, [*SHARED, 1], rank=0)], [retiring], PAGE, 8)
     assert out.blocked == {1}
+
+
+def test_cutting_an_entry_to_a_held_one_never_makes_that_one_look_older():
+    idx = PrefixIndex(PAGE)
+    a = list(range(12))
+    ha = page_hashes(a, PAGE)
+    held = idx.insert(np.array(a[:8]), ha[:2], now=9.0)
+    idx.insert(np.array(a), ha, now=1.5)
+    assert idx.prune(ha, 2) == 1 and list(idx.entries.values()) == [held] and held.last_used == 9.0

@@ -446,8 +446,9 @@ class WorkerCache:
         the engine no longer serves in full is cut to what it serves (``PrefixIndex.prune``;
         forgotten when that is nothing). Most recently used first."""
         out: list[tuple[IndexEntry, Tier]] = []
+        listed: set[int] = set()  # ids of the entries in ``out`` (a cut one may come up again)
         for e in self.index.by_recency():
-            if any(x is e for x, _ in out):  # already listed as another entry's served part
+            if id(e) in listed:
                 continue
             ref = proc.feed.write(e.tokens)
             try:
@@ -457,12 +458,14 @@ class WorkerCache:
             served = best_candidate(match, e.length, self.page)
             if served >= e.length:
                 out.append((e, resident_tier(match, e.length)))
+                listed.add(id(e))
             elif not e.pin_id:
                 pages = served // self.page
                 self.index.prune(e.hashes, pages)
                 cut = self.index.find(e.hashes, pages)
-                if cut is not None and cut.length == served and all(x is not cut for x, _ in out):
+                if cut is not None and cut.length == served and id(cut) not in listed:
                     out.append((cut, resident_tier(match, served)))
+                    listed.add(id(cut))
         return out
 
     def stats_row(self, engine: dict[str, int]) -> dict[str, int]:

@@ -199,7 +199,8 @@ class PrefixIndex:
         ]
         for e in gone:
             if pages_ok:  # the served part first, so its pages never leave the index
-                kept = self.insert(e.tokens, e.hashes[:pages_ok], e.last_used)
+                held = self.entries.get(e.hashes[pages_ok - 1])
+                kept = held or self.insert(e.tokens, e.hashes[:pages_ok], e.last_used)
                 if kept is not None:
                     kept.last_used = max(kept.last_used, e.last_used)
                     kept.hits = max(kept.hits, e.hits)

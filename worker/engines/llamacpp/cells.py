@@ -18,7 +18,7 @@ puts their rows in one ubatch (its per-stream split only groups consecutive ids)
 the scratch take the ids above. A cache entry stays in the stream its lane computed it in (a retired
 lane's stream is kept as the entry, as llama-server keeps an idle slot's KV), or takes an id above the
 lanes' (a restore: ``take_entry_seq``); a lane stream an entry holds is handed back to the lanes by
-moving the entry to a free id above them (``move_stream``, ``seeds.Seeds.free_lane_streams``). A
+moving the entry to a free id above them (``move_stream``, ``seeds.Seeds.vacate_lane_streams``). A
 copy between streams cannot share cells: it copies
 the whole source stream and drops the destination's tail (``llama_memory_seq_cp(src, dst, -1, -1)``
 then ``seq_rm``; a partial cross-stream copy is a hard abort in llama.cpp), and llama.cpp performs the
@@ -94,6 +94,11 @@ class Cells:
         if not self.free_lane_seqs:
             raise EngineError(Status.EBUSY, "no free lane stream")
         return heapq.heappop(self.free_lane_seqs)
+
+    @property
+    def entry_seq_free(self) -> bool:
+        """Whether ``take_entry_seq`` has an id to give."""
+        return bool(self.free_seqs or self.free_lane_seqs)
 
     def take_entry_seq(self) -> int:
         """A free sequence id for a restored cache entry: ``take_seq``'s, else (per-lane) the

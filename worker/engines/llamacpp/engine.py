@@ -295,12 +295,11 @@ class LlamaCppEngine(Engine):
         tick.retire(work)
         if self.hooks is not None:
             self.hooks.apply(tick)
-        for e in work.evict:  # a retire's publish may have evicted one already (its victim)
-            if self.cache.entries.get(e.entry_id) is e:
-                self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
+        for e in work.evict:
+            self.seeds.evict(e, ev.shed, SHED_REASON_POOL)
         tick.commit(work)
         if self.cells.streams:
-            self.seeds.free_lane_streams(sum(1 for w in work.admits if not w.cert_reject))
+            self.seeds.vacate_lane_streams(sum(1 for w in work.admits if not w.cert_reject))
         admit(tick, work)
         if self.cells.streams:
             self._compact_lanes(work)
@@ -335,6 +334,8 @@ class LlamaCppEngine(Engine):
         movable = [ln for ln in self.lanes.values() if ln.handle not in self.locked]
         decodes = [ln.tag in tags and ln.prefilled >= ln.prefill_end for ln in movable]
         high = sorted((ln for ln, d in zip(movable, decodes, strict=True) if d), key=lambda ln: -ln.seq)
+        if not high:
+            return
         idle: list[Lane | CacheEntry] = [ln for ln, d in zip(movable, decodes, strict=True) if not d]
         idle += self.seeds.lane_stream_entries()
         low = sorted(idle, key=lambda x: x.seq)

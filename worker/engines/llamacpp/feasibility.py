@@ -111,7 +111,7 @@ def check_kv(st: PoolState, work: TickWork, admitted: dict[int, AdmitWork], curs
 def check_lane_streams(st: PoolState, work: TickWork) -> None:
     """Per-lane streams (``cells``): the lane streams the plan's admits take against those free
     once its retires and ``work.evict`` ran, then those that cache entries holding lane streams
-    leave when moved to free ids above the lanes' (``seeds.Seeds.free_lane_streams``), then more
+    leave when moved to free ids above the lanes' (``seeds.Seeds.vacate_lane_streams``), then more
     entries the shed envelope lets it evict, least recently used first (appended to
     ``work.evict``, within what ``check_kv`` already spent of it); raises PlanRejected(NEEDS_REPLAN)
     when that is not enough (ABI rules 50, 51). A publishing retire is counted as leaving an entry

@@ -10,7 +10,7 @@ admit takes it over or its lease goes, which frees it. Sliding-window rules are
 
 Per-lane streams (``cells``): a published entry stays in the lane stream it was computed in, so a
 retire publishes without a copy and the idle lane streams hold the most recent prefixes;
-``free_lane_streams`` moves such entries to free ids above the lanes' when admits need the streams
+``vacate_lane_streams`` moves such entries to free ids above the lanes' when admits need the streams
 (the evictions that make room are the plan's, ``feasibility.check_lane_streams``).
 
 Publishing when ``max_entries`` entries exist first evicts the least recently used unpinned
@@ -362,7 +362,7 @@ class Seeds:
         held = [e for e in self.cache.entries.values() if cells.lane_stream(e.seq)]
         return sorted(held, key=lambda e: e.seq)
 
-    def free_lane_streams(self, n: int) -> None:
+    def vacate_lane_streams(self, n: int) -> None:
         """Per-lane: make at least ``n`` lane streams free by moving the entries that hold the
         lowest ones to free ids above the lanes' (``Cells.move_stream``: one stream copy each, the
         entry keeps its leases), as far as such ids are free; the plan's validation evicted what
@@ -393,7 +393,10 @@ class Seeds:
     def evict(self, entry: CacheEntry, shed: ShedReport | None, reason: int, demote: bool = True) -> int:
         """Drop a cache entry from the pool (captured into the host tier first when ``demote`` and
         the tier takes it); returns the pool bytes freed and, inside a tick (``shed``), reports a
-        CACHE_EVICTION shed entry (ABI rule 58)."""
+        CACHE_EVICTION shed entry (ABI rule 58). An entry no longer cached (a tick's planned
+        eviction whose entry the tick's publishing retire already evicted) frees nothing: 0."""
+        if self.cache.entries.get(entry.entry_id) is not entry:
+            return 0
         freed = self.cells.ledger.exclusive(entry.seq) * self.bytes_per_token
         if demote:
             self.tiering.demote(entry)

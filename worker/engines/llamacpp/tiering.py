@@ -127,8 +127,7 @@ class Tiering:
 
     def _has_room(self, n: int) -> bool:
         cells = self.cells
-        free_id = bool(cells.free_seqs) or cells.free_lane_streams > 0
-        return len(self.cache.entries) < self.cache.max_entries and cells.free >= n and free_id
+        return len(self.cache.entries) < self.cache.max_entries and cells.free >= n and cells.entry_seq_free
 
     def _load(self, h: HostEntry, seq: int) -> str:
         """Load ``h``'s snapshot into the empty ``seq`` after checking it names exactly ``h``'s
