@@ -39,7 +39,7 @@ lint: $(VENV)/.stamp-native
 	$(VENV)/bin/ruff format --check .
 	@# import-linter scans one directory tree, so check the package as it is laid out when installed.
 	rm -rf build/lint && $(PY) setup.py --quiet build_py --build-lib build/lint >/dev/null
-	cd build/lint && ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
+	cd build/lint && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 
 test: lint bytecode
 	$(VENV)/bin/pytest -q --durations=15
